@@ -1,0 +1,1 @@
+"""Subcommands of the `kvfleet` CLI, one module per area (see kvfleet.cli)."""

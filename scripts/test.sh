@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: set-up, static checks, then unit, integration and
+# end-to-end tests (the e2e tier builds or reuses the cached Kubernetes binaries).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+export PATH="$PWD/.venv/bin:$PATH"
+echo "== ruff"; ruff check kvfleet tests e2e bench
+echo "== mypy"; mypy
+echo "== import-linter"; lint-imports
+echo "== pytest"
+set +e
+pytest "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected nothing: that is a failure of the suite, not a pass.
+exit $rc
