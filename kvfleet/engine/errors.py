@@ -1,0 +1,45 @@
+"""Typed errors of the inference engine.
+
+Every error a caller of the engine can see is one of these, and its message says what was
+wrong, where (the file, or the request field), and what to do about it.
+
+    KvfleetEngineError                 base of everything the engine raises on purpose
+    ├── ModelLoadError                 a model file/dir cannot be used (missing, corrupt, ...)
+    │   └── UnsupportedModelError      readable, but an architecture/tensor type we do not run
+    └── InvalidRequestError            a request field is invalid (`.field` names it)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class KvfleetEngineError(Exception):
+    """Base class of all errors the engine raises deliberately."""
+
+
+class ModelLoadError(KvfleetEngineError):
+    """The model at `path` cannot be loaded; the message says why and what to do."""
+
+    def __init__(self, path: str | Path, problem: str, remedy: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        self.remedy = remedy
+        super().__init__(f"cannot load model {self.path!r}: {problem}. {remedy}")
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The file is well-formed but describes something this engine does not run."""
+
+
+class InvalidRequestError(KvfleetEngineError):
+    """A request is invalid; `field` is the request field at fault (e.g. `sampling.top_p`)."""
+
+    def __init__(self, field: str, problem: str, remedy: str = "") -> None:
+        self.field = field
+        self.problem = problem
+        self.remedy = remedy
+        message = f"invalid request field {field!r}: {problem}"
+        if remedy:
+            message += f". {remedy}"
+        super().__init__(message)
