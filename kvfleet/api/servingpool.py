@@ -1,0 +1,228 @@
+"""ServingPool: N replicas of the engine serving one ModelArtifact on one GPU product."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import ClassVar, Literal
+
+from pydantic import ConfigDict, Field
+
+from kvfleet.api.meta import (
+    DNS_LABEL_PATTERN,
+    QUANTITY_PATTERN,
+    SHA256_PATTERN,
+    Condition,
+    CRDNames,
+    KubeModel,
+    ObjectMeta,
+    PrinterColumn,
+    age_column,
+    cel,
+    conditions_field,
+    ready_column,
+)
+
+
+class ArtifactRef(KubeModel):
+    """A ModelArtifact in the same namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="ModelArtifact name.")
+
+
+class GPU(KubeModel):
+    """The GPUs of one replica."""
+
+    product: str = Field(
+        min_length=1,
+        max_length=128,
+        description="GPU product as labelled on nodes (nvidia.com/gpu.product), e.g. NVIDIA-L4.",
+    )
+    count: int = Field(
+        default=1, ge=1, le=16, description="GPUs per replica; the tensor-parallel degree."
+    )
+    memory: str | None = Field(
+        default=None,
+        pattern=QUANTITY_PATTERN,
+        description="Memory of one GPU (e.g. 24Gi); defaults to the product's in the matrix.",
+    )
+
+
+class PrefixCacheScope(StrEnum):
+    TENANT = "tenant"
+    SHARED = "shared"
+
+
+class PrefixCache(KubeModel):
+    """Prefix caching of full KV blocks."""
+
+    enabled: bool = Field(default=True, description="Reuse KV blocks of identical prefixes.")
+    scope: PrefixCacheScope = Field(
+        default=PrefixCacheScope.TENANT,
+        description="tenant: hits only within a tenant; shared: across tenants whose "
+        "TenantQuota allows shared caching.",
+    )
+
+
+class KVCacheDType(StrEnum):
+    AUTO = "auto"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FP8 = "fp8"
+
+
+class EngineSettings(KubeModel):
+    """Settings of the bundled engine in every replica."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.chunkedPrefillSize) || self.chunkedPrefillSize <= "
+                    "self.maxBatchedTokens",
+                    "chunkedPrefillSize must not exceed maxBatchedTokens",
+                ),
+            ]
+        }
+    )
+
+    block_size: Literal[8, 16, 32] = Field(default=16, description="Tokens per KV block.")
+    max_batched_tokens: int = Field(
+        default=8192, ge=16, le=1048576, description="Token budget of one scheduler step."
+    )
+    max_running_requests: int = Field(
+        default=256, ge=1, le=65536, description="Requests decoding concurrently."
+    )
+    chunked_prefill_size: int | None = Field(
+        default=None, ge=16, description="Longest prefill chunk per step (unset: no limit)."
+    )
+    max_model_length: int | None = Field(
+        default=None,
+        ge=1,
+        description="Longest sequence (prompt + output) admitted; defaults to the artifact's "
+        "max context. The capacity plan reserves KV for at least one such sequence.",
+    )
+    kv_cache_dtype: KVCacheDType = Field(
+        default=KVCacheDType.AUTO, description="KV cache dtype; auto = the model's compute dtype."
+    )
+    prefix_cache: PrefixCache = Field(
+        default_factory=PrefixCache,
+        description="Prefix caching.",
+        json_schema_extra={"default": {}},
+    )
+    workspace: str = Field(
+        default="2Gi",
+        pattern=QUANTITY_PATTERN,
+        description="GPU memory per rank for activations, CUDA graphs and kernels' scratch.",
+    )
+    safety_margin: str = Field(
+        default="1Gi",
+        pattern=QUANTITY_PATTERN,
+        description="GPU memory per rank held back (driver, fragmentation).",
+    )
+
+
+class SLOs(KubeModel):
+    """Service level objectives the rollout analysis and the autoscaler hold the pool to."""
+
+    ttft_p95_seconds: float | None = Field(
+        default=None, gt=0, description="95th percentile time to first token."
+    )
+    tpot_p95_seconds: float | None = Field(
+        default=None, gt=0, description="95th percentile time per output token (N>1 tokens)."
+    )
+    error_rate: float | None = Field(
+        default=None, ge=0, le=1, description="Largest tolerated fraction of failed requests."
+    )
+
+
+class Reserves(KubeModel):
+    """Replicas kept beyond what the load needs."""
+
+    failover: int = Field(default=0, ge=0, description="Spare replicas for node/GPU failure.")
+    deployment: int = Field(default=0, ge=0, description="Surge replicas during rollouts.")
+    burst: int = Field(default=0, ge=0, description="Replicas for traffic bursts.")
+
+
+class DataClass(StrEnum):
+    PUBLIC = "public"
+    INTERNAL = "internal"
+    CONFIDENTIAL = "confidential"
+    RESTRICTED = "restricted"
+
+
+class ServingPoolSpec(KubeModel):
+    """Desired state of the pool."""
+
+    artifact_ref: ArtifactRef = Field(description="The ModelArtifact served.")
+    replicas: int = Field(default=1, ge=0, le=10000, description="Engine replicas.")
+    gpu: GPU = Field(description="GPUs per replica.")
+    engine: EngineSettings = Field(
+        default_factory=EngineSettings,
+        description="Engine settings.",
+        json_schema_extra={"default": {}},
+    )
+    slos: SLOs | None = Field(default=None, description="Service level objectives.")
+    reserves: Reserves = Field(
+        default_factory=Reserves, description="Reserve replicas.", json_schema_extra={"default": {}}
+    )
+    region: str | None = Field(
+        default=None, pattern=DNS_LABEL_PATTERN, max_length=63, description="Region (zone set)."
+    )
+    data_class: DataClass = Field(
+        default=DataClass.INTERNAL, description="Most sensitive data the pool may process."
+    )
+
+
+class PoolCapacity(KubeModel):
+    """What the capacity planner computed for one replica."""
+
+    kv_tokens_per_replica: int | None = Field(
+        default=None, ge=0, description="Tokens of KV cache one replica holds (whole blocks)."
+    )
+    candidate_concurrency: int | None = Field(
+        default=None, ge=0, description="Concurrent max-length sequences one replica fits."
+    )
+
+
+class ServingPoolStatus(KubeModel):
+    """Observed state of the pool."""
+
+    replicas: int = Field(default=0, ge=0, description="Replicas created.")
+    ready_replicas: int = Field(default=0, ge=0, description="Replicas passing readiness.")
+    capacity: PoolCapacity | None = Field(default=None, description="Planned capacity.")
+    serving_revision: str | None = Field(
+        default=None,
+        pattern=SHA256_PATTERN,
+        description="Manifest hash of the artifact the replicas serve.",
+    )
+    observed_generation: int | None = Field(default=None, ge=0, description="Generation seen.")
+    conditions: list[Condition] = conditions_field()
+
+
+class ServingPool(KubeModel):
+    """A ServingPool object."""
+
+    crd: ClassVar[CRDNames] = CRDNames(
+        plural="servingpools",
+        short_names=("sp", "pool"),
+        scale=True,
+        printer_columns=(
+            PrinterColumn("Artifact", ".spec.artifactRef.name"),
+            PrinterColumn("GPU", ".spec.gpu.product"),
+            PrinterColumn("Desired", ".spec.replicas", type="integer"),
+            PrinterColumn("Ready-Replicas", ".status.readyReplicas", type="integer"),
+            PrinterColumn(
+                "KV-Tokens", ".status.capacity.kvTokensPerReplica", type="integer", priority=1
+            ),
+            ready_column(),
+            age_column(),
+        ),
+    )
+
+    api_version: Literal["kvfleet.io/v1alpha1"] = Field(
+        default="kvfleet.io/v1alpha1", description="kvfleet.io/v1alpha1"
+    )
+    kind: Literal["ServingPool"] = Field(default="ServingPool", description="ServingPool")
+    metadata: ObjectMeta = Field(description="Standard object metadata.")
+    spec: ServingPoolSpec = Field(description="Desired state.")
+    status: ServingPoolStatus | None = Field(default=None, description="Observed state.")
