@@ -1,0 +1,124 @@
+"""Session fixtures for the end-to-end tier (see e2e/README.md for the contract).
+
+    cluster      the running cluster: a DevCluster the harness started, or, with KUBECONFIG set,
+                 an ExistingCluster (nothing is built or started then)
+    kube         a KubeClient (admin) for that cluster
+    kubectl      run kubectl against it: kubectl("get", "nodes", "-o", "json") -> CompletedProcess
+    prometheus   the harness's Prometheus (skips on an existing cluster)
+    local_node   name of a local GPU node whose pods really run (skips on an existing cluster)
+    namespace    a fresh namespace per test, deleted afterwards
+
+The binaries come from e2e/tools/build.sh. Without them the e2e tests skip with the build
+command as the reason, unless KVFLEET_E2E_REQUIRED=1 (set by scripts/test.sh after it built
+them), in which case a missing binary is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfleet.devcluster import toolchain
+from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
+from kvfleet.devcluster.errors import ToolsMissingError
+from kvfleet.devcluster.kube import KubeClient
+from kvfleet.devcluster.prometheus import Prometheus
+
+Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("KVFLEET_E2E_REQUIRED") == "1":
+        pytest.fail(f"e2e prerequisites missing although KVFLEET_E2E_REQUIRED=1: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[DevCluster | ExistingCluster]:
+    existing = os.environ.get("KUBECONFIG")
+    if existing:
+        ext = ExistingCluster(Path(existing))
+        yield ext
+        ext.stop()
+        return
+    try:
+        toolchain.locate()
+    except ToolsMissingError as exc:
+        _unavailable(str(exc))
+    dev = DevCluster()
+    try:
+        dev.start()
+        yield dev
+    finally:
+        dev.stop()
+
+
+@pytest.fixture(scope="session")
+def kube(cluster: DevCluster | ExistingCluster) -> KubeClient:
+    return cluster.api
+
+
+@pytest.fixture(scope="session")
+def kubectl_path(cluster: DevCluster | ExistingCluster) -> str:
+    try:
+        return str(toolchain.locate()["kubectl"])
+    except ToolsMissingError:
+        found = shutil.which("kubectl")
+        if found is None:
+            _unavailable("kubectl is neither built (e2e/tools/build.sh) nor on PATH")
+        assert found is not None
+        return found
+
+
+@pytest.fixture(scope="session")
+def kubectl(cluster: DevCluster | ExistingCluster, kubectl_path: str) -> Kubectl:
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+
+    def run(*args: str, check: bool = True, input: str | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        return subprocess.run(
+            [kubectl_path, *args], env=env, capture_output=True, text=True, check=check,
+            input=input, timeout=timeout,
+        )  # fmt: skip
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def prometheus(cluster: DevCluster | ExistingCluster) -> Prometheus:
+    if cluster.prometheus is None:
+        pytest.skip("Prometheus is started only by the harness, not on an existing cluster")
+    return cluster.prometheus
+
+
+@pytest.fixture(scope="session")
+def local_node(cluster: DevCluster | ExistingCluster) -> str:
+    if not cluster.local_node_names:
+        pytest.skip("local GPU nodes (pods that really run) exist only in the harness cluster")
+    return cluster.local_node_names[0]
+
+
+@pytest.fixture(scope="session")
+def fake_nodes(cluster: DevCluster | ExistingCluster) -> list[str]:
+    if not cluster.has_fake_nodes:
+        pytest.skip("KWOK fake GPU nodes exist only in the harness cluster")
+    return list(cluster.fake_node_names)
+
+
+@pytest.fixture
+def namespace(kube: KubeClient) -> Iterator[str]:
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    kube.wait_for(
+        f"service account default in {name}",
+        lambda: kube.get_or_none("ServiceAccount", "default", name),
+        30,
+    )
+    yield name
+    kube.delete("Namespace", name)

@@ -1,0 +1,130 @@
+"""Fast checks of the harness's pure parts (no binaries needed): cache keys, fleet manifests,
+pod status, $(VAR) expansion, pod IP blocks, kubeconfig parsing, Prometheus relabelling."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvfleet.devcluster import fleet, toolchain
+from kvfleet.devcluster.errors import DevClusterError, ToolsMissingError
+from kvfleet.devcluster.kube import KubeConfig
+from kvfleet.devcluster.pki import create_pki, kubeconfig_yaml
+from kvfleet.devcluster.podrunner import Container, IpPool, LocalPod, expand, pod_status
+from kvfleet.devcluster.prometheus import build_config
+
+
+def test_cache_key_follows_pins_and_module_files(tmp_path: Path) -> None:
+    src = tmp_path / "tools"
+    shutil.copytree(toolchain.tools_src_dir(), src)
+    kube = next(t for t in toolchain.TOOLS if t.name == "kubernetes")
+    key = toolchain.cache_key(src, kube)
+    assert key.startswith("kubernetes-v1.34.")
+    assert toolchain.cache_key(src, kube) == key
+    go_mod = src / "kubernetes" / "go.mod"
+    go_mod.write_text(go_mod.read_text().replace("v1.34.4", "v1.34.3"))
+    changed = toolchain.cache_key(src, kube)
+    assert changed.startswith("kubernetes-v1.34.3-") and changed != key
+
+
+def test_locate_names_the_build_command_when_binaries_are_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(toolchain.TOOLS_CACHE_ENV, str(tmp_path / "empty-cache"))
+    with pytest.raises(ToolsMissingError, match=r"e2e/tools/build\.sh"):
+        toolchain.locate()
+
+
+def test_kubernetes_binaries_are_stamped_with_the_pinned_version() -> None:
+    kube = next(t for t in toolchain.TOOLS if t.name == "kubernetes")
+    flags = kube.ldflags("v1.34.4")
+    assert "-X k8s.io/component-base/version.gitVersion=v1.34.4" in flags
+    assert "-X k8s.io/client-go/pkg/version.gitMinor=34" in flags
+
+
+def test_fleet_nodes_carry_gpu_labels_capacity_and_the_kwok_annotation() -> None:
+    nodes = fleet.build_fleet([fleet.NodeGroup(fleet.H100_80GB, count=3, gpus_per_node=8)])
+    assert [n["metadata"]["name"] for n in nodes] == ["gpu-h100-0", "gpu-h100-1", "gpu-h100-2"]
+    labels = nodes[1]["metadata"]["labels"]
+    assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+    assert labels["nvidia.com/gpu.count"] == "8"
+    assert labels["topology.kubernetes.io/zone"] == "zone-b"
+    assert nodes[0]["status"]["allocatable"]["nvidia.com/gpu"] == "8"
+    assert nodes[0]["metadata"]["annotations"][fleet.KWOK_ANNOTATION] == "fake"
+    local = fleet.build_node("local-0", fleet.L4, 1, "z", fake=False)
+    assert fleet.KWOK_ANNOTATION not in local["metadata"]["annotations"]
+    with pytest.raises(ValueError, match="count"):
+        fleet.NodeGroup(fleet.L4, count=-1, gpus_per_node=1)
+
+
+def test_var_expansion_matches_kubernetes() -> None:
+    env = {"POD_IP": "127.64.0.7"}
+    assert expand("--host=$(POD_IP) $(MISSING)", env) == "--host=127.64.0.7 $(MISSING)"
+
+
+def _pod(*containers: Container) -> LocalPod:
+    return LocalPod("u", "ns", "p", "n", "127.64.0.2", Path("/nonexistent"), list(containers), [])
+
+
+def test_pod_status_is_ready_only_when_every_container_is() -> None:
+    a, b = Container({"name": "a"}), Container({"name": "b"})
+    a.process = b.process = None
+    a.restart_count = 1  # has run: Running phase, but crashed and waiting
+    status = pod_status(_pod(a, b), {})
+    assert status["phase"] == "Running"
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False"
+    assert status["containerStatuses"][0]["state"] == {"waiting": {"reason": "CrashLoopBackOff"}}
+
+
+def test_pod_status_failed_when_a_container_exits_non_zero_for_good() -> None:
+    c = Container({"name": "a"}, done=True, exit_code=3)
+    status = pod_status(_pod(c), {})
+    assert status["phase"] == "Failed"
+    assert status["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
+
+
+def test_ip_pools_in_one_machine_never_share_a_block() -> None:
+    first, second = IpPool(), IpPool()
+    try:
+        assert first.block != second.block
+        ips = {first.take() for _ in range(5)}
+        assert len(ips) == 5 and all(ip.startswith("127.64.") for ip in ips)
+        first.give_back("127.64.0.9")
+    finally:
+        first.close()
+        second.close()
+
+
+def test_kubeconfig_with_inline_data_and_credential_plugins(tmp_path: Path) -> None:
+    pki = create_pki(tmp_path / "pki", "10.0.0.1")
+    path = tmp_path / "files.kubeconfig"
+    path.write_text(kubeconfig_yaml("https://127.0.0.1:6443", pki.ca.cert, pki.admin, "admin"))
+    assert KubeConfig.load(path).client_cert == pki.admin.cert
+    ca_data = base64.b64encode(pki.ca.cert.read_bytes()).decode()
+    inline = tmp_path / "inline.kubeconfig"
+    inline.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
+        f"clusters: [{{name: k, cluster: {{server: 'https://x:1/', "
+        f"certificate-authority-data: {ca_data}}}}}]\n"
+        "users: [{name: u, user: {token: abc}}]\n"
+    )
+    cfg = KubeConfig.load(inline)
+    assert cfg.server == "https://x:1" and cfg.token == "abc"
+    assert cfg.ca_file is not None and cfg.ca_file.read_bytes() == pki.ca.cert.read_bytes()
+    inline.write_text(inline.read_text().replace("{token: abc}", "{exec: {command: x}}"))
+    with pytest.raises(DevClusterError, match="credential plugin"):
+        KubeConfig.load(inline)
+
+
+def test_prometheus_keeps_only_annotated_loopback_pods(tmp_path: Path) -> None:
+    pki = create_pki(tmp_path, "10.0.0.1")
+    config = build_config("https://127.0.0.1:1", pki.ca.cert, pki.admin)
+    (job,) = config["scrape_configs"]
+    keeps = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
+    assert [r["regex"] for r in keeps] == ["true", r"127\..*"]
+    assert job["kubernetes_sd_configs"][0]["role"] == "pod"

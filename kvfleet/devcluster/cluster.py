@@ -1,0 +1,332 @@
+"""Start and stop a whole dev cluster: etcd → kube-apiserver → controller-manager, scheduler,
+KWOK → fake GPU fleet → local GPU nodes + pod runner → Prometheus.
+
+`DevCluster.start()` either returns a ready cluster or raises StartupError after stopping
+whatever it had started; `stop()` is idempotent, also runs at interpreter exit, and removes the
+temp dir. `ExistingCluster` wraps a `KUBECONFIG` cluster (kind, k3d, a real one): nothing is
+built or started, and the harness-only parts (fake nodes, local runner, Prometheus) are absent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import shutil
+import socket
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvfleet.devcluster import fleet, toolchain
+from kvfleet.devcluster.errors import StartupError
+from kvfleet.devcluster.kube import KubeClient, KubeConfig, condition_true
+from kvfleet.devcluster.pki import ClusterPki, create_pki, kubeconfig_yaml
+from kvfleet.devcluster.podrunner import LocalPodRunner
+from kvfleet.devcluster.processes import ManagedProcess
+from kvfleet.devcluster.prometheus import Prometheus
+
+SERVICE_CIDR = "10.0.0.0/24"  # allocation range only: no traffic is ever sent there
+SERVICE_IP = "10.0.0.1"
+# KWOK's fake pods get loopback IPs too, so nothing ever points outside this machine.
+KWOK_POD_CIDR = "127.128.0.0/16"
+ADMISSION_PLUGINS = (
+    "NamespaceLifecycle,LimitRanger,ServiceAccount,DefaultTolerationSeconds,"
+    "DefaultStorageClass,StorageObjectInUseProtection,PersistentVolumeClaimResize,"
+    "RuntimeClass,Priority,TaintNodesByCondition,PodSecurity,ResourceQuota,"
+    "MutatingAdmissionWebhook,ValidatingAdmissionPolicy,"
+    "ValidatingAdmissionWebhook"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    node_groups: Sequence[fleet.NodeGroup] = fleet.DEFAULT_FLEET
+    local_nodes: int = 1
+    local_product: fleet.GpuProduct = fleet.L4
+    local_gpus_per_node: int = 1
+    prometheus: bool = True
+    startup_timeout: float = 90.0
+    project_root: Path = field(default_factory=lambda: Path(__file__).resolve().parents[2])
+
+
+class DevCluster:
+    """A control plane of real binaries on loopback; see the module docstring."""
+
+    def __init__(self, options: ClusterOptions | None = None) -> None:
+        self.options = options or ClusterOptions()
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvfleet-devcluster-"))
+        self.processes: list[ManagedProcess] = []
+        self.runner: LocalPodRunner | None = None
+        self.prometheus: Prometheus | None = None
+        self.local_node_names: list[str] = []
+        self.fake_node_names: list[str] = []
+        self.startup_seconds: float | None = None
+        self._api: KubeClient | None = None
+        self._pki: ClusterPki | None = None
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        self.server = ""
+        atexit.register(self.stop)
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "admin.kubeconfig"
+
+    @property
+    def api(self) -> KubeClient:
+        if self._api is None:
+            raise StartupError("the dev cluster is not started")
+        return self._api
+
+    @property
+    def has_fake_nodes(self) -> bool:
+        return bool(self.fake_node_names)
+
+    @property
+    def pki(self) -> ClusterPki:
+        if self._pki is None:
+            raise StartupError("the dev cluster is not started")
+        return self._pki
+
+    # start -----------------------------------------------------------------------------------
+    def start(self) -> DevCluster:
+        started = time.monotonic()
+        try:
+            tools = toolchain.locate()
+            self._start_control_plane(tools)
+            self._start_nodes(tools)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, self.workdir / "logs" / f"{name}.log")
+        self.processes.append(proc)
+        return proc
+
+    def _start_control_plane(self, tools: toolchain.ToolPaths) -> None:
+        timeout = self.options.startup_timeout
+        pki = self._pki = create_pki(self.workdir / "pki", SERVICE_IP)
+        etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+        etcd_url = f"http://127.0.0.1:{etcd_port}"
+        etcd = self._spawn(
+            "etcd",
+            [
+                str(tools["etcd"]),
+                "--name=dev",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+                f"--initial-cluster=dev=http://127.0.0.1:{peer_port}",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+        )
+        self.server = f"https://127.0.0.1:{api_port}"
+        self.kubeconfig.write_text(
+            kubeconfig_yaml(self.server, pki.ca.cert, pki.admin, "kubernetes-admin")
+        )
+        etcd.wait_ready(
+            lambda: httpx.get(f"{etcd_url}/health", timeout=1).json()["health"] == "true", timeout
+        )
+        apiserver = self._spawn(
+            "kube-apiserver",
+            [
+                str(tools["kube-apiserver"]),
+                f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={api_port}",
+                f"--cert-dir={self.workdir / 'apiserver'}",
+                f"--tls-cert-file={pki.apiserver.cert}",
+                f"--tls-private-key-file={pki.apiserver.key}",
+                f"--client-ca-file={pki.ca.cert}",
+                f"--service-account-key-file={pki.service_account_key}",
+                f"--service-account-signing-key-file={pki.service_account_key}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=Node,RBAC",
+                f"--enable-admission-plugins={ADMISSION_PLUGINS}",
+                "--allow-privileged=true",
+                # The `kubernetes` Service endpoint would be 127.0.0.1, which Endpoints reject.
+                "--endpoint-reconciler-type=none",
+            ],
+        )
+        self._api = KubeClient(KubeConfig.load(self.kubeconfig))
+        apiserver.wait_ready(lambda: self.api.get_raw("/readyz").status_code == 200, timeout)
+
+        component_kubeconfigs = {
+            "kube-controller-manager": (pki.controller_manager, "system:kube-controller-manager"),
+            "kube-scheduler": (pki.scheduler, "system:kube-scheduler"),
+        }
+        secure_ports: dict[str, int] = {}
+        for name, (pair, user) in component_kubeconfigs.items():
+            path = self.workdir / f"{name}.kubeconfig"
+            path.write_text(kubeconfig_yaml(self.server, pki.ca.cert, pair, user))
+            secure_ports[name] = free_port()
+            common = [
+                f"--kubeconfig={path}",
+                f"--authentication-kubeconfig={path}",
+                f"--authorization-kubeconfig={path}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={secure_ports[name]}",
+                "--leader-elect=false",
+                f"--cert-dir={self.workdir / name}",
+            ]
+            extra = (
+                []
+                if name == "kube-scheduler"
+                else [
+                    f"--service-account-private-key-file={pki.service_account_key}",
+                    f"--root-ca-file={pki.ca.cert}",
+                    "--use-service-account-credentials=true",
+                    f"--cluster-signing-cert-file={pki.ca.cert}",
+                    f"--cluster-signing-key-file={pki.ca.cert.with_suffix('.key')}",
+                    "--controllers=*,-nodeipam",
+                ]
+            )
+            self._spawn(name, [str(tools[name]), *common, *extra])
+        kwok_port = free_port()
+        self._spawn(
+            "kwok",
+            [
+                str(tools["kwok"]),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--config={tools.kwok_stages}",
+                f"--manage-nodes-with-annotation-selector={fleet.KWOK_ANNOTATION}="
+                f"{fleet.KWOK_ANNOTATION_VALUE}",
+                "--node-lease-duration-seconds=40",
+                f"--cidr={KWOK_POD_CIDR}",
+                "--node-ip=127.0.0.1",
+                f"--server-address=127.0.0.1:{kwok_port}",
+            ],
+        )
+        if self.options.prometheus:
+            self.prometheus = Prometheus(
+                self.workdir / "prometheus", free_port(), self.server, pki.ca.cert, pki.admin
+            )
+            self.processes.append(self.prometheus.process)
+        insecure = ssl.create_default_context()
+        insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+        health = {
+            f"{name}": f"https://127.0.0.1:{port}/healthz" for name, port in secure_ports.items()
+        }
+        health["kwok"] = f"http://127.0.0.1:{kwok_port}/healthz"
+
+        def answers(url: str) -> bool:
+            return httpx.get(url, verify=insecure, timeout=1).status_code == 200
+
+        for proc in self.processes[2:]:
+            if proc.name in health:
+                proc.wait_ready(functools.partial(answers, health[proc.name]), timeout)
+            elif self.prometheus is not None and proc is self.prometheus.process:
+                self.prometheus.wait_ready(timeout)
+        # The namespace controller and the service-account controller must have run before a
+        # pod can be created in `default`.
+        self.api.wait_for(
+            "the default service account",
+            lambda: self.api.get_or_none("ServiceAccount", "default", "default"),
+            timeout,
+        )
+
+    def _start_nodes(self, tools: toolchain.ToolPaths) -> None:
+        opts = self.options
+        self.fake_node_names = fleet.create_nodes(self.api, fleet.build_fleet(opts.node_groups))
+        local = [
+            fleet.build_node(
+                f"local-{opts.local_product.short}-{i}",
+                opts.local_product,
+                opts.local_gpus_per_node,
+                "zone-local",
+                fake=False,
+            )
+            for i in range(opts.local_nodes)
+        ]
+        self.local_node_names = fleet.create_nodes(self.api, local)
+        if local:
+            self.runner = LocalPodRunner(
+                self.api,
+                self.local_node_names,
+                self.workdir / "pods",
+                project_root=opts.project_root,
+            )
+            self.runner.start()
+        for name in self.fake_node_names + self.local_node_names:
+            self.wait_node_ready(name, opts.startup_timeout)
+
+    def wait_node_ready(self, name: str, timeout: float) -> None:
+        def ready() -> dict[str, object] | None:
+            node = self.api.get("Node", name)
+            return node if condition_true(node, "Ready") else None
+
+        self.api.wait_for(f"node {name} Ready", ready, timeout)
+
+    # stop ------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop everything in reverse start order and delete the temp dir; safe to repeat."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if self.runner is not None:
+            self.runner.stop()
+        for proc in reversed(self.processes):
+            proc.stop(grace=10)
+        if self._api is not None:
+            self._api.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        atexit.unregister(self.stop)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def __enter__(self) -> DevCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ExistingCluster:
+    """A cluster someone else runs, reached through a kubeconfig; nothing to start or stop."""
+
+    runner: LocalPodRunner | None = None
+    prometheus: Prometheus | None = None
+    local_node_names: list[str] = []  # noqa: RUF012 - read-only defaults of an absent feature
+    fake_node_names: list[str] = []  # noqa: RUF012
+    has_fake_nodes = False
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.api = KubeClient(KubeConfig.load(kubeconfig))
+        self.server = self.api.config.server
+
+    def stop(self) -> None:
+        self.api.close()
+
+
+@contextlib.contextmanager
+def dev_cluster(options: ClusterOptions | None = None) -> Iterator[DevCluster]:
+    cluster = DevCluster(options).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,121 @@
+"""A real Prometheus server (the Debian `prometheus` binary) that discovers pods through the
+dev cluster's API server and scrapes the ones annotated `prometheus.io/scrape: "true"`."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from kvfleet.devcluster.errors import ToolsMissingError
+from kvfleet.devcluster.pki import CertPair
+from kvfleet.devcluster.processes import ManagedProcess
+
+SCRAPE_INTERVAL_S = 2
+
+
+def find_prometheus() -> str:
+    path = shutil.which("prometheus") or (
+        "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None
+    )
+    if path is None:
+        raise ToolsMissingError(
+            "prometheus is not installed: `apt-get install -y prometheus` (scripts/test.sh does "
+            "this in CI)"
+        )
+    return path
+
+
+def build_config(api_server: str, ca: Path, client: CertPair) -> dict[str, Any]:
+    """Pod discovery with the usual prometheus.io/* annotations.
+
+    Only loopback pod IPs are kept: those are the local runner's real processes. KWOK's fake
+    pods have no process behind them, and scraping outside loopback is never wanted here.
+    """
+    tls = {"ca_file": str(ca), "cert_file": str(client.cert), "key_file": str(client.key)}
+    annotation = "__meta_kubernetes_pod_annotation_prometheus_io_"
+    return {
+        "global": {
+            "scrape_interval": f"{SCRAPE_INTERVAL_S}s",
+            "evaluation_interval": f"{SCRAPE_INTERVAL_S}s",
+        },
+        "scrape_configs": [
+            {
+                "job_name": "kubernetes-pods",
+                "kubernetes_sd_configs": [
+                    {"role": "pod", "api_server": api_server, "tls_config": tls}
+                ],
+                "relabel_configs": [
+                    {"source_labels": [f"{annotation}scrape"], "action": "keep", "regex": "true"},
+                    {
+                        "source_labels": ["__meta_kubernetes_pod_ip"],
+                        "action": "keep",
+                        "regex": r"127\..*",
+                    },
+                    {
+                        "source_labels": [f"{annotation}path"],
+                        "action": "replace",
+                        "target_label": "__metrics_path__",
+                        "regex": "(.+)",
+                    },
+                    {
+                        "source_labels": ["__meta_kubernetes_pod_ip", f"{annotation}port"],
+                        "action": "replace",
+                        "regex": "(.+);(\\d+)",
+                        "replacement": "$1:$2",
+                        "target_label": "__address__",
+                    },
+                    {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+                    {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+                    {"action": "labelmap", "regex": "__meta_kubernetes_pod_label_(.+)"},
+                ],
+            }
+        ],
+    }
+
+
+class Prometheus:
+    """The server process and a tiny query client."""
+
+    def __init__(
+        self, workdir: Path, port: int, api_server: str, ca: Path, client: CertPair
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        config_path = workdir / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(build_config(api_server, ca, client)))
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = ManagedProcess(
+            "prometheus",
+            [
+                find_prometheus(),
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--web.enable-lifecycle",
+                "--log.level=warn",
+            ],
+            workdir / "prometheus.log",
+        )
+
+    def wait_ready(self, timeout: float) -> None:
+        self.process.wait_ready(
+            lambda: httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200, timeout
+        )
+
+    def active_targets(self) -> list[dict[str, Any]]:
+        resp = httpx.get(f"{self.url}/api/v1/targets", params={"state": "active"}, timeout=5)
+        resp.raise_for_status()
+        targets: list[dict[str, Any]] = resp.json()["data"]["activeTargets"]
+        return targets
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        resp = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=10)
+        resp.raise_for_status()
+        result: list[dict[str, Any]] = resp.json()["data"]["result"]
+        return result
+
+    def stop(self) -> None:
+        self.process.stop()
