@@ -137,7 +137,9 @@ def make_quota(name: str = "team-a", namespace: str = "default") -> Builder[Tena
 
 
 def make_rollout(
-    name: str = "chat-to-v2", pool: str = "chat", target: str = "qwen3-8b-v2",
+    name: str = "chat-to-v2",
+    pool: str = "chat",
+    target: str = "qwen3-8b-v2",
     namespace: str = "default",
 ) -> Builder[Rollout]:
     return Builder(

@@ -97,6 +97,13 @@ def load_objects(path: Path) -> list[KvfleetObject]:
     return [parse_object(doc, f"{path} document {i}") for i, doc in enumerate(documents)]
 
 
+def dump_object(obj: KvfleetObject) -> str:
+    """YAML of an object as a user would write it: camelCase, no nulls, no spelled-out defaults."""
+    data = obj.model_dump(mode="json", by_alias=True, exclude_none=True, exclude_defaults=True)
+    ordered = {"apiVersion": obj.api_version, "kind": obj.kind, **data}
+    return yaml.safe_dump(ordered, sort_keys=False, width=100)
+
+
 def error_path(loc: tuple[int | str, ...]) -> str:
     """A pydantic error location as a Kubernetes field path: spec.steps[1].weight."""
     path = ""

@@ -91,9 +91,7 @@ class Condition(KubeModel):
     observed_generation: int | None = Field(
         default=None, ge=0, description="metadata.generation the condition was computed from."
     )
-    last_transition_time: datetime = Field(
-        description="When the status last changed (RFC 3339)."
-    )
+    last_transition_time: datetime = Field(description="When the status last changed (RFC 3339).")
 
 
 def conditions_field() -> Any:

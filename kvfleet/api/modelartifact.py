@@ -61,7 +61,8 @@ class WeightFile(KubeModel):
 
     uri: str = Field(
         min_length=1,
-        description="Where the file is fetched from (file://, s3://, https://, pvc://).",
+        description="Where the file is fetched from: file://, s3://, https://, or "
+        "pkg://PACKAGE/FILE for a file shipped inside an installed Python package.",
     )
     sha256: str = Field(pattern=SHA256_PATTERN, description="Lower-case hex sha256 of the file.")
     size_bytes: int = Field(ge=1, description="File size in bytes; checked before hashing.")

@@ -207,9 +207,7 @@ class Rollout(KubeModel):
             PrinterColumn("Target", ".spec.targetArtifactRef.name"),
             PrinterColumn("Step", ".status.currentStep", type="integer"),
             PrinterColumn("Weight", ".status.currentWeight", type="integer"),
-            PrinterColumn(
-                "Progressing", '.status.conditions[?(@.type=="Progressing")].status'
-            ),
+            PrinterColumn("Progressing", '.status.conditions[?(@.type=="Progressing")].status'),
             age_column(),
         ),
     )

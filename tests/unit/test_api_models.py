@@ -56,8 +56,11 @@ def test_pool_defaults_are_filled() -> None:
 
 @pytest.mark.parametrize(
     ("weights", "message"),
-    [([10, 10, 100], "strictly increase"), ([50, 20, 100], "strictly increase"),
-     ([10, 50], "end at weight 100")],
+    [
+        ([10, 10, 100], "strictly increase"),
+        ([50, 20, 100], "strictly increase"),
+        ([10, 50], "end at weight 100"),
+    ],
 )
 def test_rollout_weights_increase_and_end_at_100(weights: list[int], message: str) -> None:
     builder = make_rollout().set("spec.steps", [{"weight": w} for w in weights])

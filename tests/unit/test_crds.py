@@ -62,8 +62,10 @@ def test_crd_yaml_parses_back_identically() -> None:
 
 def test_artifact_spec_is_immutable_by_cel() -> None:
     spec = _schema(build_crd(RESOURCES[0]))["properties"]["spec"]
-    assert {"rule": "self == oldSelf", "message": "spec is immutable; create a new ModelArtifact"
-            " instead"} in spec["x-kubernetes-validations"]
+    assert {
+        "rule": "self == oldSelf",
+        "message": "spec is immutable; create a new ModelArtifact instead",
+    } in spec["x-kubernetes-validations"]
 
 
 def test_rollout_weights_rule_and_bounds() -> None:
@@ -82,7 +84,9 @@ def test_defaults_enums_and_exclusive_bounds_are_openapi_v3() -> None:
     engine = pool["engine"]
     assert engine["default"] == {}
     assert engine["properties"]["blockSize"] == {
-        "type": "integer", "description": "Tokens per KV block.", "default": 16,
+        "type": "integer",
+        "description": "Tokens per KV block.",
+        "default": 16,
         "enum": [8, 16, 32],
     }
     assert engine["properties"]["kvCacheDtype"]["enum"] == ["auto", "float16", "bfloat16", "fp8"]

@@ -80,8 +80,12 @@ def test_file_order_is_meaningful() -> None:
 
 def test_base_hash_ignores_adapters_only() -> None:
     spec = _spec()
-    adapter = {"name": "sql", "uri": "s3://a/sql.safetensors", "sha256": fake_sha256("sql"),
-               "baseHash": base_hash(spec)}
+    adapter = {
+        "name": "sql",
+        "uri": "s3://a/sql.safetensors",
+        "sha256": fake_sha256("sql"),
+        "baseHash": base_hash(spec),
+    }
     with_adapter = {**spec, "adapters": [adapter]}
     assert base_hash(with_adapter) == base_hash(spec) == manifest_hash(spec)
     assert manifest_hash(with_adapter) != manifest_hash(spec)
