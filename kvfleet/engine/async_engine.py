@@ -1,0 +1,523 @@
+"""`AsyncEngine`: the engine core driven by one background thread, bridged to asyncio.
+
+The core is not thread-safe and does not need to be: exactly one thread (the engine thread)
+ever touches it. The event loop talks to that thread through a command list (add, abort)
+that is drained before every step, so an abort (client disconnect, deadline, drain) takes
+effect within one engine step. After each step the thread turns every request's new tokens
+into one `StreamEvent` and hands the batch to the loop with a single `call_soon_threadsafe`.
+
+A `RequestStream` keeps every event it ever published (a few per token, bounded by
+max_tokens), so any number of readers can follow it from the start: the HTTP response, and a
+retry that carries the same idempotency key and replays the same sequence numbers.
+
+Serving errors (the HTTP layer maps each `code` to a status):
+
+    ServingError                         .code is stable, .param names the field if any
+    ├── ContextLengthError               prompt + max_tokens beyond the model's context
+    ├── KVCapacityError                  the request could never fit the KV pool
+    ├── QueueFullError                   too many requests in flight (retry later)
+    ├── TenantConcurrencyError           the tenant has too many requests in flight
+    ├── NotAcceptingError                starting up or draining
+    └── IdempotencyConflictError         key reused with a different body
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvfleet.engine.errors import KvfleetEngineError
+from kvfleet.engine.idempotency import IdempotencyCache, IdempotencyConflict
+from kvfleet.engine.metrics import EngineMetrics, EngineStats, FinishedRequestTimings
+from kvfleet.engine.request import Request, SamplingParams
+from kvfleet.engine.request_log import RequestLogRecord, log_finished_request
+from kvfleet.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("kvfleet.engine.async")
+
+
+class EngineCoreProtocol(Protocol):
+    """What the async layer needs from the engine core (all calls on the engine thread)."""
+
+    def add_request(self, request: Request) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def step(self) -> object: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+
+class ServingError(KvfleetEngineError):
+    code = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+
+class ContextLengthError(ServingError):
+    code = "context_length_exceeded"
+
+
+class KVCapacityError(ServingError):
+    code = "kv_capacity_exceeded"
+
+
+class QueueFullError(ServingError):
+    code = "queue_full"
+
+
+class TenantConcurrencyError(ServingError):
+    code = "tenant_concurrency_exceeded"
+
+
+class NotAcceptingError(ServingError):
+    code = "not_ready"
+
+
+class IdempotencyConflictError(ServingError):
+    code = "idempotency_key_reused"
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the server says about the model and what admission checks against."""
+
+    name: str
+    revision: str
+    max_context: int
+    block_size: int
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    max_in_flight: int = 512  # admitted, unfinished requests (running + waiting)
+    max_in_flight_per_tenant: int = 256
+    retry_after_seconds: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSpec:
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    tenant: str = "default"
+    cache_scope: str = "default"
+    priority: int = 0
+    deadline_seconds: float | None = None
+    idempotency_key: str | None = None
+    body_fingerprint: str = ""
+    skip_special_tokens: bool = True
+    prompt_text: str | None = None  # only for --log-text
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    seq: int
+    text: str
+    num_new_tokens: int
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class RequestStream:
+    """The published events of one request; readers iterate from the first event."""
+
+    def __init__(self, request_id: str, spec: GenerationSpec, created: int) -> None:
+        self.request_id = request_id
+        self.spec = spec
+        self.created = created
+        self.events: list[StreamEvent] = []
+        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._changed = asyncio.Event()
+        self.num_readers = 0
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.events) and self.events[-1].finish_reason is not None
+
+    def publish(self, event: StreamEvent) -> None:
+        if self.finished:
+            return  # the first final event wins; the engine may report an abort twice
+        self.events.append(event)
+        self._changed.set()
+
+    async def follow(self) -> AsyncIterator[StreamEvent]:
+        index = 0
+        while True:
+            while index < len(self.events):
+                event = self.events[index]
+                index += 1
+                yield event
+                if event.finish_reason is not None:
+                    return
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def result(self) -> list[StreamEvent]:
+        async for _ in self.follow():
+            pass
+        return list(self.events)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Engine-thread state of one request."""
+
+    request: Request
+    stream: RequestStream
+    detokenizer: IncrementalDetokenizer
+    stop: tuple[str, ...]
+    deadline: float | None
+    text: str = ""
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    seq: int = 0
+    forced_reason: str | None = None  # set when this layer ends the request itself
+
+
+@dataclass(slots=True)
+class _Commands:
+    adds: list[_Tracked] = field(default_factory=list)
+    aborts: list[tuple[str, str]] = field(default_factory=list)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCoreProtocol, model: ServedModel, tokenizer: Tokenizer,
+                 metrics: EngineMetrics, stats: Callable[[], EngineStats], *,
+                 limits: AdmissionLimits | None = None,
+                 idempotency: IdempotencyCache[RequestStream] | None = None,
+                 log_text: bool = False) -> None:
+        self.core = core
+        self.model = model
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._stats = stats
+        self.limits = limits or AdmissionLimits()
+        self._idempotency: IdempotencyCache[RequestStream] = idempotency or IdempotencyCache()
+        self._log_text = log_text
+        self.accepting = False
+        self._in_flight: dict[str, RequestStream] = {}
+        self._per_tenant: dict[str, int] = {}
+        self._next_id = 0
+        self._lock = threading.Condition()
+        self._commands = _Commands()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._needs_step = False  # engine thread only: an abort's blocks free at a step
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def drain(self, grace_seconds: float) -> int:
+        """Stop accepting; wait up to `grace_seconds` for in-flight requests, then cancel the
+        rest (finish_reason `cancelled`). Returns how many were cancelled."""
+        self.accepting = False
+        deadline = time.monotonic() + grace_seconds
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        leftover = list(self._in_flight)
+        for request_id in leftover:
+            self.abort(request_id, "cancelled")
+        for stream in [s for s in self._in_flight.values()]:
+            await asyncio.wait_for(stream.result(), timeout=30.0)
+        return len(leftover)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def submit(self, spec: GenerationSpec) -> RequestStream:
+        """Admit a request (or find its idempotent original); raises a ServingError."""
+        if spec.idempotency_key is not None:
+            try:
+                original = self._idempotency.get(spec.tenant, spec.idempotency_key,
+                                                 spec.body_fingerprint)
+            except IdempotencyConflict:
+                raise IdempotencyConflictError(
+                    f"Idempotency-Key {spec.idempotency_key!r} was used with a different "
+                    "request body; use a new key for a new request", "Idempotency-Key",
+                ) from None
+            if original is not None:
+                await original.accepted
+                return original
+        self._admit(spec)
+        self._next_id += 1
+        request_id = f"cmpl-{self._next_id:x}-{time.time_ns() % 10**9:09d}"
+        stream = RequestStream(request_id, spec, int(time.time()))
+        now = time.time()
+        request = Request(
+            request_id=request_id, prompt_token_ids=spec.prompt_token_ids,
+            sampling_params=spec.sampling, tenant=spec.tenant, priority=spec.priority,
+            deadline=None if spec.deadline_seconds is None else now + spec.deadline_seconds,
+            idempotency_key=spec.idempotency_key, cache_salt=spec.cache_scope,
+            arrival_time=now, prompt=spec.prompt_text,
+        )
+        tracked = _Tracked(
+            request=request, stream=stream,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids,
+                                               spec.skip_special_tokens),
+            stop=spec.sampling.stop, deadline=request.deadline,
+        )
+        self._in_flight[request_id] = stream
+        self._per_tenant[spec.tenant] = self._per_tenant.get(spec.tenant, 0) + 1
+        if spec.idempotency_key is not None:
+            self._idempotency.put(spec.tenant, spec.idempotency_key, spec.body_fingerprint,
+                                  stream)
+        with self._lock:
+            self._commands.adds.append(tracked)
+            self._lock.notify()
+        await stream.accepted  # raises the core's rejection, if any
+        return stream
+
+    def _admit(self, spec: GenerationSpec) -> None:
+        if not self.accepting:
+            raise NotAcceptingError("the engine is not accepting requests (starting or "
+                                    "draining); retry on another replica",
+                                    retry_after=self.limits.retry_after_seconds)
+        num_prompt = len(spec.prompt_token_ids)
+        max_tokens = spec.sampling.max_tokens
+        if num_prompt >= self.model.max_context:
+            raise ContextLengthError(
+                f"the prompt has {num_prompt} tokens; this model's context is "
+                f"{self.model.max_context} tokens and at least one must be left to generate. "
+                "Shorten the prompt", "prompt")
+        if num_prompt + max_tokens > self.model.max_context:
+            raise ContextLengthError(
+                f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
+                f"model's context of {self.model.max_context} tokens; set max_tokens <= "
+                f"{self.model.max_context - num_prompt}", "max_tokens")
+        kv_tokens = self.model.num_kv_blocks * self.model.block_size
+        if num_prompt + max_tokens > kv_tokens:
+            raise KVCapacityError(
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs more "
+                f"KV cache than this engine has in total ({kv_tokens} tokens), so it could "
+                "never run; lower max_tokens or send it to a larger pool", "max_tokens")
+        if len(self._in_flight) >= self.limits.max_in_flight:
+            raise QueueFullError(f"the engine queue is full ({self.limits.max_in_flight} "
+                                 "requests in flight); retry after the delay given",
+                                 retry_after=self.limits.retry_after_seconds)
+        if self._per_tenant.get(spec.tenant, 0) >= self.limits.max_in_flight_per_tenant:
+            raise TenantConcurrencyError(
+                f"tenant {spec.tenant!r} already has {self.limits.max_in_flight_per_tenant} "
+                "requests in flight, its limit on this engine; retry after the delay given",
+                retry_after=self.limits.retry_after_seconds)
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
+        """End a request at the next step boundary; harmless if it already finished."""
+        with self._lock:
+            self._commands.aborts.append((request_id, reason))
+            self._lock.notify()
+
+    def attach(self, stream: RequestStream) -> None:
+        stream.num_readers += 1
+
+    def detach(self, stream: RequestStream) -> None:
+        """A reader went away (finished or disconnected). When the last one leaves a request
+        without an idempotency key, nobody can come back for its output, so it is cancelled;
+        with a key it runs on (bounded by max_tokens and its deadline) for the retry."""
+        stream.num_readers -= 1
+        if stream.num_readers <= 0 and not stream.finished and stream.spec.idempotency_key is None:
+            self.abort(stream.request_id, "cancelled")
+
+    # -- event-loop side of delivery ---------------------------------------------------------
+
+    def _deliver(self, batch: list[tuple[RequestStream, StreamEvent | BaseException | None]]
+                 ) -> None:
+        for stream, item in batch:
+            if item is None:
+                if not stream.accepted.done():
+                    stream.accepted.set_result(None)
+                continue
+            if isinstance(item, BaseException):
+                if not stream.accepted.done():
+                    stream.accepted.set_exception(item)
+                self._forget(stream)
+                key = stream.spec.idempotency_key
+                if key is not None:  # a rejected request was never generated: retry afresh
+                    self._idempotency.discard(stream.spec.tenant, key)
+                continue
+            if not stream.accepted.done():
+                stream.accepted.set_result(None)
+            stream.publish(item)
+            if item.finish_reason is not None:
+                self._forget(stream)
+
+    def _forget(self, stream: RequestStream) -> None:
+        if self._in_flight.pop(stream.request_id, None) is None:
+            return
+        tenant = stream.spec.tenant
+        self._per_tenant[tenant] -= 1
+        if not self._per_tenant[tenant]:
+            del self._per_tenant[tenant]
+        key = stream.spec.idempotency_key
+        if key is not None:
+            self._idempotency.mark_finished(tenant, key)
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while (not self._stop and not self._commands.adds and not self._commands.aborts
+                       and not self._tracked and not self._needs_step):
+                    self._lock.wait(timeout=1.0)
+                if self._stop:
+                    return
+                commands, self._commands = self._commands, _Commands()
+            batch: list[tuple[RequestStream, StreamEvent | BaseException | None]] = []
+            self._apply(commands, batch)
+            self._expire_deadlines()
+            try:
+                if self._tracked or self._needs_step or self.core.has_unfinished_requests():
+                    self._needs_step = False
+                    self.core.step()
+            except Exception:  # a failing step must not kill the server: fail its requests
+                logger.exception("engine step failed; failing %d requests", len(self._tracked))
+                for tracked in self._tracked.values():
+                    tracked.forced_reason = tracked.forced_reason or "error"
+                    self.core.abort_request(tracked.request.request_id)
+                self._needs_step = True
+            self._collect(batch)
+            self.metrics.observe_stats(self._stats())
+            if batch and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _apply(self, commands: _Commands,
+               batch: list[tuple[RequestStream, StreamEvent | BaseException | None]]) -> None:
+        for tracked in commands.adds:
+            try:
+                self.core.add_request(tracked.request)
+            except Exception as exc:
+                batch.append((tracked.stream, exc))
+                continue
+            self._tracked[tracked.request.request_id] = tracked
+            self.metrics.observe_admitted(tracked.request.num_prompt_tokens)
+            batch.append((tracked.stream, None))
+        for request_id, reason in commands.aborts:
+            tracked_or_none = self._tracked.get(request_id)
+            if tracked_or_none is None or tracked_or_none.forced_reason is not None:
+                continue
+            tracked_or_none.forced_reason = reason
+            self.core.abort_request(request_id)
+            self._needs_step = True
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for tracked in self._tracked.values():
+            if (tracked.deadline is not None and now >= tracked.deadline
+                    and tracked.forced_reason is None and not tracked.request.is_finished):
+                tracked.forced_reason = "deadline"
+                self.core.abort_request(tracked.request.request_id)
+                self._needs_step = True
+
+    def _collect(self, batch: list[tuple[RequestStream, StreamEvent | BaseException | None]]
+                 ) -> None:
+        finished: list[str] = []
+        for request_id, tracked in self._tracked.items():
+            event = self._progress(tracked)
+            if event is None:
+                continue
+            batch.append((tracked.stream, event))
+            if event.finish_reason is not None:
+                finished.append(request_id)
+                self._record_finish(tracked, event.finish_reason)
+        for request_id in finished:
+            del self._tracked[request_id]
+
+    def _progress(self, tracked: _Tracked) -> StreamEvent | None:
+        request = tracked.request
+        output_ids = request.output_token_ids
+        new_ids = output_ids[tracked.num_sent_tokens:]
+        tracked.num_sent_tokens = len(output_ids)
+        self.metrics.observe_new_tokens(len(new_ids))
+        reason = tracked.forced_reason
+        if reason is None and request.is_finished and request.finish_reason is not None:
+            reason = request.finish_reason.value
+        if (reason == "stop" and new_ids and (new_ids[-1] in request.sampling_params.stop_token_ids
+                                              or new_ids[-1] == self.tokenizer.eos_token_id)):
+            # Like vLLM: the token that stopped generation is counted, not shown.
+            tracked.text += tracked.detokenizer.add_tokens(new_ids[:-1])
+        else:
+            tracked.text += tracked.detokenizer.add_tokens(new_ids)
+        if reason is not None:
+            tracked.text += tracked.detokenizer.flush()
+        visible = len(tracked.text)
+        if tracked.stop:
+            cut = min((i for i in (tracked.text.find(s) for s in tracked.stop) if i >= 0),
+                      default=-1)
+            if cut >= 0:
+                visible = cut
+                tracked.text = tracked.text[:cut]
+                if reason is None:  # the core has not stopped on it (yet): stop it here
+                    reason = tracked.forced_reason = "stop"
+                    self.core.abort_request(request.request_id)
+                    self._needs_step = True
+                elif reason == "length":
+                    reason = "stop"
+            elif reason is None:
+                # Hold back a tail that may be the start of a stop string.
+                visible = max(tracked.num_sent_chars,
+                              len(tracked.text) - (max(map(len, tracked.stop)) - 1))
+        if not new_ids and reason is None:
+            return None
+        delta = tracked.text[tracked.num_sent_chars:visible]
+        tracked.num_sent_chars = max(tracked.num_sent_chars, visible)
+        event = StreamEvent(
+            seq=tracked.seq, text=delta, num_new_tokens=len(new_ids), finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        tracked.seq += 1
+        return event
+
+    def _record_finish(self, tracked: _Tracked, finish_reason: str) -> None:
+        request = tracked.request
+        timings = request.timings
+        finish_time = timings.finish_time or time.time()
+        result = FinishedRequestTimings(
+            arrival_time=timings.arrival_time,
+            first_scheduled_time=timings.first_scheduled_time,
+            first_token_time=timings.first_token_time,
+            last_token_time=timings.last_token_time,
+            finish_time=finish_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            finish_reason=finish_reason,
+        )
+        self.metrics.observe_finished(result)
+        log_finished_request(RequestLogRecord(
+            request_id=request.request_id, tenant=request.tenant,
+            idempotency_key=request.idempotency_key, priority=request.priority,
+            timings=result, num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            prompt=request.prompt if self._log_text else None,
+            output=tracked.text if self._log_text else None,
+        ))

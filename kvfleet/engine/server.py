@@ -1,0 +1,443 @@
+"""The OpenAI-compatible HTTP API of one engine (FastAPI), a thin edge over `AsyncEngine`.
+
+Handlers only translate: wire model → `GenerationSpec`, `StreamEvent`s → wire chunks, and
+typed errors → the OpenAI error shape `{"error": {message, type, param, code}}` with a
+stable `code` and the HTTP status from `STATUS_BY_CODE`.
+
+Tenancy: the tenant is read from a trusted header (set by the kvfleet router, which
+authenticates clients), `x-kvfleet-tenant` by default. The prefix-cache scope is derived
+from the tenant on the server and never read from the client, so no request can ask to share
+another tenant's cached KV; tenants named with `--shared-prefix-tenants` share one scope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvfleet.engine.async_engine import (
+    AsyncEngine,
+    GenerationSpec,
+    RequestStream,
+    ServingError,
+    StreamEvent,
+)
+from kvfleet.engine.chat_template import ChatTemplate
+from kvfleet.engine.errors import InvalidRequestError
+from kvfleet.engine.idempotency import fingerprint
+from kvfleet.engine.kv_cache_manager import make_cache_salt
+from kvfleet.engine.lifecycle import Lifecycle, LifecycleState
+from kvfleet.engine.metrics import CONTENT_TYPE
+from kvfleet.engine.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChunk,
+    ChatDelta,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChunk,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    ReadyResponse,
+    SamplingFields,
+    Usage,
+)
+from kvfleet.engine.request import SamplingParams
+
+STATUS_BY_CODE: dict[str, int] = {
+    "invalid_request_error": 400,
+    "unsupported_parameter": 400,
+    "context_length_exceeded": 400,
+    "kv_capacity_exceeded": 400,
+    "invalid_tenant": 400,
+    "model_not_found": 404,
+    "method_not_allowed": 405,
+    "idempotency_key_reused": 409,
+    "request_too_large": 413,
+    "queue_full": 429,
+    "tenant_concurrency_exceeded": 429,
+    "not_ready": 503,
+    "internal_error": 500,
+}
+_TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+DEADLINE_HEADER = "x-kvfleet-deadline-seconds"
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 404, 409, 413, 429, 503)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    tenant_header: str = "x-kvfleet-tenant"
+    default_tenant: str = "default"
+    shared_prefix_tenants: frozenset[str] = field(default_factory=frozenset)
+    shared_prefix_scope: str = "kvfleet-shared"
+    max_body_bytes: int = 4 * 1024 * 1024
+    default_max_tokens: int = 1024  # chat requests without max_tokens (capped by context)
+
+
+class ApiError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+
+def error_response(code: str, message: str, param: str | None = None,
+                   retry_after: float | None = None) -> JSONResponse:
+    status = STATUS_BY_CODE.get(code, 400)
+    kind = ("invalid_request_error" if status < 500 and status != 429
+            else "rate_limit_error" if status == 429 else "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 when a request body exceeds `max_bytes`, declared or streamed."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[..., Any],
+                       send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = error_response(
+            "request_too_large", f"the request body exceeds {self.max_bytes} bytes; send a "
+            "shorter prompt", None)
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+        received = 0
+
+        async def limited_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise ApiError("request_too_large", f"the request body exceeds "
+                                   f"{self.max_bytes} bytes; send a shorter prompt")
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except ApiError as exc:
+            await error_response(exc.code, exc.message)(scope, receive, send)
+
+
+def _check_supported(body: SamplingFields) -> None:
+    def reject(param: str, why: str) -> None:
+        raise ApiError("unsupported_parameter", f"{param}: {why}", param)
+
+    if body.n != 1:
+        reject("n", "only n=1 is served; send n separate requests")
+    if body.presence_penalty or body.frequency_penalty:
+        reject("presence_penalty" if body.presence_penalty else "frequency_penalty",
+               "penalties are not supported by this engine; leave them at 0")
+    if body.logit_bias:
+        reject("logit_bias", "not supported by this engine")
+    if isinstance(body, CompletionRequest):
+        if body.logprobs is not None:
+            reject("logprobs", "not supported by this engine")
+        if body.echo:
+            reject("echo", "not supported by this engine")
+        if body.suffix:
+            reject("suffix", "not supported by this engine")
+        if body.best_of not in (None, 1):
+            reject("best_of", "only best_of=1 is served")
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs or body.top_logprobs:
+            reject("logprobs", "not supported by this engine")
+        if body.tools:
+            reject("tools", "tool calling is not supported by this engine")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            reject("response_format", "only {'type': 'text'} is supported")
+
+
+def _completion_prompt(body: CompletionRequest, engine: AsyncEngine
+                       ) -> tuple[list[int], str | None]:
+    """Token ids (and text, if given as text) of the one prompt of a completion request."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ApiError("unsupported_parameter", "prompt: batched prompts are not served; "
+                           "send one request per prompt", "prompt")
+        single = prompt[0]
+    else:
+        single = prompt  # type: ignore[assignment]
+    if isinstance(single, str):
+        return engine.tokenizer.encode(single), single
+    ids = [t for t in single if isinstance(t, int)]
+    if len(ids) != len(single) or any(not 0 <= t < engine.tokenizer.vocab_size for t in ids):
+        raise ApiError("invalid_request_error", f"prompt: token ids must be integers in "
+                       f"[0, {engine.tokenizer.vocab_size})", "prompt")
+    return ids, None
+
+
+def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=max(0, body.top_k), seed=body.seed, min_tokens=min(body.min_tokens, max_tokens),
+        stop=tuple(body.stop_strings()), stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def create_app(engine: AsyncEngine, lifecycle: Lifecycle, chat_template: ChatTemplate | None,
+               settings: ServerSettings | None = None) -> FastAPI:
+    cfg = settings or ServerSettings()
+    model = engine.model
+    app = FastAPI(title="kvfleet engine", version="v1",
+                  description="OpenAI-compatible API of one kvfleet engine instance.")
+    template_version = chat_template.sha256 if chat_template is not None else ""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.code, exc.message, exc.param, exc.retry_after)
+
+    @app.exception_handler(ServingError)
+    async def _serving_error(_: Request, exc: ServingError) -> JSONResponse:
+        return error_response(exc.code, exc.message, exc.param, exc.retry_after)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response("invalid_request_error", str(exc), exc.field)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        return error_response("invalid_request_error",
+                              f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code,
+                                                                 "invalid_request_error")
+        resp = error_response(code, str(exc.detail))
+        resp.status_code = exc.status_code
+        return resp
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return error_response("internal_error", f"internal error ({type(exc).__name__}); "
+                              "see the engine log")
+
+    def tenant_of(request: Request) -> str:
+        tenant = request.headers.get(cfg.tenant_header, cfg.default_tenant)
+        if not _TENANT_RE.match(tenant):
+            raise ApiError("invalid_tenant", f"header {cfg.tenant_header} must match "
+                           f"{_TENANT_RE.pattern}", cfg.tenant_header)
+        return tenant
+
+    def deadline_of(request: Request, body: SamplingFields) -> float | None:
+        raw = request.headers.get(DEADLINE_HEADER)
+        if raw is None:
+            return body.deadline_seconds
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 < value <= 86_400:
+            raise ApiError("invalid_request_error", f"header {DEADLINE_HEADER} must be seconds "
+                           "in (0, 86400]", DEADLINE_HEADER)
+        return value if body.deadline_seconds is None else min(value, body.deadline_seconds)
+
+    def check_model(body: SamplingFields) -> None:
+        if body.model not in (None, "", model.name):
+            raise ApiError("model_not_found", f"model {body.model!r} is not served here; "
+                           f"this engine serves {model.name!r}", "model")
+
+    def check_ready() -> None:
+        if lifecycle.state is not LifecycleState.READY:
+            raise ApiError("not_ready", f"the engine is {lifecycle.state.value}; retry on "
+                           "another replica", retry_after=1)
+
+    def build_spec(request: Request, body: SamplingFields, prompt_ids: list[int],
+                   max_tokens: int, prompt_text: str | None) -> GenerationSpec:
+        tenant = tenant_of(request)
+        scope = cfg.shared_prefix_scope if tenant in cfg.shared_prefix_tenants else tenant
+        key = request.headers.get("idempotency-key")
+        if key is not None and not 0 < len(key) <= 256:
+            raise ApiError("invalid_request_error", "Idempotency-Key must be 1-256 characters",
+                           "Idempotency-Key")
+        return GenerationSpec(
+            prompt_token_ids=tuple(prompt_ids), sampling=_sampling(body, max_tokens),
+            tenant=tenant, cache_scope=make_cache_salt(scope, model.revision, "",
+                                                       template_version),
+            priority=body.priority, deadline_seconds=deadline_of(request, body),
+            idempotency_key=key,
+            body_fingerprint=fingerprint([request.url.path, body.model_dump(mode="json")]),
+            skip_special_tokens=body.skip_special_tokens, prompt_text=prompt_text,
+        )
+
+    async def run(request: Request, spec: GenerationSpec, stream_mode: bool,
+                  render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]],
+                  finish: Callable[[RequestStream, list[StreamEvent]], Any]) -> Response:
+        stream = await engine.submit(spec)
+        engine.attach(stream)
+        if stream_mode:
+            return StreamingResponse(_sse(engine, stream, render), media_type="text/event-stream",
+                                     headers={"x-request-id": stream.request_id})
+        try:
+            events = await _result_or_disconnect(request, stream)
+        finally:
+            engine.detach(stream)
+        if events is None:
+            return Response(status_code=499)  # client gone; nobody reads this
+        return JSONResponse(finish(stream, events).model_dump(mode="json"),
+                            headers={"x-request-id": stream.request_id})
+
+    def usage(last: StreamEvent) -> Usage:
+        return Usage(prompt_tokens=last.num_prompt_tokens,
+                     completion_tokens=last.num_output_tokens,
+                     total_tokens=last.num_prompt_tokens + last.num_output_tokens,
+                     prompt_tokens_details={"cached_tokens": last.num_cached_tokens})
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_ready()
+        check_model(body)
+        _check_supported(body)
+        prompt_ids, prompt_text = _completion_prompt(body, engine)
+        if not prompt_ids:
+            raise ApiError("invalid_request_error", "prompt: is empty; send at least one "
+                           "token", "prompt")
+        spec = build_spec(request, body, prompt_ids, body.max_tokens or 16, prompt_text)
+
+        def render(stream: RequestStream, event: StreamEvent, _: bool) -> dict[str, Any]:
+            return CompletionStreamChunk(
+                id=stream.request_id, created=stream.created, model=model.name,
+                system_fingerprint=model.revision, seq=event.seq,
+                choices=[CompletionChoice(text=event.text, finish_reason=event.finish_reason)],
+                usage=usage(event) if event.finish_reason else None,
+            ).model_dump(mode="json", exclude_none=True)
+
+        def finish(stream: RequestStream, events: list[StreamEvent]) -> CompletionResponse:
+            return CompletionResponse(
+                id=stream.request_id, created=stream.created, model=model.name,
+                system_fingerprint=model.revision,
+                choices=[CompletionChoice(text="".join(e.text for e in events),
+                                          finish_reason=events[-1].finish_reason)],
+                usage=usage(events[-1]))
+
+        return await run(request, spec, body.stream, render, finish)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses=_ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_ready()
+        check_model(body)
+        _check_supported(body)
+        if chat_template is None:
+            raise ApiError("invalid_request_error", "this model has no chat template; use "
+                           "/v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
+        prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        if not prompt_ids:
+            raise ApiError("invalid_request_error", "messages: render to an empty prompt",
+                           "messages")
+        requested = body.max_completion_tokens or body.max_tokens
+        max_tokens = requested or max(1, min(cfg.default_max_tokens,
+                                             model.max_context - len(prompt_ids)))
+        spec = build_spec(request, body, prompt_ids, max_tokens, text)
+
+        def render(stream: RequestStream, event: StreamEvent, first: bool) -> dict[str, Any]:
+            delta = ChatDelta(role="assistant" if first else None, content=event.text)
+            return ChatCompletionStreamChunk(
+                id=stream.request_id, created=stream.created, model=model.name,
+                system_fingerprint=model.revision, seq=event.seq,
+                choices=[ChatStreamChoice(delta=delta, finish_reason=event.finish_reason)],
+                usage=usage(event) if event.finish_reason else None,
+            ).model_dump(mode="json", exclude_none=True)
+
+        def finish(stream: RequestStream, events: list[StreamEvent]) -> ChatCompletionResponse:
+            message = AssistantMessage(content="".join(e.text for e in events))
+            return ChatCompletionResponse(
+                id=stream.request_id, created=stream.created, model=model.name,
+                system_fingerprint=model.revision,
+                choices=[ChatChoice(message=message, finish_reason=events[-1].finish_reason)],
+                usage=usage(events[-1]))
+
+        return await run(request, spec, body.stream, render, finish)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model.name, created=int(lifecycle.since),
+                                         root=model.name, max_model_len=model.max_context,
+                                         revision=model.revision)])
+
+    @app.get("/health", response_model=HealthResponse)
+    async def health() -> HealthResponse:
+        return HealthResponse(state=lifecycle.state.value)
+
+    @app.get("/ready", response_model=ReadyResponse, responses={503: {"model": ReadyResponse}})
+    async def ready() -> JSONResponse:
+        body = ReadyResponse(ready=lifecycle.is_ready, state=lifecycle.state.value)
+        return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.max_body_bytes)
+    return app
+
+
+async def _sse(engine: AsyncEngine, stream: RequestStream,
+               render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]]
+               ) -> AsyncIterator[str]:
+    """SSE frames: `id:` is the sequence number; the JSON carries it too (`seq`)."""
+    try:
+        first = True
+        async for event in stream.follow():
+            payload = json.dumps(render(stream, event, first), separators=(",", ":"))
+            first = False
+            yield f"id: {event.seq}\ndata: {payload}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        engine.detach(stream)
+
+
+async def _result_or_disconnect(request: Request, stream: RequestStream
+                                ) -> list[StreamEvent] | None:
+    """The request's events, or None if the client disconnected first."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    result = asyncio.ensure_future(stream.result())
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not result.done():
+            result.cancel()
+    return result.result() if result.done() and not result.cancelled() else None
