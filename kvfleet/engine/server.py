@@ -206,13 +206,26 @@ def _sampling(body: SamplingFields, max_tokens: int) -> SamplingParams:
     )
 
 
-def create_app(engine: AsyncEngine, lifecycle: Lifecycle, chat_template: ChatTemplate | None,
-               settings: ServerSettings | None = None) -> FastAPI:
+@dataclass(slots=True)
+class Serving:
+    """What the app serves; `engine` is None while the model loads (LOADING)."""
+
+    lifecycle: Lifecycle
+    engine: AsyncEngine | None = None
+    chat_template: ChatTemplate | None = None
+
+
+def create_app(serving: Serving, settings: ServerSettings | None = None) -> FastAPI:
     cfg = settings or ServerSettings()
-    model = engine.model
+    lifecycle = serving.lifecycle
     app = FastAPI(title="kvfleet engine", version="v1",
                   description="OpenAI-compatible API of one kvfleet engine instance.")
-    template_version = chat_template.sha256 if chat_template is not None else ""
+
+    def loaded() -> AsyncEngine:
+        if serving.engine is None:
+            raise ApiError("not_ready", f"the engine is {lifecycle.state.value}; retry on "
+                           "another replica", retry_after=1)
+        return serving.engine
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -268,17 +281,22 @@ def create_app(engine: AsyncEngine, lifecycle: Lifecycle, chat_template: ChatTem
         return value if body.deadline_seconds is None else min(value, body.deadline_seconds)
 
     def check_model(body: SamplingFields) -> None:
+        model = loaded().model
         if body.model not in (None, "", model.name):
             raise ApiError("model_not_found", f"model {body.model!r} is not served here; "
                            f"this engine serves {model.name!r}", "model")
 
-    def check_ready() -> None:
+    def check_ready() -> AsyncEngine:
         if lifecycle.state is not LifecycleState.READY:
             raise ApiError("not_ready", f"the engine is {lifecycle.state.value}; retry on "
                            "another replica", retry_after=1)
+        return loaded()
 
     def build_spec(request: Request, body: SamplingFields, prompt_ids: list[int],
                    max_tokens: int, prompt_text: str | None) -> GenerationSpec:
+        model = loaded().model
+        template = serving.chat_template
+        template_version = template.sha256 if template is not None else ""
         tenant = tenant_of(request)
         scope = cfg.shared_prefix_scope if tenant in cfg.shared_prefix_tenants else tenant
         key = request.headers.get("idempotency-key")
@@ -298,6 +316,7 @@ def create_app(engine: AsyncEngine, lifecycle: Lifecycle, chat_template: ChatTem
     async def run(request: Request, spec: GenerationSpec, stream_mode: bool,
                   render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]],
                   finish: Callable[[RequestStream, list[StreamEvent]], Any]) -> Response:
+        engine = loaded()
         stream = await engine.submit(spec)
         engine.attach(stream)
         if stream_mode:
@@ -320,7 +339,8 @@ def create_app(engine: AsyncEngine, lifecycle: Lifecycle, chat_template: ChatTem
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_ready()
+        engine = check_ready()
+        model = engine.model
         check_model(body)
         _check_supported(body)
         prompt_ids, prompt_text = _completion_prompt(body, engine)
@@ -350,9 +370,11 @@ def create_app(engine: AsyncEngine, lifecycle: Lifecycle, chat_template: ChatTem
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_ready()
+        engine = check_ready()
+        model = engine.model
         check_model(body)
         _check_supported(body)
+        chat_template = serving.chat_template
         if chat_template is None:
             raise ApiError("invalid_request_error", "this model has no chat template; use "
                            "/v1/completions", "messages")
@@ -386,8 +408,9 @@ def create_app(engine: AsyncEngine, lifecycle: Lifecycle, chat_template: ChatTem
 
         return await run(request, spec, body.stream, render, finish)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses={503: {"model": ErrorResponse}})
     async def models() -> ModelList:
+        model = loaded().model
         return ModelList(data=[ModelCard(id=model.name, created=int(lifecycle.since),
                                          root=model.name, max_model_len=model.max_context,
                                          revision=model.revision)])
@@ -403,7 +426,7 @@ def create_app(engine: AsyncEngine, lifecycle: Lifecycle, chat_template: ChatTem
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE)
+        return Response(loaded().metrics.exposition(), media_type=CONTENT_TYPE)
 
     app.add_middleware(BodySizeLimit, max_bytes=cfg.max_body_bytes)
     return app

@@ -18,7 +18,7 @@ from server_fakes import FakeCore, chat_template, make_engine
 
 from kvfleet.engine.async_engine import AdmissionLimits, AsyncEngine
 from kvfleet.engine.lifecycle import Lifecycle, warm_up
-from kvfleet.engine.server import ServerSettings, create_app
+from kvfleet.engine.server import ServerSettings, Serving, create_app
 
 SCRIPT = "hello world, this is a fake model. " * 8
 
@@ -38,7 +38,7 @@ async def _serve(core: FakeCore | None = None, *, max_context: int = 256,
     engine.start()
     lifecycle = Lifecycle()
     await warm_up(engine, lifecycle, (1, 2, 3))
-    app = create_app(engine, lifecycle, chat_template(), settings)
+    app = create_app(Serving(lifecycle, engine, chat_template()), settings)
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://kvfleet") as client:

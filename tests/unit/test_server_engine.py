@@ -21,7 +21,7 @@ from kvfleet.engine.idempotency import IdempotencyCache, IdempotencyConflict
 from kvfleet.engine.lifecycle import Lifecycle, LifecycleState, WarmupError, warm_up
 from kvfleet.engine.request import SamplingParams
 from kvfleet.engine.request_log import REQUEST_LOGGER, JsonLineFormatter
-from kvfleet.engine.server import create_app
+from kvfleet.engine.server import Serving, create_app
 
 
 def spec(max_tokens: int = 200, **kwargs: object) -> GenerationSpec:
@@ -103,7 +103,7 @@ async def test_failing_step_fails_its_requests_and_the_engine_keeps_serving() ->
 async def test_drain_lets_short_requests_finish_then_cancels_the_rest() -> None:
     core = FakeCore(step_seconds=0.005)
     engine, lifecycle = await started(core)
-    app = create_app(engine, lifecycle, chat_template())
+    app = create_app(Serving(lifecycle, engine, chat_template()))
     try:
         short = await engine.submit(spec(max_tokens=5))
         long = await engine.submit(spec(max_tokens=200))

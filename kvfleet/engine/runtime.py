@@ -1,0 +1,110 @@
+"""One engine server process: serve HTTP at once, load and warm up, drain on SIGTERM.
+
+The HTTP listener starts before the model loads, so `/health` answers (state LOADING) while
+weights are read and a slow load is not mistaken for a dead process. The model loads in a
+worker thread; a warm-up generation then moves the instance to READY.
+
+SIGTERM (or SIGINT) starts a drain: the instance leaves READY at once (new requests get 503
+`not_ready`, `/ready` turns 503 so endpoints are removed), in-flight requests get
+`grace_seconds` to finish, the rest end with finish_reason `cancelled`, then the listener
+closes and the process exits 0. A second SIGINT forces an immediate exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+
+import uvicorn
+
+from kvfleet.engine.async_engine import AsyncEngine
+from kvfleet.engine.chat_template import ChatTemplate
+from kvfleet.engine.errors import KvfleetEngineError
+from kvfleet.engine.lifecycle import Lifecycle, LifecycleState, WarmupError, warm_up
+from kvfleet.engine.server import ServerSettings, Serving, create_app
+
+logger = logging.getLogger("kvfleet.engine.runtime")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedEngine:
+    engine: AsyncEngine
+    chat_template: ChatTemplate | None
+    warmup_prompt_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grace_seconds: float = 30.0
+    settings: ServerSettings = field(default_factory=ServerSettings)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains instead of closing at once."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.draining:
+            self.draining = True
+            logger.info("signal %d: draining", sig,
+                        extra={"fields": {"event": "drain_start", "signal": sig}})
+            self._on_signal()
+        elif sig == signal.SIGINT:
+            self.force_exit = self.should_exit = True
+        # Unlike uvicorn, the signal is not re-raised after shutdown: draining is the
+        # handling, and the process exits 0.
+
+
+async def run_server(load: Callable[[], LoadedEngine], options: RuntimeOptions) -> int:
+    """Serve until drained; the exit code (0 after a drain, 1 if loading/warm-up failed)."""
+    lifecycle = Lifecycle()
+    serving = Serving(lifecycle)
+    app = create_app(serving, options.settings)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_config=None,
+                            access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=int(options.grace_seconds) + 5)
+    loop = asyncio.get_running_loop()
+
+    async def drain() -> None:
+        lifecycle.advance(LifecycleState.DRAINING)
+        if serving.engine is not None:
+            cancelled = await serving.engine.drain(options.grace_seconds)
+            logger.info("drained; %d requests cancelled after the grace period", cancelled,
+                        extra={"fields": {"event": "drain_done", "cancelled": cancelled}})
+        server.should_exit = True
+
+    server = _DrainingServer(config, lambda: loop.call_soon_threadsafe(
+        lambda: loop.create_task(drain())))
+    serve_task = asyncio.create_task(server.serve())
+    exit_code = 0
+    try:
+        loaded = await asyncio.to_thread(load)
+        serving.chat_template = loaded.chat_template
+        serving.engine = loaded.engine
+        loaded.engine.start()
+        if lifecycle.state is LifecycleState.LOADING:
+            await warm_up(loaded.engine, lifecycle, loaded.warmup_prompt_ids)
+            logger.info("ready", extra={"fields": {"event": "ready",
+                                                   "model": loaded.engine.model.name,
+                                                   "revision": loaded.engine.model.revision}})
+    except (KvfleetEngineError, WarmupError, ValueError) as exc:
+        logger.error("engine failed to start: %s", exc,
+                     extra={"fields": {"event": "start_failed"}})
+        exit_code = 1
+        server.should_exit = True
+    await serve_task
+    if serving.engine is not None:
+        await serving.engine.stop()
+    if not server.started and exit_code == 0:
+        exit_code = 1  # e.g. the port was taken; uvicorn logged why
+    return exit_code
