@@ -48,7 +48,7 @@ class RuntimeOptions:
 class _DrainingServer(uvicorn.Server):
     """uvicorn, but the first SIGTERM/SIGINT drains instead of closing at once."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], object]) -> None:
         super().__init__(config)
         self._on_signal = on_signal
         self.draining = False
