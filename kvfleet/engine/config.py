@@ -1,0 +1,131 @@
+"""Engine configuration: one frozen dataclass per subsystem, validated on construction.
+
+Every check raises `ValueError` naming the field and the accepted range, so a bad flag or
+ServingPool setting fails at start-up with a message the operator can act on, never later in
+the middle of a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+
+MIB = 1024 * 1024
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * MIB
+
+
+class SchedulingPolicy(StrEnum):
+    """Order in which waiting requests are admitted (fairness across tenants applies to both)."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"  # lower `Request.priority` value first, aged by waiting time
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache: `num_blocks` blocks of `block_size` token slots each.
+
+    `num_blocks=None` means "size the pool from `kv_cache_memory_bytes`", which needs the
+    model's bytes per token (see `resolve_num_blocks`).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            f"cache.block_size must be a positive power of two, got {self.block_size}",
+        )
+        _require(
+            self.num_blocks is None or self.num_blocks > 0,
+            f"cache.num_blocks must be positive (or None to size from memory), "
+            f"got {self.num_blocks}",
+        )
+        _require(
+            self.kv_cache_memory_bytes > 0,
+            f"cache.kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}",
+        )
+
+    def resolve_num_blocks(self, kv_bytes_per_token: int) -> int:
+        """The pool size: explicit `num_blocks`, else as many blocks as the budget holds."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        _require(kv_bytes_per_token > 0, f"kv_bytes_per_token must be positive, got "
+                 f"{kv_bytes_per_token}")
+        num_blocks = self.kv_cache_memory_bytes // (kv_bytes_per_token * self.block_size)
+        _require(
+            num_blocks > 0,
+            f"cache.kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no block of "
+            f"{self.block_size} tokens at {kv_bytes_per_token} bytes per token; raise it",
+        )
+        return num_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Token-budget scheduling.
+
+    - `max_num_batched_tokens`: tokens computed per step, prefill and decode together.
+    - `max_num_running`: requests holding KV blocks at once (the decode batch size).
+    - `long_prefill_token_threshold`: the largest prefill chunk one request gets per step,
+      so a long prompt cannot monopolise a step and stall everyone's decode.
+    - `tenant_weights`: relative token share per tenant; unnamed tenants weigh 1.0.
+    - `priority_aging_seconds`: under the priority policy, each this many seconds of waiting
+      raise a request by one priority level, so low priority never starves.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_running: int = 64
+    long_prefill_token_threshold: int = 512
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    priority_aging_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_num_batched_tokens > 0,
+            f"scheduler.max_num_batched_tokens must be positive, got "
+            f"{self.max_num_batched_tokens}",
+        )
+        _require(
+            self.max_num_running > 0,
+            f"scheduler.max_num_running must be positive, got {self.max_num_running}",
+        )
+        _require(
+            self.long_prefill_token_threshold > 0,
+            f"scheduler.long_prefill_token_threshold must be positive, got "
+            f"{self.long_prefill_token_threshold}",
+        )
+        try:
+            # Accept the plain string a CLI flag or a ServingPool field carries.
+            object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+        except ValueError:
+            raise ValueError(
+                f"scheduler.policy must be one of {[p.value for p in SchedulingPolicy]}, "
+                f"got {self.policy!r}"
+            ) from None
+        for tenant, weight in self.tenant_weights.items():
+            _require(
+                weight > 0,
+                f"scheduler.tenant_weights[{tenant!r}] must be positive, got {weight}",
+            )
+        _require(
+            self.priority_aging_seconds > 0,
+            f"scheduler.priority_aging_seconds must be positive, got "
+            f"{self.priority_aging_seconds}",
+        )
+        # Freeze the mapping too: a frozen dataclass with a mutable dict inside is not frozen.
+        object.__setattr__(self, "tenant_weights", MappingProxyType(dict(self.tenant_weights)))
+
+    def tenant_weight(self, tenant: str) -> float:
+        return self.tenant_weights.get(tenant, 1.0)
