@@ -1,0 +1,212 @@
+"""The Llama-family decoder (RMSNorm, rotate-half RoPE, GQA, SwiGLU) over a flat token batch.
+
+The model knows nothing about paging or requests: `forward` takes the concatenated tokens of
+every sequence in a step, their positions, and an `Attention` object that stores this step's
+K/V and attends over each sequence's context. The model runner supplies a paged one; tests
+supply a contiguous one as the reference.
+
+Batch invariance (a request's greedy output must not depend on what it is batched with):
+on CPU, MKL picks a different sgemm kernel for fewer than 16 rows, and with 2+ threads splits
+long reductions (K=1536) across threads for some row counts; either changes the last bits of
+a row's result depending on the *other* rows. So every matmul here runs on at least
+`MIN_GEMM_ROWS` rows (zero padding) and reductions longer than `MAX_GEMM_K` are split into
+fixed chunks summed in a fixed order. Measured: identical bits per row for any batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfleet.engine.errors import ModelLoadError
+from kvfleet.engine.model.config import ModelConfig
+
+MIN_GEMM_ROWS = 16
+MAX_GEMM_K = 768
+
+
+class Attention(Protocol):
+    """Stores a layer's new K/V and returns attention output for every query token.
+
+    q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim] (RoPE applied);
+    returns [T, num_heads * head_dim].
+    """
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, kv, q = config.hidden_size, config.kv_dim, config.num_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens": (config.vocab_size, h),
+        "norm": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.vocab_size, h)
+    for i in range(config.num_layers):
+        shapes.update(
+            {
+                f"layers.{i}.input_layernorm": (h,),
+                f"layers.{i}.q_proj": (q, h),
+                f"layers.{i}.k_proj": (kv, h),
+                f"layers.{i}.v_proj": (kv, h),
+                f"layers.{i}.o_proj": (h, q),
+                f"layers.{i}.post_attention_layernorm": (h,),
+                f"layers.{i}.gate_proj": (config.intermediate_size, h),
+                f"layers.{i}.up_proj": (config.intermediate_size, h),
+                f"layers.{i}.down_proj": (h, config.intermediate_size),
+            }
+        )
+    return shapes
+
+
+def check_weights(
+    config: ModelConfig, weights: Mapping[str, torch.Tensor], path: str | Path
+) -> None:
+    """ModelLoadError naming the first missing or mis-shaped tensor."""
+    for name, shape in expected_weight_shapes(config).items():
+        tensor = weights.get(name)
+        if tensor is None:
+            raise ModelLoadError(
+                path,
+                f"weight {name!r} is missing",
+                "The file is incomplete; re-convert or re-download it",
+            )
+        if tuple(tensor.shape) != shape:
+            raise ModelLoadError(
+                path,
+                f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {shape} from the file's hyperparameters",
+                "The file is inconsistent; re-convert it",
+            )
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T with a result per row that does not depend on the other rows."""
+    rows = x.shape[0]
+    if rows < MIN_GEMM_ROWS:
+        x = torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])])
+    k = x.shape[1]
+    if k <= MAX_GEMM_K:
+        out = F.linear(x, weight)
+    else:
+        out = F.linear(x[:, :MAX_GEMM_K], weight[:, :MAX_GEMM_K])
+        for start in range(MAX_GEMM_K, k, MAX_GEMM_K):
+            out += F.linear(x[:, start : start + MAX_GEMM_K], weight[:, start : start + MAX_GEMM_K])
+    return out[:rows] if rows < MIN_GEMM_ROWS else out
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as HF's LlamaRMSNorm, so the two agree bit for bit on the same input.
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel(nn.Module):
+    """Weights plus the math; the K/V storage lives in the `Attention` passed to `forward`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        path: str | Path = "<weights>",
+    ) -> None:
+        super().__init__()
+        check_weights(config, weights, path)
+        self.config = config
+        self.embed_tokens = nn.Parameter(weights["embed_tokens"].float(), requires_grad=False)
+        self.norm = nn.Parameter(weights["norm"].float(), requires_grad=False)
+        lm_head = weights.get("lm_head") if not config.tie_word_embeddings else None
+        self.lm_head = (
+            self.embed_tokens
+            if lm_head is None
+            else nn.Parameter(lm_head.float(), requires_grad=False)
+        )
+        # Q/K/V and gate/up are fused so each is one matmul over all tokens of the step.
+        self.qkv_proj = nn.ParameterList()
+        self.o_proj = nn.ParameterList()
+        self.gate_up_proj = nn.ParameterList()
+        self.down_proj = nn.ParameterList()
+        self.input_layernorm = nn.ParameterList()
+        self.post_attention_layernorm = nn.ParameterList()
+        for i in range(config.num_layers):
+
+            def w(name: str, layer: int = i) -> torch.Tensor:
+                return weights[f"layers.{layer}.{name}"].float()
+
+            self.qkv_proj.append(
+                nn.Parameter(
+                    torch.cat([w("q_proj"), w("k_proj"), w("v_proj")]), requires_grad=False
+                )
+            )
+            self.o_proj.append(nn.Parameter(w("o_proj").contiguous(), requires_grad=False))
+            self.gate_up_proj.append(
+                nn.Parameter(torch.cat([w("gate_proj"), w("up_proj")]), requires_grad=False)
+            )
+            self.down_proj.append(nn.Parameter(w("down_proj").contiguous(), requires_grad=False))
+            self.input_layernorm.append(nn.Parameter(w("input_layernorm"), requires_grad=False))
+            self.post_attention_layernorm.append(
+                nn.Parameter(w("post_attention_layernorm"), requires_grad=False)
+            )
+        self._inv_freq = 1.0 / (
+            config.rope_theta
+            ** (torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim)
+        )
+        self._rope_cache_len = 0
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, 1, head_dim] for `positions`, from a table grown on demand."""
+        needed = int(positions.max().item()) + 1 if positions.numel() else 0
+        if needed > self._rope_cache_len:
+            length = max(needed, 2 * self._rope_cache_len, 1024)
+            # Same float32 computation as HF's default rotary embedding.
+            freqs = torch.arange(length, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos(), emb.sin()
+            self._rope_cache_len = length
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] (before the final norm) for flat `token_ids` [T]."""
+        cfg = self.config
+        num_tokens = token_ids.shape[0]
+        q_size = cfg.num_heads * cfg.head_dim
+        cos, sin = self._rope(positions)
+        hidden = self.embed_tokens[token_ids]
+        for layer in range(cfg.num_layers):
+            x = _rms_norm(hidden, self.input_layernorm[layer], cfg.rms_norm_eps)
+            qkv = _linear(x, self.qkv_proj[layer])
+            q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + cfg.kv_dim].view(
+                num_tokens, cfg.num_kv_heads, cfg.head_dim
+            )
+            v = qkv[:, q_size + cfg.kv_dim :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            attn = attention(layer, q, k, v)
+            hidden = hidden + _linear(attn, self.o_proj[layer])
+            x = _rms_norm(hidden, self.post_attention_layernorm[layer], cfg.rms_norm_eps)
+            gate, up = _linear(x, self.gate_up_proj[layer]).chunk(2, dim=-1)
+            hidden = hidden + _linear(F.silu(gate) * up, self.down_proj[layer])
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for pre-norm hidden states [N, hidden]."""
+        x = _rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return _linear(x, self.lm_head)

@@ -1,0 +1,235 @@
+"""`ModelRunner`: owns the paged KV cache and runs one `SchedulerOutput` as one forward pass.
+
+The KV cache is one float32 tensor `[num_layers, 2 (K, V), num_blocks, block_size,
+num_kv_heads, head_dim]`; position p of a request lives in block `block_ids[p // block_size]`,
+slot `p % block_size` (see `scheduler_output.py`).
+
+A step concatenates the tokens of all its chunks into one flat batch, so every projection and
+MLP is one matmul over all tokens. Attention is the only per-sequence part:
+- decode chunks (one token each) are batched together: their K/V is gathered block-wise from
+  the cache into `[B, max_blocks * block_size]`, padding masked out, one SDPA call per layer;
+- prefill chunks (more than one token) each gather their own context and use a causal mask
+  offset by `start_position`, so chunked prefill across block boundaries is exact.
+Grouped-query attention is folded into the query length ([kv_heads, group * L, head_dim]) so
+K/V are never repeated per query head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvfleet.engine.model.config import ModelConfig
+from kvfleet.engine.model.llama import LlamaModel
+from kvfleet.engine.model.loader import LoadedModel
+from kvfleet.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+KV_DTYPE = torch.float32
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
+    """Bytes of KV cache one block of `block_size` tokens takes across all layers."""
+    return config.num_layers * 2 * block_size * config.kv_dim * KV_DTYPE.itemsize
+
+
+def num_blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: int) -> int:
+    """How many KV blocks fit in `budget_bytes` (at least 1 is not guaranteed: may return 0)."""
+    return max(0, budget_bytes // kv_bytes_per_block(config, block_size))
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeBatch:
+    token_index: torch.Tensor  # [B] rows of the flat batch
+    block_table: torch.Tensor  # [B, max_blocks], padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size], True = attend
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillChunk:
+    first_row: int
+    num_tokens: int
+    block_ids: torch.Tensor  # [num_blocks covering the context]
+    context_len: int
+    mask: torch.Tensor  # [group * num_tokens, context_len], True = attend
+
+
+class _PagedAttention:
+    """The `Attention` the model calls for one step: writes K/V to the cache, then attends."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        slots: torch.Tensor,
+        decode: _DecodeBatch | None,
+        prefills: list[_PrefillChunk],
+    ) -> None:
+        self._runner = runner
+        self._slots = slots
+        self._decode = decode
+        self._prefills = prefills
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        runner = self._runner
+        cfg = runner.config
+        group = cfg.num_queries_per_kv
+        k_cache, v_cache = runner.kv_cache[layer, 0], runner.kv_cache[layer, 1]
+        k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[self._slots] = k
+        v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[self._slots] = v
+        out = q.new_empty(q.shape[0], cfg.num_heads * cfg.head_dim)
+        if self._decode is not None:
+            d = self._decode
+            batch = d.token_index.shape[0]
+            qd = q[d.token_index].view(batch, cfg.num_kv_heads, group, cfg.head_dim)
+            kd = k_cache[d.block_table].flatten(1, 2).transpose(1, 2)
+            vd = v_cache[d.block_table].flatten(1, 2).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask)
+            out[d.token_index] = od.reshape(batch, -1)
+        for p in self._prefills:
+            rows = slice(p.first_row, p.first_row + p.num_tokens)
+            qp = (
+                q[rows]
+                .view(p.num_tokens, cfg.num_kv_heads, group, cfg.head_dim)
+                .permute(1, 2, 0, 3)
+                .reshape(cfg.num_kv_heads, group * p.num_tokens, cfg.head_dim)
+            )
+            kp = k_cache[p.block_ids].flatten(0, 1)[: p.context_len].transpose(0, 1)
+            vp = v_cache[p.block_ids].flatten(0, 1)[: p.context_len].transpose(0, 1)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask)
+            out[rows] = (
+                op.view(cfg.num_kv_heads, group, p.num_tokens, cfg.head_dim)
+                .permute(2, 0, 1, 3)
+                .reshape(p.num_tokens, -1)
+            )
+        return out
+
+
+class ModelRunner:
+    """Runs scheduled chunks over the paged KV cache and returns next-token logits."""
+
+    def __init__(self, model: LoadedModel | LlamaModel, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.model: LlamaModel = model.model if isinstance(model, LoadedModel) else model
+        self.config = self.model.config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        cfg = self.config
+        self.kv_cache = torch.zeros(
+            cfg.num_layers,
+            2,
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=KV_DTYPE,
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def _check_chunk(self, chunk: ScheduledChunk) -> None:
+        end = chunk.start_position + len(chunk.token_ids)
+        # Invariants of SchedulerOutput; a violation is a scheduler bug, so fail loudly here
+        # rather than write K/V into another request's block.
+        if not chunk.token_ids or chunk.start_position < 0:
+            raise ValueError(f"chunk of request {chunk.request_id!r} is empty or starts before 0")
+        if len(chunk.block_ids) * self.block_size < end:
+            raise ValueError(
+                f"chunk of request {chunk.request_id!r} covers positions up to {end} "
+                f"but has only {len(chunk.block_ids)} blocks of {self.block_size}"
+            )
+        if any(not 0 <= b < self.num_blocks for b in chunk.block_ids):
+            raise ValueError(
+                f"chunk of request {chunk.request_id!r} names a block outside "
+                f"[0, {self.num_blocks})"
+            )
+
+    def _apply_block_copies(self, copies: tuple[tuple[int, int], ...]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _plan(
+        self, chunks: tuple[ScheduledChunk, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, _PagedAttention, list[int]]:
+        bs = self.block_size
+        group = self.config.num_queries_per_kv
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_chunks: list[ScheduledChunk] = []
+        prefills: list[_PrefillChunk] = []
+        for chunk in chunks:
+            self._check_chunk(chunk)
+            first_row = len(token_ids)
+            n = len(chunk.token_ids)
+            start = chunk.start_position
+            token_ids.extend(chunk.token_ids)
+            chunk_positions = range(start, start + n)
+            positions.extend(chunk_positions)
+            slots.extend(chunk.block_ids[p // bs] * bs + p % bs for p in chunk_positions)
+            if chunk.sample:
+                last_rows.append(first_row + n - 1)
+            if n == 1:
+                decode_rows.append(first_row)
+                decode_chunks.append(chunk)
+                continue
+            context_len = start + n
+            num_blocks = -(-context_len // bs)
+            query_pos = torch.arange(start, start + n).repeat(group)  # row (g, i) -> start + i
+            mask = torch.arange(context_len)[None, :] <= query_pos[:, None]
+            prefills.append(
+                _PrefillChunk(
+                    first_row=first_row,
+                    num_tokens=n,
+                    block_ids=torch.tensor(chunk.block_ids[:num_blocks], dtype=torch.long),
+                    context_len=context_len,
+                    mask=mask,
+                )
+            )
+        decode: _DecodeBatch | None = None
+        if decode_chunks:
+            max_blocks = max(c.start_position // bs + 1 for c in decode_chunks)
+            table = torch.zeros(len(decode_chunks), max_blocks, dtype=torch.long)
+            for i, c in enumerate(decode_chunks):
+                used = c.block_ids[: c.start_position // bs + 1]
+                table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
+            context = torch.tensor([c.start_position + 1 for c in decode_chunks])
+            mask = torch.arange(max_blocks * bs)[None, :] < context[:, None]
+            decode = _DecodeBatch(
+                token_index=torch.tensor(decode_rows, dtype=torch.long),
+                block_table=table,
+                mask=mask[:, None, None, :],
+            )
+        attention = _PagedAttention(self, torch.tensor(slots, dtype=torch.long), decode, prefills)
+        return (
+            torch.tensor(token_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            attention,
+            last_rows,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Run one step; float32 logits [vocab] of the last position of each sampled chunk."""
+        self._apply_block_copies(out.block_copies)
+        if out.is_empty:
+            return {}
+        token_ids, positions, attention, last_rows = self._plan(out.chunks)
+        hidden = self.model(token_ids, positions, attention)
+        if not last_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, dtype=torch.long)])
+        sampled = [c.request_id for c in out.chunks if c.sample]
+        return dict(zip(sampled, logits.unbind(0), strict=True))
