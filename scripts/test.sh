@@ -8,8 +8,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check kvfleet tests e2e bench
 echo "== mypy"; mypy
 echo "== import-linter"; lint-imports
-echo "== e2e tools (cached Kubernetes binaries; Prometheus from Debian)"
-command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+echo "== e2e tools (cached Kubernetes, etcd, KWOK, helm and Prometheus binaries)"
 e2e/tools/build.sh; export KVFLEET_E2E_REQUIRED=1
 echo "== pytest"
 set +e

@@ -221,7 +221,12 @@ class DevCluster:
         )
         if self.options.prometheus:
             self.prometheus = Prometheus(
-                self.workdir / "prometheus", free_port(), self.server, pki.ca.cert, pki.admin
+                tools["prometheus"],
+                self.workdir / "prometheus",
+                free_port(),
+                self.server,
+                pki.ca.cert,
+                pki.admin,
             )
             self.processes.append(self.prometheus.process)
         insecure = ssl.create_default_context()

@@ -1,32 +1,19 @@
-"""A real Prometheus server (the Debian `prometheus` binary) that discovers pods through the
-dev cluster's API server and scrapes the ones annotated `prometheus.io/scrape: "true"`."""
+"""A real Prometheus server (built from its Go module by the toolchain: Debian's package lacks
+kubernetes_sd_configs) that discovers pods through the dev cluster's API server and scrapes the
+ones annotated `prometheus.io/scrape: "true"`."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
-from kvfleet.devcluster.errors import ToolsMissingError
 from kvfleet.devcluster.pki import CertPair
 from kvfleet.devcluster.processes import ManagedProcess
 
 SCRAPE_INTERVAL_S = 2
-
-
-def find_prometheus() -> str:
-    path = shutil.which("prometheus") or (
-        "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None
-    )
-    if path is None:
-        raise ToolsMissingError(
-            "prometheus is not installed: `apt-get install -y prometheus` (scripts/test.sh does "
-            "this in CI)"
-        )
-    return path
 
 
 def build_config(api_server: str, ca: Path, client: CertPair) -> dict[str, Any]:
@@ -45,6 +32,8 @@ def build_config(api_server: str, ca: Path, client: CertPair) -> dict[str, Any]:
         "scrape_configs": [
             {
                 "job_name": "kubernetes-pods",
+                # Accept plain-text exposition served without the Prometheus content type.
+                "fallback_scrape_protocol": "PrometheusText0.0.4",
                 "kubernetes_sd_configs": [
                     {"role": "pod", "api_server": api_server, "tls_config": tls}
                 ],
@@ -81,7 +70,7 @@ class Prometheus:
     """The server process and a tiny query client."""
 
     def __init__(
-        self, workdir: Path, port: int, api_server: str, ca: Path, client: CertPair
+        self, binary: Path, workdir: Path, port: int, api_server: str, ca: Path, client: CertPair
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         config_path = workdir / "prometheus.yml"
@@ -90,7 +79,7 @@ class Prometheus:
         self.process = ManagedProcess(
             "prometheus",
             [
-                find_prometheus(),
+                str(binary),
                 f"--config.file={config_path}",
                 f"--storage.tsdb.path={workdir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{port}",

@@ -84,6 +84,11 @@ def _stamps(name: str, version: str) -> list[str]:
             "helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1",
             "helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=34",
         ]
+    if name == "prometheus":
+        # Module v0.3MM.P is Prometheus 3.MM.P.
+        minor_patch = version.lstrip("v").split(".")[1:]
+        release = f"3.{int(minor_patch[0]) - 300}.{minor_patch[1]}"
+        return [f"github.com/prometheus/common/version.Version={release}"]
     return []  # etcd carries its version as a constant in go.etcd.io/etcd/api/v3/version
 
 
@@ -100,6 +105,13 @@ TOOLS: tuple[Tool, ...] = (
     ),
     Tool("kwok", "sigs.k8s.io/kwok", ("sigs.k8s.io/kwok/cmd/kwok",), ("kwok",)),
     Tool("helm", "helm.sh/helm/v3", ("helm.sh/helm/v3/cmd/helm",), ("helm",)),
+    # Debian's prometheus is built without kubernetes_sd_configs, so we build the real thing.
+    Tool(
+        "prometheus",
+        "github.com/prometheus/prometheus",
+        ("github.com/prometheus/prometheus/cmd/prometheus",),
+        ("prometheus",),
+    ),
 )
 
 
@@ -204,6 +216,7 @@ def _build_one(go: str, src: Path, tool: Tool, folder: Path, log: bool) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Build into a sibling temp dir and rename: a half-built tool never looks cached.
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    staging.chmod(0o755)
     log_path = staging / "build.log"
     cmd = [
         go,
