@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfleet import __version__ as ENGINE_VERSION
+from kvfleet import __version__
 from kvfleet.api import ModelArtifactSpec, ServingPoolSpec, base_hash
 from kvfleet.compat.matrix import GPUArchitecture, Matrix, default_matrix, parse_version
+
+# The operator deploys the engine bundled with this kvfleet release.
+ENGINE_VERSION: str = __version__
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,113 @@
+"""From raw objects to a decision: parse, resolve references, run the pure rules.
+
+`admit()` is shared by the HTTPS webhook (references fetched from the apiserver) and
+`kvfleet check` (references found among the files given). It is async only because fetching
+may be; the rules themselves are the pure functions in kvfleet.webhooks.validate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvfleet.api import KINDS, ModelArtifact, Rollout, ServingPool, TenantQuota
+from kvfleet.api.documents import error_path
+from kvfleet.compat import Matrix
+from kvfleet.webhooks.validate import (
+    FieldError,
+    validate_modelartifact,
+    validate_rollout,
+    validate_servingpool,
+    validate_tenantquota,
+)
+
+# (kind, namespace, name) -> the object as stored, or None when it does not exist.
+Fetch = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]
+
+
+class FetchError(RuntimeError):
+    """A referenced object could not be read (apiserver unreachable, forbidden, ...)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    errors: list[FieldError] = field(default_factory=list)
+    warnings: list[FieldError] = field(default_factory=list)
+
+    @property
+    def allowed(self) -> bool:
+        return not self.errors
+
+    def message(self, kind: str, name: str) -> str:
+        details = "; ".join(str(e) for e in self.errors)
+        return f"{kind} {name} is invalid: {details}"
+
+
+def _schema_errors(error: ValidationError) -> list[FieldError]:
+    return [
+        FieldError(error_path(tuple(e["loc"])) or "(object)", "schema", e["msg"])
+        for e in error.errors()
+    ]
+
+
+def _parse(kind: str, data: dict[str, Any]) -> Any:
+    return KINDS[kind].model_validate(data)
+
+
+async def _get(fetch: Fetch, cls: type[Any], namespace: str, name: str) -> Any:
+    data = await fetch(cls.__name__, namespace, name)
+    if data is None:
+        return None
+    try:
+        return cls.model_validate(data)
+    except ValidationError:
+        # A stored object that no longer parses is treated as absent: admitting a reference to
+        # it would hand the operator something it cannot use.
+        return None
+
+
+async def admit(
+    kind: str,
+    new_data: dict[str, Any],
+    old_data: dict[str, Any] | None,
+    *,
+    fetch: Fetch,
+    matrix: Matrix,
+) -> Decision:
+    """The decision for creating (old_data None) or updating an object of `kind`."""
+    if kind not in KINDS:
+        return Decision([FieldError("kind", "schema", f"{kind} is not a kvfleet kind")])
+    try:
+        new = _parse(kind, new_data)
+        old = _parse(kind, old_data) if old_data is not None else None
+    except ValidationError as error:
+        return Decision(_schema_errors(error))
+    if new_data.get("metadata", {}).get("deletionTimestamp"):
+        # Finalizer removal during deletion must never be blocked by a missing reference.
+        return Decision()
+    if old is not None and old.spec == new.spec:
+        # Metadata-only updates (labels, finalizers) keep an admitted spec admitted, even if a
+        # referenced object has since gone away.
+        return Decision()
+    namespace = new.metadata.namespace or "default"
+    found: list[FieldError]
+    if isinstance(new, ModelArtifact):
+        found = validate_modelartifact(new, old, matrix=matrix)
+    elif isinstance(new, ServingPool):
+        artifact = await _get(fetch, ModelArtifact, namespace, new.spec.artifact_ref.name)
+        found = validate_servingpool(new, old, artifact=artifact, matrix=matrix)
+    elif isinstance(new, TenantQuota):
+        found = validate_tenantquota(new, old)
+    elif isinstance(new, Rollout):
+        pool = await _get(fetch, ServingPool, namespace, new.spec.pool_ref.name)
+        target = await _get(fetch, ModelArtifact, namespace, new.spec.target_artifact_ref.name)
+        found = validate_rollout(new, old, pool=pool, target=target, matrix=matrix)
+    else:
+        raise TypeError(f"no admission rules for {type(new).__name__}")
+    return Decision(
+        errors=[e for e in found if e.severity == "error"],
+        warnings=[e for e in found if e.severity == "warning"],
+    )
