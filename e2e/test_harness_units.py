@@ -72,12 +72,20 @@ def _pod(*containers: Container) -> LocalPod:
 def test_pod_status_is_ready_only_when_every_container_is() -> None:
     a, b = Container({"name": "a"}), Container({"name": "b"})
     a.process = b.process = None
-    a.restart_count = 1  # has run: Running phase, but crashed and waiting
+    a.restart_count, a.started_at = 1, "2026-01-01T00:00:00Z"  # ran, crashed, now waiting
     status = pod_status(_pod(a, b), {})
     assert status["phase"] == "Running"
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False"
     assert status["containerStatuses"][0]["state"] == {"waiting": {"reason": "CrashLoopBackOff"}}
+
+
+def test_pod_that_cannot_start_stays_pending_with_the_reason() -> None:
+    c = Container({"name": "a"}, restart_count=2, start_error="no command")
+    status = pod_status(_pod(c), {})
+    assert status["phase"] == "Pending"
+    waiting = status["containerStatuses"][0]["state"]["waiting"]
+    assert waiting == {"reason": "RunContainerError", "message": "no command"}
 
 
 def test_pod_status_failed_when_a_container_exits_non_zero_for_good() -> None:

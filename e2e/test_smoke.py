@@ -251,3 +251,40 @@ def test_warm_start_is_quick_and_teardown_leaves_nothing(
     assert not any(
         str(workdir) in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])
     ), "a process still refers to the removed work dir"
+
+
+def test_local_pod_restarts_per_restart_policy(
+    kube: KubeClient, namespace: str, local_node: str
+) -> None:
+    def crashing(name: str, policy: str) -> JsonObj:
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": local_node},
+                "restartPolicy": policy,
+                "containers": [{"name": "c", "image": "none", "command": ["sh", "-c", "exit 3"]}],
+            },
+        }
+
+    kube.create(crashing("always", "Always"))
+    kube.create(crashing("never", "Never"))
+
+    def restarted_twice() -> JsonObj | None:
+        pod = kube.get("Pod", "always", namespace)
+        statuses = pod["status"].get("containerStatuses") or [{}]
+        return pod if statuses[0].get("restartCount", 0) >= 2 else None
+
+    pod = kube.wait_for("the Always pod restarted twice", restarted_twice, 30)
+    assert pod["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 3
+    failed = kube.wait_for(
+        "the Never pod Failed",
+        lambda: (
+            p if (p := kube.get("Pod", "never", namespace))["status"]["phase"] == "Failed" else None
+        ),
+        30,
+    )
+    (status,) = failed["status"]["containerStatuses"]
+    assert status["restartCount"] == 0
+    assert status["state"]["terminated"]["exitCode"] == 3

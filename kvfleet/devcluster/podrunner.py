@@ -124,6 +124,7 @@ class Container:
     next_start: float = 0.0
     ready: bool = False
     done: bool = False  # exited and will not be restarted
+    start_error: str | None = None
     probe_due: float = 0.0
     probe_failures: int = 0
     live_due: float = 0.0
@@ -173,6 +174,7 @@ class LocalPodRunner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_heartbeat = 0.0
+        self._since = now_iso()  # the nodes' conditions have held since the runner started
         self._http = httpx.Client(timeout=1.0)
 
     # lifecycle -------------------------------------------------------------------------------
@@ -227,7 +229,7 @@ class LocalPodRunner:
                     }
                 )
             self.api.merge_patch(
-                "Node", node, {"status": _node_status(node, now)}, subresource="status"
+                "Node", node, {"status": _node_status(node, now, self._since)}, subresource="status"
             )
         self._next_heartbeat = time.monotonic() + HEARTBEAT_S
 
@@ -245,7 +247,10 @@ class LocalPodRunner:
                     if obj.get("status", {}).get("phase") in ("Succeeded", "Failed"):
                         continue
                     pod = self._admit(obj, node)
-                self._sync_pod(pod, obj)
+                try:
+                    self._sync_pod(pod, obj)
+                except Exception:  # one broken pod must not stall the others
+                    log.exception("local pod %s/%s: sync failed", pod.namespace, pod.name)
         for uid in set(self.pods) - seen:  # removed behind our back (force delete)
             self._kill(self.pods.pop(uid), grace=0)
 
@@ -289,7 +294,14 @@ class LocalPodRunner:
             else:
                 c.done = True
         if c.process is None and not c.done and now >= c.next_start:
-            self._start(pod, obj, c)
+            try:
+                self._start(pod, obj, c)
+                c.start_error = None
+            except (DevClusterError, KubeApiError) as exc:
+                # As a kubelet does with an unstartable container: report it, retry with backoff.
+                c.start_error = str(exc)
+                c.next_start = now + min(BACKOFF_MAX_S, 2.0 ** min(c.restart_count, 4))
+                c.restart_count += 1
         if c.process is not None and not c.init:
             self._probe(pod, obj, c, now)
 
@@ -487,6 +499,8 @@ def _container_status(c: Container) -> JsonObj:
         state = {"running": {"startedAt": c.started_at}}
     elif c.done:
         state = _terminated(c)
+    elif c.start_error:
+        state = {"waiting": {"reason": "RunContainerError", "message": c.start_error}}
     elif c.restart_count:
         state = {"waiting": {"reason": "CrashLoopBackOff"}}
     else:
@@ -515,7 +529,7 @@ def pod_status(pod: LocalPod, current: JsonObj) -> JsonObj:
         phase = "Failed"
     elif mains and all(c.done for c in mains):
         phase = "Succeeded"
-    elif init_ok and any(c.process is not None or c.done or c.restart_count for c in mains):
+    elif init_ok and any(c.process is not None or c.done or c.started_at for c in mains):
         phase = "Running"
     else:
         phase = "Pending"
@@ -551,7 +565,7 @@ def pod_status(pod: LocalPod, current: JsonObj) -> JsonObj:
     return status
 
 
-def _node_status(node: str, now: str) -> dict[str, Any]:
+def _node_status(node: str, now: str, since: str) -> dict[str, Any]:
     def cond(kind: str, value: str, reason: str) -> JsonObj:
         return {
             "type": kind,
@@ -559,7 +573,7 @@ def _node_status(node: str, now: str) -> dict[str, Any]:
             "reason": reason,
             "message": reason,
             "lastHeartbeatTime": now,
-            "lastTransitionTime": now,
+            "lastTransitionTime": since,
         }
 
     return {
