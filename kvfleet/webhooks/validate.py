@@ -66,12 +66,12 @@ def validate_modelartifact(
 ) -> list[FieldError]:
     errors: list[FieldError] = []
     if old is not None and manifest_hash(new.spec) != manifest_hash(old.spec):
-        changed = sorted(
-            key
-            for key in set(new.spec.model_fields) | set(old.spec.model_fields)
+        fields = type(new.spec).model_fields
+        aliases = sorted(
+            info.alias or key
+            for key, info in fields.items()
             if getattr(new.spec, key) != getattr(old.spec, key)
         )
-        aliases = [new.spec.model_fields[k].alias or k for k in changed]
         errors.append(
             FieldError(
                 "spec",

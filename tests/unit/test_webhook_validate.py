@@ -1,0 +1,206 @@
+"""Admission rules: what is refused, on which field, with which rule and matrix version."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvfleet.api import ModelArtifact, ServingPool
+from kvfleet.api.builders import fake_sha256, make_artifact, make_pool, make_quota, make_rollout
+from kvfleet.compat import default_matrix
+from kvfleet.webhooks import (
+    Decision,
+    FetchError,
+    admit,
+    validate_modelartifact,
+    validate_rollout,
+    validate_servingpool,
+    validate_tenantquota,
+)
+
+MATRIX = default_matrix()
+V = MATRIX.version
+
+
+def _pool(**changes: Any) -> ServingPool:
+    builder = make_pool()
+    for path, value in changes.items():
+        builder.set("spec." + path.replace("__", "."), value)
+    return builder.obj()
+
+
+def _artifact(**changes: Any) -> ModelArtifact:
+    builder = make_artifact()
+    for path, value in changes.items():
+        builder.set("spec." + path.replace("__", "."), value)
+    return builder.obj()
+
+
+def test_good_objects_are_admitted() -> None:
+    artifact = _artifact()
+    assert validate_modelartifact(artifact, None, matrix=MATRIX) == []
+    assert validate_servingpool(_pool(), None, artifact=artifact, matrix=MATRIX) == []
+    assert validate_tenantquota(make_quota().obj(), None) == []
+    target = make_artifact("qwen3-8b-v2").obj()
+    rollout = make_rollout().obj()
+    assert validate_rollout(rollout, None, pool=_pool(), target=target, matrix=MATRIX) == []
+
+
+def test_artifact_spec_change_is_refused_naming_the_fields() -> None:
+    old = _artifact()
+    new = _artifact(dtype="float16", architecture__numLayers=35)
+    [error] = validate_modelartifact(new, old, matrix=MATRIX)
+    assert (error.field, error.rule) == ("spec", "immutable")
+    assert "changed: architecture, dtype" in error.message
+
+
+def test_artifact_metadata_change_is_not_a_spec_change() -> None:
+    old = _artifact()
+    new = make_artifact().set("metadata.labels", {"team": "a"}).obj()
+    assert validate_modelartifact(new, old, matrix=MATRIX) == []
+
+
+def test_incompatible_artifact_message_has_field_rule_and_version() -> None:
+    [error] = validate_modelartifact(_artifact(dtype="fp8"), None, matrix=MATRIX)
+    assert error.field == "spec.dtype"
+    assert str(error) == (
+        f"spec.dtype: dtype fp8 is not supported by engine >=0.1,<0.2 (supported: ['bfloat16',"
+        f" 'float16', 'float32']) (compatibility matrix {V}) [rule: compatibility]"
+    )
+
+
+def test_adapter_with_wrong_base_is_refused() -> None:
+    adapter = {
+        "name": "sql",
+        "uri": "s3://x",
+        "sha256": fake_sha256("a"),
+        "baseHash": fake_sha256("not-this-base"),
+    }
+    [error] = validate_modelartifact(_artifact(adapters=[adapter]), None, matrix=MATRIX)
+    assert error.field == "spec.adapters[0].baseHash"
+
+
+def test_pool_without_artifact_is_refused() -> None:
+    [error] = validate_servingpool(_pool(), None, artifact=None, matrix=MATRIX)
+    assert (error.field, error.rule) == ("spec.artifactRef.name", "reference")
+    assert "ModelArtifact 'qwen3-8b' not found in namespace 'default'" in error.message
+
+
+def test_pool_on_gpu_too_old_for_bf16_is_refused() -> None:
+    errors = validate_servingpool(
+        _pool(gpu__product="Tesla-T4"), None, artifact=_artifact(), matrix=MATRIX
+    )
+    assert {e.field for e in errors} == {"spec.gpu.product"}
+    assert "needs compute capability 8.0+, sm75 is 7.5" in errors[0].message
+    assert f"(compatibility matrix {V})" in errors[0].message
+
+
+def test_pool_whose_model_and_kv_do_not_fit_is_refused() -> None:
+    # 16 GiB - 3 GiB reserved - 14.901 GiB of weights leaves nothing for an 8,192-token sequence.
+    pool = _pool(gpu__memory="16Gi")
+    [error] = validate_servingpool(pool, None, artifact=_artifact(), matrix=MATRIX)
+    assert (error.field, error.rule) == ("spec.gpu", "capacity")
+    assert "does not fit on 1× NVIDIA-L4" in error.message
+    assert "weights 14.901 GiB" in error.message and "1.125 GiB" in error.message
+
+
+def test_pool_fit_is_warning_when_parameter_count_is_unknown() -> None:
+    artifact = make_artifact().delete("spec.architecture.numParameters").obj()
+    [warning] = validate_servingpool(_pool(), None, artifact=artifact, matrix=MATRIX)
+    assert warning.severity == "warning" and "unknown params" in warning.message
+
+
+def test_pool_with_incompatible_artifact_reports_on_the_reference() -> None:
+    errors = validate_servingpool(
+        _pool(), None, artifact=_artifact(architecture__name="rwkv"), matrix=MATRIX
+    )
+    assert [e.field for e in errors] == ["spec.artifactRef.name"]
+    assert "ModelArtifact qwen3-8b is incompatible: spec.architecture.name" in errors[0].message
+
+
+def test_quota_tenant_is_immutable_and_borrowing_needs_limits() -> None:
+    old = make_quota("team-a").obj()
+    new = make_quota("team-a").set("spec.tenant", "team-b").obj()
+    [error] = validate_tenantquota(new, old)
+    assert (error.field, error.rule) == ("spec.tenant", "immutable")
+    borrow = make_quota().set("spec.borrowing", {"resources": ["kvBlocks"], "maxPercent": 50})
+    [error] = validate_tenantquota(borrow.obj(), None)
+    assert error.field == "spec.borrowing.resources[0]"
+
+
+def test_rollout_to_artifact_incompatible_with_pool_gpus() -> None:
+    target = (
+        make_artifact("qwen3-8b-v2")
+        .set("spec.dtype", "float16")
+        .set("spec.gpuArchitectures", ["sm90"])
+        .obj()
+    )
+    [error] = validate_rollout(
+        make_rollout().obj(), None, pool=_pool(), target=target, matrix=MATRIX
+    )
+    assert error.field == "spec.targetArtifactRef.name"
+    assert "cannot run on pool chat" in error.message
+    assert "qualified only on ['sm90']" in error.message
+
+
+def test_rollout_references_and_immutable_refs() -> None:
+    errors = validate_rollout(make_rollout().obj(), None, pool=None, target=None, matrix=MATRIX)
+    assert [e.field for e in errors] == ["spec.poolRef.name", "spec.targetArtifactRef.name"]
+    old = make_rollout().obj()
+    new = make_rollout().set("spec.targetArtifactRef.name", "other").obj()
+    errors = validate_rollout(new, old, pool=_pool(), target=_artifact(), matrix=MATRIX)
+    assert [(e.field, e.rule) for e in errors] == [("spec.targetArtifactRef", "immutable")]
+
+
+def _store(*objects: Any) -> Any:
+    by_key = {(o.kind, o.metadata.name): o.to_wire() for o in objects}
+
+    async def fetch(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return by_key.get((kind, name))
+
+    return fetch
+
+
+def _admit(kind: str, new: dict[str, Any], old: dict[str, Any] | None, fetch: Any) -> Decision:
+    return asyncio.run(admit(kind, new, old, fetch=fetch, matrix=MATRIX))
+
+
+def test_admit_resolves_references_through_fetch() -> None:
+    fetch = _store(_artifact())
+    assert _admit("ServingPool", _pool().to_wire(), None, fetch).allowed
+    denied = _admit("ServingPool", _pool().to_wire(), None, _store())
+    assert not denied.allowed
+    assert denied.message("ServingPool", "default/chat").startswith(
+        "ServingPool default/chat is invalid: spec.artifactRef.name: ModelArtifact 'qwen3-8b'"
+    )
+
+
+def test_admit_reports_schema_errors_with_paths() -> None:
+    data = make_pool().set("spec.replicas", -3).data()
+    [error] = _admit("ServingPool", data, None, _store()).errors
+    assert (error.field, error.rule) == ("spec.replicas", "schema")
+
+
+def test_metadata_only_update_and_deletion_are_admitted_without_references() -> None:
+    old = _pool().to_wire()
+    new = make_pool().set("metadata.finalizers", ["kvfleet.io/cleanup"]).data()
+    assert _admit("ServingPool", new, old, _store()).allowed
+    deleting = (
+        make_pool()
+        .set("spec.replicas", 0)
+        .set("metadata.deletionTimestamp", "2026-01-01T00:00:00Z")
+        .data()
+    )
+    assert _admit("ServingPool", deleting, old, _store()).allowed
+
+
+def test_fetch_failure_propagates() -> None:
+    async def broken(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        raise FetchError("connection refused")
+
+    try:
+        _admit("ServingPool", _pool().to_wire(), None, broken)
+    except FetchError as error:
+        assert "connection refused" in str(error)
+    else:
+        raise AssertionError("FetchError was swallowed")
