@@ -124,11 +124,6 @@ def build_fleet(groups: Iterable[NodeGroup], prefix: str = "gpu") -> list[dict[s
 
 
 def create_nodes(api: KubeClient, nodes: Iterable[dict[str, Any]]) -> list[str]:
-    """Create nodes (status included, as the API drops status on create) and return names."""
-    names = []
-    for node in nodes:
-        created = api.create(node)
-        name = created["metadata"]["name"]
-        api.merge_patch("Node", name, {"status": node["status"]}, subresource="status")
-        names.append(name)
-    return names
+    """Create nodes and return their names. The API server keeps a Node's status on create (as
+    for a kubelet registering), so capacity and allocatable need no second request."""
+    return [api.create(node)["metadata"]["name"] for node in nodes]
