@@ -1,1 +1,115 @@
-"""kvfleet.engine."""
+"""kvfleet.engine: a vLLM-style inference engine (paged KV cache, continuous batching).
+
+The public surface is `__all__`. Names resolve lazily, so importing a light module such as
+`kvfleet.engine.config` (the CLI does) does not load torch.
+
+Errors (see `kvfleet.engine.errors`):
+
+    KvfleetEngineError
+    ├── ModelLoadError
+    │   └── UnsupportedModelError
+    └── InvalidRequestError        .field names the request field
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvfleet.engine.block_pool import BlockPool
+    from kvfleet.engine.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+    from kvfleet.engine.engine import EngineCore, build_engine_core
+    from kvfleet.engine.errors import (
+        InvalidRequestError,
+        KvfleetEngineError,
+        ModelLoadError,
+        UnsupportedModelError,
+    )
+    from kvfleet.engine.kv_cache_manager import KVCacheManager, make_cache_salt
+    from kvfleet.engine.llm import LLM, RequestOutput
+    from kvfleet.engine.model.loader import LoadedModel, default_model_path, load_model
+    from kvfleet.engine.request import (
+        DeliveryState,
+        FinishReason,
+        Request,
+        RequestStatus,
+        RequestTimings,
+        SamplingParams,
+    )
+    from kvfleet.engine.sampler import Sampler
+    from kvfleet.engine.scheduler import Scheduler
+    from kvfleet.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+_EXPORTS: dict[str, str] = {
+    "LLM": "llm",
+    "RequestOutput": "llm",
+    "SamplingParams": "request",
+    "Request": "request",
+    "RequestStatus": "request",
+    "DeliveryState": "request",
+    "FinishReason": "request",
+    "RequestTimings": "request",
+    "CacheConfig": "config",
+    "SchedulerConfig": "config",
+    "SchedulingPolicy": "config",
+    "EngineCore": "engine",
+    "build_engine_core": "engine",
+    "Scheduler": "scheduler",
+    "SchedulerOutput": "scheduler_output",
+    "ScheduledChunk": "scheduler_output",
+    "KVCacheManager": "kv_cache_manager",
+    "make_cache_salt": "kv_cache_manager",
+    "BlockPool": "block_pool",
+    "Sampler": "sampler",
+    "load_model": "model.loader",
+    "default_model_path": "model.loader",
+    "LoadedModel": "model.loader",
+    "KvfleetEngineError": "errors",
+    "ModelLoadError": "errors",
+    "UnsupportedModelError": "errors",
+    "InvalidRequestError": "errors",
+}
+
+__all__ = [
+    "LLM",
+    "BlockPool",
+    "CacheConfig",
+    "DeliveryState",
+    "EngineCore",
+    "FinishReason",
+    "InvalidRequestError",
+    "KVCacheManager",
+    "KvfleetEngineError",
+    "LoadedModel",
+    "ModelLoadError",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "RequestTimings",
+    "Sampler",
+    "SamplingParams",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulingPolicy",
+    "UnsupportedModelError",
+    "build_engine_core",
+    "default_model_path",
+    "load_model",
+    "make_cache_salt",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvfleet.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kvfleet.engine.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -93,7 +93,7 @@ class FakeTokenizer:
     eos_token_ids = (EOS_TOKEN_ID,)
     vocab_size = VOCAB_SIZE
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [1 + (ord(c) - ord("a")) % 26 for c in text if c.isalpha()]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

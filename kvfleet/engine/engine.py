@@ -1,0 +1,101 @@
+"""`EngineCore`: one step = schedule → execute → sample → update. Nothing else.
+
+The core runs on one thread (the engine thread). It owns the scheduler (and through it the
+KV block accounting), the model runner (the KV tensors and the forward pass) and the sampler.
+Text, stop strings and delivery live above it (`LLM`, the async server layer).
+
+`build_engine_core` wires a loaded model to a core: it sizes the KV pool from the memory
+budget and builds the prefix-cache salt from the model revision and chat-template version,
+so a cached block is never reused across models or templates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kvfleet.engine.config import CacheConfig, SchedulerConfig
+from kvfleet.engine.kv_cache_manager import make_cache_salt
+from kvfleet.engine.metrics import EngineStats
+from kvfleet.engine.request import FinishReason, Request
+from kvfleet.engine.sampler import Sampler
+from kvfleet.engine.scheduler import Scheduler
+from kvfleet.engine.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvfleet.engine.model.loader import LoadedModel
+
+
+class ModelRunnerProtocol(Protocol):
+    def execute(self, out: SchedulerOutput) -> Mapping[str, torch.Tensor]: ...
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunnerProtocol, scheduler: Scheduler, sampler: Sampler,
+                 *, model_hash: str = "", template_version: str = "") -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.model_hash = model_hash
+        self.template_version = template_version
+
+    def add_request(self, request: Request) -> None:
+        """Admit a request (InvalidRequestError if it could never run). `request.cache_salt`
+        is its prefix-cache scope (the tenant by default); the core adds model and template."""
+        request.cache_salt = make_cache_salt(request.cache_salt or request.tenant,
+                                             self.model_hash, "", self.template_version)
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str,
+                      reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """Idempotent; the request's blocks are freed at the next step boundary."""
+        self.scheduler.abort_request(request_id, reason)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> None:
+        """End a request from the engine thread (e.g. a stop string matched)."""
+        self.scheduler.finish_request(request_id, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that got a token or finished in it."""
+        output = self.scheduler.schedule()
+        self.sampler.forget(output.finished_request_ids)
+        if output.is_empty:
+            return []
+        logits = self.runner.execute(output)
+        requests = self.scheduler.requests
+        to_sample = [requests[c.request_id] for c in output.chunks if c.sample]
+        sampled = self.sampler.sample(logits, to_sample)
+        return self.scheduler.update_from_output(output, sampled)
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            num_prefix_cache_queries=kv.prefix_cache_queries,
+            num_prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+
+def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = None,
+                      scheduler_config: SchedulerConfig | None = None) -> EngineCore:
+    """A core for `model` with a KV pool sized by `cache_config` (default: 512 MiB)."""
+    from kvfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
+
+    cache_config = cache_config or CacheConfig()
+    scheduler_config = scheduler_config or SchedulerConfig()
+    num_blocks = cache_config.resolve_num_blocks(kv_bytes_per_block(model.config, 1))
+    eos_ids = [] if model.tokenizer.eos_token_id is None else [model.tokenizer.eos_token_id]
+    scheduler = Scheduler(scheduler_config, cache_config, num_blocks=num_blocks,
+                          max_model_len=model.config.max_context, eos_token_ids=eos_ids)
+    runner = ModelRunner(model, num_blocks, cache_config.block_size)
+    template = model.chat_template
+    return EngineCore(runner, scheduler, Sampler(eos_ids), model_hash=model.revision,
+                      template_version=template.sha256 if template is not None else "")
