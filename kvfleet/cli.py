@@ -18,6 +18,8 @@ from kvfleet import __version__
 COMMAND_MODULES: tuple[str, ...] = (
     "engine",
     "devcluster",
+    "serve",
+    "artifact", "check", "capacity", "crds", "webhook",
 )
 
 

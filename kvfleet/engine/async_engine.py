@@ -27,14 +27,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvfleet.engine.errors import KvfleetEngineError
 from kvfleet.engine.idempotency import IdempotencyCache, IdempotencyConflict
 from kvfleet.engine.metrics import EngineMetrics, EngineStats, FinishedRequestTimings
-from kvfleet.engine.request import Request, SamplingParams
+from kvfleet.engine.request import FinishReason, Request, SamplingParams
 from kvfleet.engine.request_log import RequestLogRecord, log_finished_request
 from kvfleet.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -46,11 +46,14 @@ class EngineCoreProtocol(Protocol):
 
     def add_request(self, request: Request) -> None: ...
 
-    def abort_request(self, request_id: str) -> None: ...
+    def abort_request(self, request_id: str,
+                      reason: FinishReason = FinishReason.CANCELLED) -> None: ...
 
     def step(self) -> object: ...
 
     def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
 
 
 class ServingError(KvfleetEngineError):
@@ -195,7 +198,7 @@ class _Commands:
 
 class AsyncEngine:
     def __init__(self, core: EngineCoreProtocol, model: ServedModel, tokenizer: Tokenizer,
-                 metrics: EngineMetrics, stats: Callable[[], EngineStats], *,
+                 metrics: EngineMetrics, *,
                  limits: AdmissionLimits | None = None,
                  idempotency: IdempotencyCache[RequestStream] | None = None,
                  log_text: bool = False) -> None:
@@ -203,7 +206,6 @@ class AsyncEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self._stats = stats
         self.limits = limits or AdmissionLimits()
         self._idempotency: IdempotencyCache[RequestStream] = idempotency or IdempotencyCache()
         self._log_text = log_text
@@ -385,8 +387,11 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._lock:
+                # Idle only when the core is too: finished requests' blocks are freed at the
+                # next step boundary, so a core with nothing running still needs that step.
                 while (not self._stop and not self._commands.adds and not self._commands.aborts
-                       and not self._tracked and not self._needs_step):
+                       and not self._tracked and not self._needs_step
+                       and not self.core.has_unfinished_requests()):
                     self._lock.wait(timeout=1.0)
                 if self._stop:
                     return
@@ -402,10 +407,10 @@ class AsyncEngine:
                 logger.exception("engine step failed; failing %d requests", len(self._tracked))
                 for tracked in self._tracked.values():
                     tracked.forced_reason = tracked.forced_reason or "error"
-                    self.core.abort_request(tracked.request.request_id)
+                    self.core.abort_request(tracked.request.request_id, FinishReason.ERROR)
                 self._needs_step = True
             self._collect(batch)
-            self.metrics.observe_stats(self._stats())
+            self.metrics.observe_stats(self.core.stats())
             if batch and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, batch)
 
@@ -425,7 +430,7 @@ class AsyncEngine:
             if tracked_or_none is None or tracked_or_none.forced_reason is not None:
                 continue
             tracked_or_none.forced_reason = reason
-            self.core.abort_request(request_id)
+            self.core.abort_request(request_id, FinishReason(reason))
             self._needs_step = True
 
     def _expire_deadlines(self) -> None:
@@ -434,7 +439,7 @@ class AsyncEngine:
             if (tracked.deadline is not None and now >= tracked.deadline
                     and tracked.forced_reason is None and not tracked.request.is_finished):
                 tracked.forced_reason = "deadline"
-                self.core.abort_request(tracked.request.request_id)
+                self.core.abort_request(tracked.request.request_id, FinishReason.DEADLINE)
                 self._needs_step = True
 
     def _collect(self, batch: list[tuple[RequestStream, StreamEvent | BaseException | None]]
@@ -477,7 +482,7 @@ class AsyncEngine:
                 tracked.text = tracked.text[:cut]
                 if reason is None:  # the core has not stopped on it (yet): stop it here
                     reason = tracked.forced_reason = "stop"
-                    self.core.abort_request(request.request_id)
+                    self.core.abort_request(request.request_id, FinishReason.STOP)
                     self._needs_step = True
                 elif reason == "length":
                     reason = "stop"

@@ -94,8 +94,11 @@ class EngineMetrics:
         self.preemptions = counter("preemptions", "Requests preempted (recomputed later).")
         self.requests = counter("requests", "Finished requests by finish reason.",
                                 (*LABELS, "finish_reason"))
+        for metric in (self.ttft, self.tpot, self.e2e, self.queue_time, self.running,
+                       self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+                       self.prefix_queries, self.prefix_hits, self.preemptions):
+            metric.labels(**self._labels)  # every series exists from the first scrape
         for reason in FINISH_REASONS:
-            # Pre-create each series so rate() works from the first scrape.
             self.requests.labels(**self._labels, finish_reason=reason)
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0)
 

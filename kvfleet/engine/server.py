@@ -34,7 +34,6 @@ from kvfleet.engine.async_engine import (
 from kvfleet.engine.chat_template import ChatTemplate
 from kvfleet.engine.errors import InvalidRequestError
 from kvfleet.engine.idempotency import fingerprint
-from kvfleet.engine.kv_cache_manager import make_cache_salt
 from kvfleet.engine.lifecycle import Lifecycle, LifecycleState
 from kvfleet.engine.metrics import CONTENT_TYPE
 from kvfleet.engine.protocol import (
@@ -294,9 +293,6 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
 
     def build_spec(request: Request, body: SamplingFields, prompt_ids: list[int],
                    max_tokens: int, prompt_text: str | None) -> GenerationSpec:
-        model = loaded().model
-        template = serving.chat_template
-        template_version = template.sha256 if template is not None else ""
         tenant = tenant_of(request)
         scope = cfg.shared_prefix_scope if tenant in cfg.shared_prefix_tenants else tenant
         key = request.headers.get("idempotency-key")
@@ -305,8 +301,7 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
                            "Idempotency-Key")
         return GenerationSpec(
             prompt_token_ids=tuple(prompt_ids), sampling=_sampling(body, max_tokens),
-            tenant=tenant, cache_scope=make_cache_salt(scope, model.revision, "",
-                                                       template_version),
+            tenant=tenant, cache_scope=scope,
             priority=body.priority, deadline_seconds=deadline_of(request, body),
             idempotency_key=key,
             body_fingerprint=fingerprint([request.url.path, body.model_dump(mode="json")]),

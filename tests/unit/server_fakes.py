@@ -61,9 +61,10 @@ class FakeCore:
         request.transition(RequestStatus.QUEUED)
         self.requests[request.request_id] = request
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str,
+                      reason: FinishReason = FinishReason.CANCELLED) -> None:
         request = self.requests.get(request_id)
-        if request is not None and request.finish(FinishReason.CANCELLED, time.time()):
+        if request is not None and request.finish(reason, time.time()):
             self.num_aborts += 1
 
     def has_unfinished_requests(self) -> bool:
@@ -113,7 +114,7 @@ def make_engine(core: FakeCore | None = None, *, max_context: int = 256,
     model = ServedModel(name="fake-model", revision="sha256:fake", max_context=max_context,
                         block_size=core.block_size, num_kv_blocks=core.num_blocks)
     engine = AsyncEngine(core, model, byte_tokenizer(), EngineMetrics(model.name, model.revision),
-                         core.stats, limits=limits, log_text=log_text)
+                         limits=limits, log_text=log_text)
     return engine, core
 
 

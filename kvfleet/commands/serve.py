@@ -1,0 +1,112 @@
+"""`kvfleet serve`: the OpenAI-compatible engine server (what every GPU pod runs).
+
+`kvfleet serve` with no arguments serves the embedded SmolLM2-135M-Instruct on
+127.0.0.1:8000. Engine flags use vLLM's names where vLLM has the same knob.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+from kvfleet.engine.async_engine import AdmissionLimits
+from kvfleet.engine.config import MIB, SchedulingPolicy
+from kvfleet.engine.request_log import configure_json_logging
+from kvfleet.engine.runtime import RuntimeOptions, run_server
+from kvfleet.engine.server import ServerSettings
+
+
+def _csv(value: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in value.split(",") if part.strip())
+
+
+def _weights(value: str) -> dict[str, float]:
+    weights: dict[str, float] = {}
+    for item in _csv(value):
+        tenant, sep, weight = item.partition("=")
+        try:
+            weights[tenant] = float(weight)
+        except ValueError:
+            sep = ""
+        if not sep or not tenant:
+            raise argparse.ArgumentTypeError(
+                f"--tenant-weights: {item!r} is not TENANT=WEIGHT (e.g. a=2,b=1)")
+    return weights
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="serve a model over the OpenAI-compatible HTTP API",
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or HF Llama checkpoint dir (default: embedded SmolLM2)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the file/dir name)")
+    p.add_argument("--revision", default=None,
+                   help="the model revision to report (default: sha256 of the weights)")
+    tenancy = p.add_argument_group("tenancy")
+    tenancy.add_argument("--tenant-header", default="x-kvfleet-tenant",
+                         help="trusted header carrying the tenant (set by the kvfleet router)")
+    tenancy.add_argument("--default-tenant", default="default")
+    tenancy.add_argument("--shared-prefix-tenants", type=_csv, default=frozenset(),
+                         help="comma-separated tenants that share one prefix-cache scope")
+    tenancy.add_argument("--tenant-weights", type=_weights, default={},
+                         help="fair-share weights, e.g. a=2,b=1 (others weigh 1)")
+    tenancy.add_argument("--max-in-flight", type=_positive_int, default=512,
+                         help="admitted unfinished requests before 429 queue_full")
+    tenancy.add_argument("--max-in-flight-per-tenant", type=_positive_int, default=256,
+                         help="per tenant, before 429 tenant_concurrency_exceeded")
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--block-size", type=_positive_int, default=16)
+    engine.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                        help="KV pool size in blocks (default: from --kv-cache-memory-mib)")
+    engine.add_argument("--kv-cache-memory-mib", type=_positive_int, default=512)
+    engine.add_argument("--max-model-len", type=_positive_int, default=None,
+                        help="serve at most this context (default: the model's)")
+    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    engine.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                        help="requests running at once")
+    engine.add_argument("--long-prefill-token-threshold", type=_positive_int, default=512)
+    engine.add_argument("--scheduling-policy", choices=[x.value for x in SchedulingPolicy],
+                        default=SchedulingPolicy.PRIORITY.value)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True)
+    http = p.add_argument_group("http")
+    http.add_argument("--max-body-bytes", type=_positive_int, default=4 * MIB)
+    http.add_argument("--default-max-tokens", type=_positive_int, default=1024,
+                      help="chat requests without max_tokens (capped by the context)")
+    http.add_argument("--drain-grace-seconds", type=float, default=30.0,
+                      help="on SIGTERM, time in-flight requests get before being cancelled")
+    logs = p.add_argument_group("logging")
+    logs.add_argument("--log-level", default="info",
+                      choices=["debug", "info", "warning", "error"])
+    logs.add_argument("--log-text", action="store_true",
+                      help="DEBUG ONLY: include prompt and output text in request logs")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_json_logging(getattr(logging, args.log_level.upper()))
+    from kvfleet.engine.serving_core import build_loader  # imports torch: only when serving
+
+    settings = ServerSettings(
+        tenant_header=args.tenant_header.lower(), default_tenant=args.default_tenant,
+        shared_prefix_tenants=args.shared_prefix_tenants, max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens)
+    limits = AdmissionLimits(max_in_flight=args.max_in_flight,
+                             max_in_flight_per_tenant=args.max_in_flight_per_tenant)
+    load = build_loader(args, limits)
+    options = RuntimeOptions(host=args.host, port=args.port,
+                             grace_seconds=args.drain_grace_seconds, settings=settings)
+    return asyncio.run(run_server(load, options))

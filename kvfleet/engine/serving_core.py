@@ -1,0 +1,65 @@
+"""Wiring for `kvfleet serve`: a model file plus flags → a ready-to-start `AsyncEngine`.
+
+Kept apart from the CLI module so the CLI's import stays light (no torch until the command
+actually serves), and from `runtime` so the runtime can be tested with a fake engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+
+from kvfleet.engine.async_engine import AdmissionLimits, AsyncEngine, ServedModel
+from kvfleet.engine.config import MIB, CacheConfig, SchedulerConfig
+from kvfleet.engine.engine import build_engine_core
+from kvfleet.engine.metrics import EngineMetrics
+from kvfleet.engine.model.loader import load_model
+from kvfleet.engine.runtime import LoadedEngine
+
+logger = logging.getLogger("kvfleet.engine.load")
+
+WARMUP_PROMPT = "Hello"
+
+
+def _log_progress(done: int, total: int) -> None:
+    # Roughly every quarter, as JSON log lines (a tqdm bar would corrupt the JSON stream).
+    if total and (done == total or done * 4 // total != (done - 1) * 4 // total):
+        logger.info("loading weights %d/%d", done, total,
+                    extra={"fields": {"event": "loading", "done": done, "total": total}})
+
+
+def build_loader(args: argparse.Namespace, limits: AdmissionLimits
+                 ) -> Callable[[], LoadedEngine]:
+    """A function that loads the model named by the `kvfleet serve` flags (run in a thread)."""
+    cache_config = CacheConfig(
+        block_size=args.block_size, num_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_mib * MIB,
+        enable_prefix_caching=args.enable_prefix_caching)
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_running=args.max_num_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        policy=args.scheduling_policy, tenant_weights=args.tenant_weights)
+
+    def load() -> LoadedEngine:
+        model = load_model(args.model, progress=_log_progress)
+        core = build_engine_core(model, cache_config, scheduler_config)
+        max_context = model.config.max_context
+        if args.max_model_len is not None:
+            max_context = min(max_context, args.max_model_len)
+        served = ServedModel(
+            name=args.served_model_name or model.name,
+            revision=args.revision or f"sha256:{model.revision}",
+            max_context=max_context, block_size=cache_config.block_size,
+            num_kv_blocks=core.scheduler.kv.num_blocks)
+        engine = AsyncEngine(core, served, model.tokenizer,
+                             EngineMetrics(served.name, served.revision),
+                             limits=limits, log_text=args.log_text)
+        logger.info("model loaded", extra={"fields": {
+            "event": "loaded", "model": served.name, "revision": served.revision,
+            "max_context": max_context, "num_kv_blocks": served.num_kv_blocks,
+            "block_size": served.block_size}})
+        return LoadedEngine(engine, model.chat_template,
+                            tuple(model.tokenizer.encode(WARMUP_PROMPT)))
+
+    return load

@@ -1,0 +1,105 @@
+"""Start a real `kvfleet serve` process (real SmolLM2 engine) for integration tests.
+
+`running_server(*flags)` picks a free loopback port, waits for `/ready` (the model loads and
+warms up), and always stops the process: SIGTERM, then SIGKILL if it does not exit in time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+# `python -m kvfleet serve`; overridable to test a branch where another command is broken.
+_ENTRY = os.environ.get("KVFLEET_TEST_CLI", "-m kvfleet").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class EngineServer:
+    base_url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def port(self) -> int:
+        return int(self.base_url.rsplit(":", 1)[1])
+
+    def log_lines(self) -> list[str]:
+        return self.log_path.read_text(errors="replace").splitlines()
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled-sum view of /metrics: sample name -> value summed over label sets."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return values
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Poll /metrics until nothing runs or waits and no KV block is in use."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["kvfleet_engine_requests_running"] == 0
+                    and m["kvfleet_engine_requests_waiting"] == 0
+                    and m["kvfleet_engine_kv_cache_usage_ratio"] == 0)
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+
+@contextmanager
+def running_server(*flags: str, ready_timeout: float = 180.0) -> Iterator[EngineServer]:
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="kvfleet-serve-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, *_ENTRY, "serve", "--port", str(port), *flags],
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"})
+        server = EngineServer(f"http://127.0.0.1:{port}", process, log_path)
+        try:
+            deadline = time.monotonic() + ready_timeout
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"kvfleet serve exited with {process.returncode}:\n"
+                                       + "\n".join(server.log_lines()[-30:]))
+                try:
+                    if httpx.get(server.base_url + "/ready", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("kvfleet serve not ready in time:\n"
+                                       + "\n".join(server.log_lines()[-30:]))
+                time.sleep(0.2)
+            yield server
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(10)
