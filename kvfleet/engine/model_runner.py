@@ -39,20 +39,39 @@ def num_blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: in
     return max(0, budget_bytes // kv_bytes_per_block(config, block_size))
 
 
+# See `padded_context_len`: SDPA's CPU kernel reduces K/V in splits of 512 positions, and a
+# split padded past 256 positions sums in a different order than a full one.
+_PAD_MULTIPLE = 16
+_KV_SPLIT = 512
+
+
+def padded_context_len(context_len: int, block_size: int) -> int:
+    """The K/V length attention runs over for a context of `context_len` positions.
+
+    Padding (masked out) is chosen so that a query's result does not depend on how far the
+    batch it runs in is padded: measured on torch's CPU SDPA kernel, any padded length that is
+    a multiple of 16 and ends at most 256 positions into a 512-position split gives bitwise the
+    same result, so a request's logits are the same alone and in a batch of any lengths.
+    """
+    padded = -(-context_len // _PAD_MULTIPLE) * _PAD_MULTIPLE
+    if padded % _KV_SPLIT > _KV_SPLIT // 2:
+        padded = -(-padded // _KV_SPLIT) * _KV_SPLIT
+    return -(-padded // block_size) * block_size
+
+
 @dataclass(frozen=True, slots=True)
 class _DecodeBatch:
     token_index: torch.Tensor  # [B] rows of the flat batch
-    block_table: torch.Tensor  # [B, max_blocks], padded with block 0
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size], True = attend
+    block_table: torch.Tensor  # [B, padded_blocks], padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, padded_blocks * block_size], True = attend
 
 
 @dataclass(frozen=True, slots=True)
 class _PrefillChunk:
     first_row: int
     num_tokens: int
-    block_ids: torch.Tensor  # [num_blocks covering the context]
-    context_len: int
-    mask: torch.Tensor  # [group * num_tokens, context_len], True = attend
+    block_table: torch.Tensor  # [padded_blocks], padded with block 0
+    mask: torch.Tensor  # [group * num_tokens, padded_blocks * block_size], True = attend
 
 
 class _PagedAttention:
@@ -73,10 +92,9 @@ class _PagedAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        runner = self._runner
-        cfg = runner.config
+        cfg = self._runner.config
         group = cfg.num_queries_per_kv
-        k_cache, v_cache = runner.kv_cache[layer, 0], runner.kv_cache[layer, 1]
+        k_cache, v_cache = self._runner.kv_cache[layer, 0], self._runner.kv_cache[layer, 1]
         k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[self._slots] = k
         v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[self._slots] = v
         out = q.new_empty(q.shape[0], cfg.num_heads * cfg.head_dim)
@@ -96,8 +114,8 @@ class _PagedAttention:
                 .permute(1, 2, 0, 3)
                 .reshape(cfg.num_kv_heads, group * p.num_tokens, cfg.head_dim)
             )
-            kp = k_cache[p.block_ids].flatten(0, 1)[: p.context_len].transpose(0, 1)
-            vp = v_cache[p.block_ids].flatten(0, 1)[: p.context_len].transpose(0, 1)
+            kp = k_cache[p.block_table].flatten(0, 1).transpose(0, 1)
+            vp = v_cache[p.block_table].flatten(0, 1).transpose(0, 1)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask)
             out[rows] = (
                 op.view(cfg.num_kv_heads, group, p.num_tokens, cfg.head_dim)
@@ -186,27 +204,25 @@ class ModelRunner:
                 decode_chunks.append(chunk)
                 continue
             context_len = start + n
-            num_blocks = -(-context_len // bs)
+            padded_blocks = padded_context_len(context_len, bs) // bs
+            table = torch.zeros(padded_blocks, dtype=torch.long)
+            used = chunk.block_ids[: -(-context_len // bs)]
+            table[: len(used)] = torch.tensor(used, dtype=torch.long)
             query_pos = torch.arange(start, start + n).repeat(group)  # row (g, i) -> start + i
-            mask = torch.arange(context_len)[None, :] <= query_pos[:, None]
+            mask = torch.arange(padded_blocks * bs)[None, :] <= query_pos[:, None]
             prefills.append(
-                _PrefillChunk(
-                    first_row=first_row,
-                    num_tokens=n,
-                    block_ids=torch.tensor(chunk.block_ids[:num_blocks], dtype=torch.long),
-                    context_len=context_len,
-                    mask=mask,
-                )
+                _PrefillChunk(first_row=first_row, num_tokens=n, block_table=table, mask=mask)
             )
         decode: _DecodeBatch | None = None
         if decode_chunks:
-            max_blocks = max(c.start_position // bs + 1 for c in decode_chunks)
-            table = torch.zeros(len(decode_chunks), max_blocks, dtype=torch.long)
+            context = [c.start_position + 1 for c in decode_chunks]
+            padded_blocks = padded_context_len(max(context), bs) // bs
+            table = torch.zeros(len(decode_chunks), padded_blocks, dtype=torch.long)
             for i, c in enumerate(decode_chunks):
-                used = c.block_ids[: c.start_position // bs + 1]
+                used = c.block_ids[: -(-context[i] // bs)]
                 table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-            context = torch.tensor([c.start_position + 1 for c in decode_chunks])
-            mask = torch.arange(max_blocks * bs)[None, :] < context[:, None]
+            positions_ = torch.arange(padded_blocks * bs)[None, :]
+            mask = positions_ < torch.tensor(context)[:, None]
             decode = _DecodeBatch(
                 token_index=torch.tensor(decode_rows, dtype=torch.long),
                 block_table=table,
