@@ -103,7 +103,7 @@ def test_default_model_path_points_at_the_embedded_smollm2() -> None:
 
 
 def test_missing_file_names_the_path(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="no-such.gguf.*no such file"):
+    with pytest.raises(ModelLoadError, match=r"no-such\.gguf.*no such file"):
         load_model(tmp_path / "no-such.gguf", show_progress=False)
 
 
@@ -155,7 +155,7 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
         random_weights(config),
         {"layers.0.v_proj": gguf.GGMLQuantizationType.I8},
     )
-    with pytest.raises(UnsupportedModelError, match="blk.0.attn_v.weight.*type I8"):
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.attn_v\.weight.*type I8"):
         load_model(path, show_progress=False)
 
 
@@ -167,5 +167,5 @@ def test_missing_tensor_is_named(tmp_path: Path) -> None:
         random_weights(config),
         skip_tensors=("blk.1.ffn_down.weight",),
     )
-    with pytest.raises(ModelLoadError, match="layers.1.down_proj.*missing"):
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.down_proj.*missing"):
         load_model(path, show_progress=False)

@@ -128,7 +128,7 @@ def test_block_copies_apply_before_the_forward_pass(model: LlamaModel) -> None:
     runner = ModelRunner(model, num_blocks=8, block_size=BLOCK_SIZE)
     runner.execute(make_step(chunk("parent", prefix, 0, [0, 1], sample=False)))
     # Fork: the child shares block 0 and gets a private copy of the half-full block 1.
-    a, b = prefix + [5], prefix + [11]
+    a, b = [*prefix, 5], [*prefix, 11]
     logits = runner.execute(
         make_step(chunk("parent", a, 6, [0, 1]), chunk("child", b, 6, [0, 2]), copies=((1, 2),))
     )
