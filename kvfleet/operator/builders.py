@@ -1,0 +1,257 @@
+"""Manifest builders: pure functions from a ServingPool (+ its ModelArtifact) to the objects
+that serve it. No I/O; the reconciler decides which of them to apply.
+
+Engine settings live in a ConfigMap and reach `kvfleet serve` as `$(VAR)` arguments through
+`configMapKeyRef` env entries, so the pod template carries the ConfigMap's digest and a
+settings change rolls the Deployment (a ConfigMap edit alone would not restart anything).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet.api import API_VERSION, ModelArtifact, ServingPool
+from kvfleet.capacity import MemoryPlan
+from kvfleet.operator import naming
+from kvfleet.operator.placement import node_affinity, node_selector, tolerations
+
+ENGINE_PORT = 8000
+ENGINE_PORT_NAME = "http"
+# The engine drains in-flight requests for this long after SIGTERM (`--drain-grace-seconds`).
+DRAIN_SECONDS = 30
+# preStop pause: endpoints controllers and routers stop sending before the engine drains.
+PRE_STOP_SECONDS = 5
+# The kubelet kills after the grace period; it must cover the pause, the drain and exit.
+TERMINATION_GRACE_SECONDS = PRE_STOP_SECONDS + DRAIN_SECONDS + 15
+# Env names the engine reads (see the operator report: the serving engine implements the
+# sha256 check against KVFLEET_EXPECTED_SHA256).
+EXPECTED_SHA256_ENV = "KVFLEET_EXPECTED_SHA256"
+WEIGHT_URIS_ENV = "KVFLEET_WEIGHT_URIS"
+MANIFEST_HASH_ENV = "KVFLEET_MANIFEST_HASH"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Operator-wide settings of the pods it creates."""
+
+    image: str = "ghcr.io/kvfleet/kvfleet:0.1.0"
+    image_pull_policy: str = "IfNotPresent"
+
+
+def _meta(name: str, pool: ServingPool, labels: dict[str, str]) -> dict[str, Any]:
+    uid = pool.metadata.uid or ""
+    return {
+        "name": name,
+        "namespace": pool.metadata.namespace,
+        "labels": labels,
+        "ownerReferences": [
+            naming.owner_reference(API_VERSION, "ServingPool", pool.metadata.name, uid)
+        ],
+    }
+
+
+def engine_settings(pool: ServingPool, plan: MemoryPlan | None) -> dict[str, str]:
+    """The ConfigMap data: one key per `kvfleet serve` setting (values are strings)."""
+    engine = pool.spec.engine
+    data = {
+        "KVFLEET_BLOCK_SIZE": str(engine.block_size),
+        "KVFLEET_MAX_NUM_BATCHED_TOKENS": str(engine.max_batched_tokens),
+        "KVFLEET_MAX_NUM_SEQS": str(engine.max_running_requests),
+        "KVFLEET_LONG_PREFILL_TOKEN_THRESHOLD": str(
+            engine.chunked_prefill_size or engine.max_batched_tokens
+        ),
+        "KVFLEET_PREFIX_CACHING": "--enable-prefix-caching"
+        if engine.prefix_cache.enabled
+        else "--no-enable-prefix-caching",
+        "KVFLEET_PREFIX_CACHE_SCOPE": engine.prefix_cache.scope.value,
+        "KVFLEET_KV_CACHE_DTYPE": engine.kv_cache_dtype.value,
+        "KVFLEET_DRAIN_GRACE_SECONDS": str(DRAIN_SECONDS),
+    }
+    if engine.max_model_length is not None:
+        data["KVFLEET_MAX_MODEL_LEN"] = str(engine.max_model_length)
+    if plan is not None and plan.kv_blocks_per_rank is not None:
+        data["KVFLEET_NUM_KV_BLOCKS"] = str(plan.kv_blocks_per_rank)
+    return data
+
+
+def config_digest(data: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_config_map(pool: ServingPool, plan: MemoryPlan | None) -> dict[str, Any]:
+    name = naming.config_map_name(pool.metadata.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(name, pool, naming.pool_labels(pool.metadata.name)),
+        "data": engine_settings(pool, plan),
+    }
+
+
+def _model_args(artifact: ModelArtifact) -> list[str]:
+    """`--model PATH` for a single local file; other URIs are fetched by the engine from env."""
+    files = artifact.spec.weights.files
+    if len(files) == 1 and files[0].uri.startswith("file://"):
+        return [f"--model={files[0].uri.removeprefix('file://')}"]
+    return []
+
+
+def _container(
+    pool: ServingPool,
+    artifact: ModelArtifact,
+    manifest_hash: str,
+    settings: dict[str, str],
+    options: EngineOptions,
+) -> dict[str, Any]:
+    cm = naming.config_map_name(pool.metadata.name)
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": MANIFEST_HASH_ENV, "value": manifest_hash},
+        {"name": WEIGHT_URIS_ENV, "value": ",".join(f.uri for f in artifact.spec.weights.files)},
+        {
+            "name": EXPECTED_SHA256_ENV,
+            "value": ",".join(f.sha256 for f in artifact.spec.weights.files),
+        },
+    ]
+    env += [
+        {"name": key, "valueFrom": {"configMapKeyRef": {"name": cm, "key": key}}}
+        for key in sorted(settings)
+    ]
+    args = [
+        "--host=$(POD_IP)",
+        f"--port={ENGINE_PORT}",
+        *_model_args(artifact),
+        f"--served-model-name={artifact.metadata.name}",
+        f"--revision={naming.short_revision(manifest_hash)}",
+        "--block-size=$(KVFLEET_BLOCK_SIZE)",
+        "--max-num-batched-tokens=$(KVFLEET_MAX_NUM_BATCHED_TOKENS)",
+        "--max-num-seqs=$(KVFLEET_MAX_NUM_SEQS)",
+        "--long-prefill-token-threshold=$(KVFLEET_LONG_PREFILL_TOKEN_THRESHOLD)",
+        "$(KVFLEET_PREFIX_CACHING)",
+        "--drain-grace-seconds=$(KVFLEET_DRAIN_GRACE_SECONDS)",
+    ]
+    if "KVFLEET_MAX_MODEL_LEN" in settings:
+        args.append("--max-model-len=$(KVFLEET_MAX_MODEL_LEN)")
+    if "KVFLEET_NUM_KV_BLOCKS" in settings:
+        args.append("--num-kv-blocks=$(KVFLEET_NUM_KV_BLOCKS)")
+    gpus = str(pool.spec.gpu.count)
+    return {
+        "name": "engine",
+        "image": options.image,
+        "imagePullPolicy": options.image_pull_policy,
+        "command": ["kvfleet", "serve"],
+        "args": args,
+        "env": env,
+        "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        # Extended resources must have requests == limits; CPU and memory are left to the
+        # namespace's LimitRange because they depend on the node shape, not on the model.
+        "resources": {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}},
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": ENGINE_PORT_NAME},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": ENGINE_PORT_NAME},
+            # Loading weights can take minutes; /health answers during LOADING, so this only
+            # catches a hung server.
+            "initialDelaySeconds": 30,
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
+        # The engine's last log lines (e.g. a sha256 mismatch at load) become the container's
+        # termination message, which the operator surfaces on the pool.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
+def build_deployment(
+    pool: ServingPool,
+    artifact: ModelArtifact,
+    manifest_hash: str,
+    plan: MemoryPlan | None,
+    options: EngineOptions = EngineOptions(),
+) -> dict[str, Any]:
+    """The Deployment serving one revision (artifact manifest hash) of the pool."""
+    name = pool.metadata.name
+    settings = engine_settings(pool, plan)
+    labels = naming.revision_labels(name, artifact.metadata.name, manifest_hash)
+    selector = naming.revision_selector(name, manifest_hash)
+    meta = _meta(naming.deployment_name(name, manifest_hash), pool, labels)
+    meta["annotations"] = {naming.MANIFEST_HASH_ANNOTATION: manifest_hash}
+    pod_spec: dict[str, Any] = {
+        "containers": [_container(pool, artifact, manifest_hash, settings, options)],
+        "nodeSelector": node_selector(pool.spec),
+        "tolerations": tolerations(),
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "enableServiceLinks": False,
+    }
+    affinity = node_affinity(pool.spec)
+    if affinity is not None:
+        pod_spec["affinity"] = affinity
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            "replicas": pool.spec.replicas,
+            "selector": {"matchLabels": selector},
+            # Surge by one, never below the declared count: GPUs are scarce, capacity is not.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        naming.MANIFEST_HASH_ANNOTATION: manifest_hash,
+                        naming.ENGINE_CONFIG_HASH_ANNOTATION: config_digest(settings),
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(ENGINE_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(pool: ServingPool) -> dict[str, Any]:
+    """One Service per pool over every revision: the router picks endpoints by label."""
+    name = pool.metadata.name
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(naming.service_name(name), pool, naming.pool_labels(name)),
+        "spec": {
+            "selector": naming.pool_selector(name),
+            "ports": [
+                {
+                    "name": ENGINE_PORT_NAME,
+                    "port": ENGINE_PORT,
+                    "targetPort": ENGINE_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def build_pdb(pool: ServingPool) -> dict[str, Any]:
+    """Voluntary disruptions (drains, upgrades) take at most the failover reserve (≥ 1)."""
+    name = pool.metadata.name
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(naming.pdb_name(name), pool, naming.pool_labels(name)),
+        "spec": {
+            "maxUnavailable": max(1, pool.spec.reserves.failover),
+            "selector": {"matchLabels": naming.pool_selector(name)},
+        },
+    }

@@ -1,0 +1,125 @@
+"""Where a pool's pods may run, and why they are not running there.
+
+Nodes are matched by the labels NVIDIA GPU feature discovery sets: `nvidia.com/gpu.product`
+exactly, and `nvidia.com/gpu.memory` (MiB, an integer label) as a lower bound when the pool
+states a GPU memory. `diagnose` turns pod conditions and container states into one reason a
+user can act on, naming the GPU product instead of repeating the scheduler's node counts only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvfleet.api import ServingPoolSpec
+from kvfleet.api.quantity import parse_bytes
+
+GPU_RESOURCE = "nvidia.com/gpu"
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+MEMORY_LABEL = "nvidia.com/gpu.memory"
+REGION_LABEL = "topology.kubernetes.io/region"
+MIB = 1024 * 1024
+
+# Container waiting reasons that will not resolve by waiting.
+STUCK_WAITING = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
+
+
+def node_selector(spec: ServingPoolSpec) -> dict[str, str]:
+    selector = {PRODUCT_LABEL: spec.gpu.product}
+    if spec.region is not None:
+        selector[REGION_LABEL] = spec.region
+    return selector
+
+
+def min_memory_mib(spec: ServingPoolSpec) -> int | None:
+    return None if spec.gpu.memory is None else parse_bytes(spec.gpu.memory) // MIB
+
+
+def node_affinity(spec: ServingPoolSpec) -> dict[str, Any] | None:
+    """Required node affinity on GPU memory (`Gt` is strict, hence the - 1)."""
+    mib = min_memory_mib(spec)
+    if mib is None:
+        return None
+    term = {"matchExpressions": [{"key": MEMORY_LABEL, "operator": "Gt", "values": [str(mib - 1)]}]}
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+        }
+    }
+
+
+def tolerations() -> list[dict[str, Any]]:
+    """GPU nodes are commonly tainted so that only GPU workloads land there."""
+    return [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def placement_text(spec: ServingPoolSpec) -> str:
+    text = f"{spec.gpu.count} free {GPU_RESOURCE} of product {spec.gpu.product}"
+    mib = min_memory_mib(spec)
+    if mib is not None:
+        text += f" with at least {mib} MiB each"
+    if spec.region is not None:
+        text += f" in region {spec.region}"
+    return text
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Why some pods of a pool are not serving: a condition reason and a message."""
+
+    reason: str
+    message: str
+
+
+def _condition(pod: dict[str, Any], cond_type: str) -> dict[str, Any] | None:
+    conditions = pod.get("status", {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == cond_type), None)
+
+
+def _container_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
+    for state in pod.get("status", {}).get("containerStatuses") or []:
+        waiting = (state.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_WAITING:
+            last = (state.get("lastState") or {}).get("terminated") or {}
+            detail = last.get("message") or waiting.get("message") or ""
+            exit_code = last.get("exitCode")
+            text = f"container {state.get('name')} {waiting['reason']}"
+            if exit_code is not None:
+                text += f" (last exit code {exit_code})"
+            return waiting["reason"], f"{text}: {detail.strip()}" if detail else text
+    return None
+
+
+def diagnose(spec: ServingPoolSpec, pods: list[dict[str, Any]]) -> Diagnosis | None:
+    """The most important problem among the pods (unschedulable first), or None."""
+    live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
+    unschedulable = [
+        p
+        for p in live
+        if (c := _condition(p, "PodScheduled")) is not None
+        and c.get("status") == "False"
+        and c.get("reason") == "Unschedulable"
+    ]
+    if unschedulable:
+        scheduler = (_condition(unschedulable[0], "PodScheduled") or {}).get("message", "")
+        return Diagnosis(
+            "Unschedulable",
+            f"no node with {placement_text(spec)}: {len(unschedulable)} of {len(live)} pod(s) "
+            f"pending (scheduler: {scheduler.strip()})",
+        )
+    for pod in live:
+        problem = _container_problem(pod)
+        if problem is not None:
+            reason, message = problem
+            return Diagnosis(reason, f"pod {pod['metadata']['name']}: {message}")
+    return None

@@ -1,0 +1,162 @@
+"""Manifest builders: what a platform engineer would check in `kubectl get deploy -o yaml`."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+import pytest
+from operator_fakes import artifact, as_observed, pool
+
+from kvfleet.api import manifest_hash
+from kvfleet.capacity import plan_for_pool
+from kvfleet.compat import default_matrix
+from kvfleet.operator import builders, naming
+from kvfleet.operator.drift import has_drifted
+
+
+def _deployment(**sets: Any) -> dict[str, Any]:
+    p, a = pool(**sets), artifact()
+    product = default_matrix().gpu_products.get(p.spec.gpu.product)
+    plan = plan_for_pool(a.spec, p.spec, product.memory_bytes if product else None)
+    return builders.build_deployment(p, a, manifest_hash(a.spec), plan)
+
+
+def _container(deployment: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = deployment["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+def test_deployment_requests_gpus_and_selects_the_product() -> None:
+    d = _deployment(spec__gpu__count=2)
+    pod_spec = d["spec"]["template"]["spec"]
+    resources = _container(d)["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == "2"
+    assert resources["limits"]["nvidia.com/gpu"] == "2"
+    assert pod_spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod_spec[
+        "tolerations"
+    ]
+    assert "affinity" not in pod_spec  # no memory stated: the product alone decides
+
+
+def test_gpu_memory_becomes_a_lower_bound_on_the_mib_label() -> None:
+    d = _deployment(spec__gpu__memory="22Gi")
+    terms = d["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms == [
+        {
+            "matchExpressions": [
+                {"key": "nvidia.com/gpu.memory", "operator": "Gt", "values": [str(22 * 1024 - 1)]}
+            ]
+        }
+    ]
+
+
+def test_readiness_grace_and_engine_command() -> None:
+    d = _deployment()
+    c = _container(d)
+    assert c["command"] == ["kvfleet", "serve"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    grace = d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > builders.DRAIN_SECONDS + builders.PRE_STOP_SECONDS
+    assert "--drain-grace-seconds=$(KVFLEET_DRAIN_GRACE_SECONDS)" in c["args"]
+    assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_labels_owner_and_expected_sha256() -> None:
+    a = artifact()
+    digest = manifest_hash(a.spec)
+    d = _deployment()
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    assert labels[naming.POOL_LABEL] == "chat"
+    assert labels[naming.MODEL_LABEL] == "qwen3-8b"
+    assert labels[naming.REVISION_LABEL] == digest[:12]
+    assert d["metadata"]["annotations"][naming.MANIFEST_HASH_ANNOTATION] == digest
+    assert d["metadata"]["name"] == f"chat-{digest[:12]}"
+    owner = d["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+        "ServingPool",
+        "chat",
+        "uid-chat",
+        True,
+    )
+    env = {e["name"]: e.get("value") for e in _container(d)["env"]}
+    assert env[builders.EXPECTED_SHA256_ENV] == ",".join(f.sha256 for f in a.spec.weights.files)
+    assert env[builders.MANIFEST_HASH_ENV] == digest
+
+
+def test_every_args_variable_comes_from_the_config_map() -> None:
+    d = _deployment()
+    c = _container(d)
+    from_cm = {
+        e["name"]: e["valueFrom"]["configMapKeyRef"]
+        for e in c["env"]
+        if "configMapKeyRef" in e.get("valueFrom", {})
+    }
+    defined = set(from_cm) | {e["name"] for e in c["env"]}
+    used = {m for arg in c["args"] for m in re.findall(r"\$\(([A-Z0-9_]+)\)", arg)}
+    assert used <= defined
+    assert {ref["name"] for ref in from_cm.values()} == {"chat-engine"}
+
+
+def test_engine_setting_change_rolls_the_pods() -> None:
+    before = _deployment()["spec"]["template"]["metadata"]["annotations"]
+    after = _deployment(spec__engine__maxBatchedTokens=4096)["spec"]["template"]["metadata"][
+        "annotations"
+    ]
+    key = naming.ENGINE_CONFIG_HASH_ANNOTATION
+    assert before[key] != after[key]
+
+
+def test_args_parse_with_the_engine_command_line() -> None:
+    serve = pytest.importorskip("kvfleet.commands.serve")
+    p, a = pool(), artifact()
+    plan = plan_for_pool(a.spec, p.spec, default_matrix().gpu_products["NVIDIA-L4"].memory_bytes)
+    settings = builders.build_config_map(p, plan)["data"]
+    args = _container(builders.build_deployment(p, a, manifest_hash(a.spec), plan))["args"]
+    values = {**settings, "POD_IP": "10.1.2.3"}
+    expanded = [re.sub(r"\$\(([A-Z0-9_]+)\)", lambda m: values[m.group(1)], x) for x in args]
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    ns = parser.parse_args(["serve", *expanded])
+    assert ns.host == "10.1.2.3"
+    assert ns.max_num_batched_tokens == 8192
+    assert ns.max_model_len == 8192
+    assert ns.num_kv_blocks == plan.kv_blocks_per_rank
+    assert ns.enable_prefix_caching is True
+
+
+def test_service_and_pdb_select_the_pool() -> None:
+    p = pool(spec__reserves={"failover": 2})
+    service, pdb = builders.build_service(p), builders.build_pdb(p)
+    assert service["spec"]["selector"] == naming.pool_selector("chat")
+    assert service["spec"]["ports"][0]["port"] == builders.ENGINE_PORT
+    assert pdb["spec"]["maxUnavailable"] == 2
+    assert pdb["spec"]["selector"]["matchLabels"] == naming.pool_selector("chat")
+
+
+def test_long_pool_names_stay_dns_labels_and_distinct() -> None:
+    base = "a" * 70
+    first, second = (
+        naming.deployment_name(base + "x", "f" * 64),
+        naming.deployment_name(base + "y", "f" * 64),
+    )
+    assert len(first) <= 63 and len(second) <= 63 and first != second
+    assert first.endswith("-" + "f" * 12)
+
+
+def test_drift_ignores_server_defaults_but_not_owned_fields() -> None:
+    d = _deployment()
+    observed = as_observed(d)
+    assert has_drifted(d, observed) is None
+    observed["spec"]["replicas"] = 5
+    assert has_drifted(d, observed) == ".spec.replicas"
+    observed = as_observed(d)
+    observed["spec"]["template"]["spec"]["containers"][0]["args"].append("--max-num-seqs=1")
+    assert has_drifted(d, observed) == ".spec.template.spec.containers[0].args"
+    observed = as_observed(d)
+    del observed["metadata"]["labels"][naming.POOL_LABEL]
+    assert has_drifted(d, observed) == f"metadata.labels.{naming.POOL_LABEL}"

@@ -1,0 +1,221 @@
+"""The pure ServingPool reconciler: objects to apply/delete and the status a user reads."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from operator_fakes import NOW, artifact, as_observed, pod, pool
+
+from kvfleet.api import ModelArtifact, ServingPool, manifest_hash
+from kvfleet.api.builders import make_artifact
+from kvfleet.compat import default_matrix
+from kvfleet.operator import naming
+from kvfleet.operator.servingpool import Observed, Plan, reconcile
+
+MATRIX = default_matrix()
+
+
+def _run(p: ServingPool, a: ModelArtifact | None, observed: Observed, **kw: Any) -> Plan:
+    return reconcile(p, a, observed, matrix=MATRIX, now=kw.pop("now", NOW), **kw)
+
+
+def _cond(plan: Plan, cond_type: str) -> dict[str, Any]:
+    return next(c for c in plan.status["conditions"] if c["type"] == cond_type)
+
+
+def _with_status(p: ServingPool, plan: Plan) -> ServingPool:
+    data = p.to_wire()
+    data["status"] = plan.status
+    return ServingPool.model_validate(data)
+
+
+def _converged(p: ServingPool, a: ModelArtifact, ready: int | None = None) -> Observed:
+    """Every object of the first plan, as the server would return them."""
+    first = _run(p, a, Observed())
+    objs = {o["kind"]: as_observed(o, ready=ready) for o in first.apply}
+    return Observed(
+        deployments=(objs["Deployment"],),
+        config_map=objs["ConfigMap"],
+        service=objs["Service"],
+        pdb=objs["PodDisruptionBudget"],
+    )
+
+
+def test_new_pool_creates_its_objects_and_is_progressing() -> None:
+    plan = _run(pool(), artifact(), Observed())
+    assert sorted(o["kind"] for o in plan.apply) == [
+        "ConfigMap",
+        "Deployment",
+        "PodDisruptionBudget",
+        "Service",
+    ]
+    assert not plan.delete
+    assert _cond(plan, "Available")["status"] == "False"
+    assert _cond(plan, "Progressing")["reason"] == "RollingOut"
+    capacity = _cond(plan, "CapacityOK")
+    assert (capacity["status"], capacity["reason"]) == ("True", "Fits")
+    # Qwen3-8B on a 24 GiB L4 with 3 GiB held back: 5 concurrent 8,192-token sequences.
+    assert plan.status["capacity"] == {"kvTokensPerReplica": 44400, "candidateConcurrency": 5}
+    assert {e.reason for e in plan.events} == {"Created"}
+    ServingPool.model_validate({**pool().to_wire(), "status": plan.status})  # schema-valid
+
+
+def test_converged_pool_is_available_and_applies_nothing() -> None:
+    p, a = pool(), artifact()
+    plan = _run(p, a, _converged(p, a))
+    assert plan.apply == () and plan.delete == () and plan.events == ()
+    assert _cond(plan, "Available")["status"] == "True"
+    assert _cond(plan, "Ready")["status"] == "True"
+    assert _cond(plan, "Progressing")["reason"] == "Complete"
+    assert _cond(plan, "Degraded")["status"] == "False"
+    assert plan.status["servingRevision"] == manifest_hash(a.spec)
+    assert (plan.status["replicas"], plan.status["readyReplicas"]) == (1, 1)
+    assert all(c["observedGeneration"] == 1 for c in plan.status["conditions"])
+
+
+def test_hand_scaling_is_restored() -> None:
+    p, a = pool(), artifact()
+    observed = _converged(p, a)
+    observed.deployments[0]["spec"]["replicas"] = 5
+    plan = _run(p, a, observed)
+    assert [o["kind"] for o in plan.apply] == ["Deployment"]
+    assert plan.apply[0]["spec"]["replicas"] == 1
+    assert [e.reason for e in plan.events] == ["Restored"]
+    assert ".spec.replicas" in plan.events[0].message
+
+
+def test_deleted_service_is_recreated_and_availability_holds() -> None:
+    p, a = pool(), artifact()
+    observed = _converged(p, a)
+    plan = _run(p, a, Observed(observed.deployments, observed.config_map, None, observed.pdb))
+    assert [o["kind"] for o in plan.apply] == ["Service"]
+    assert _cond(plan, "Available")["status"] == "True"
+
+
+def test_missing_artifact_blocks_without_creating_anything() -> None:
+    plan = _run(pool(), None, Observed())
+    assert plan.apply == ()
+    degraded = _cond(plan, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ArtifactNotFound")
+    assert "qwen3-8b" in degraded["message"]
+    assert _cond(plan, "Available")["reason"] == "ArtifactNotFound"
+    assert [e.type for e in plan.events] == ["Warning"]
+
+
+def test_pool_that_does_not_fit_its_gpu_is_refused() -> None:
+    plan = _run(pool(spec__gpu__memory="16Gi"), artifact(), Observed())
+    assert plan.apply == ()
+    capacity = _cond(plan, "CapacityOK")
+    assert (capacity["status"], capacity["reason"]) == ("False", "DoesNotFit")
+    assert _cond(plan, "Degraded")["reason"] == "InsufficientCapacity"
+
+
+def test_incompatible_gpu_is_refused_with_the_matrix_reason() -> None:
+    plan = _run(pool(spec__gpu__product="NVIDIA-Nonexistent"), artifact(), Observed())
+    assert plan.apply == ()
+    degraded = _cond(plan, "Degraded")
+    assert degraded["reason"] == "Incompatible"
+    assert "spec.gpu.product" in degraded["message"] and MATRIX.version in degraded["message"]
+
+
+def test_unschedulable_pods_name_the_gpu_product_and_warn_once() -> None:
+    p, a = pool(), artifact()
+    observed = _converged(p, a, ready=0)
+    labels = observed.deployments[0]["spec"]["template"]["metadata"]["labels"]
+    scheduler = "0/6 nodes are available: 6 node(s) didn't match Pod's node affinity/selector."
+    observed = Observed(
+        observed.deployments,
+        observed.config_map,
+        observed.service,
+        observed.pdb,
+        pods=(pod(labels, unschedulable=scheduler),),
+    )
+    plan = _run(p, a, observed)
+    available = _cond(plan, "Available")
+    assert (available["status"], available["reason"]) == ("False", "Unschedulable")
+    assert "no node with 1 free nvidia.com/gpu of product NVIDIA-L4" in available["message"]
+    assert scheduler in available["message"]
+    assert [e.reason for e in plan.events] == ["Unschedulable"]
+    again = _run(_with_status(p, plan), a, observed, now=NOW + timedelta(minutes=1))
+    assert again.events == ()
+    assert (
+        _cond(again, "Degraded")["lastTransitionTime"]
+        == _cond(plan, "Degraded")["lastTransitionTime"]
+    )
+
+
+def test_crash_looping_engine_is_degraded_with_its_last_words() -> None:
+    p, a = pool(), artifact()
+    observed = _converged(p, a, ready=0)
+    labels = observed.deployments[0]["spec"]["template"]["metadata"]["labels"]
+    bad = pod(labels, waiting=("CrashLoopBackOff", "sha256 mismatch for model-00001"))
+    plan = _run(
+        p,
+        a,
+        Observed(
+            observed.deployments, observed.config_map, observed.service, observed.pdb, pods=(bad,)
+        ),
+    )
+    degraded = _cond(plan, "Degraded")
+    assert degraded["reason"] == "CrashLoopBackOff"
+    assert "sha256 mismatch for model-00001" in degraded["message"]
+
+
+def _new_artifact() -> ModelArtifact:
+    return (
+        make_artifact("qwen3-8b")
+        .set("metadata.uid", "uid-2")
+        .set("spec.engineVersions.min", "0.1.0")
+        .obj()
+    )
+
+
+def test_artifact_change_switches_revision_only_when_the_new_one_is_ready() -> None:
+    p, old, new = pool(), artifact(), _new_artifact()
+    assert manifest_hash(old.spec) != manifest_hash(new.spec)
+    converged = _converged(p, old)
+    p = _with_status(p, _run(p, old, converged))
+    switching = _run(p, new, converged)
+    assert [o["kind"] for o in switching.apply] == ["Deployment"]
+    assert switching.delete == ()
+    assert switching.status["servingRevision"] == manifest_hash(old.spec)
+    new_deployment = next(o for o in switching.apply if o["kind"] == "Deployment")
+    both = Observed(
+        (converged.deployments[0], as_observed(new_deployment)),
+        converged.config_map,
+        converged.service,
+        converged.pdb,
+    )
+    done = _run(p, new, both)
+    assert [d["metadata"]["name"] for d in done.delete] == [
+        converged.deployments[0]["metadata"]["name"]
+    ]
+    assert done.status["servingRevision"] == manifest_hash(new.spec)
+
+
+def test_a_rollout_owns_revision_changes() -> None:
+    p, old, new = pool(), artifact(), _new_artifact()
+    converged = _converged(p, old)
+    p = _with_status(p, _run(p, old, converged))
+    plan = _run(
+        p,
+        new,
+        Observed(
+            converged.deployments,
+            converged.config_map,
+            converged.service,
+            converged.pdb,
+            rollouts=("chat-to-v2",),
+        ),
+    )
+    assert plan.apply == () and plan.delete == ()
+    assert _cond(plan, "Progressing")["reason"] == "ManagedByRollout"
+    assert _cond(plan, "Available")["status"] == "True"
+    assert plan.status["servingRevision"] == manifest_hash(old.spec)
+
+
+def test_revision_label_matches_the_manifest_hash() -> None:
+    p, a = pool(), artifact()
+    deployment = next(o for o in _run(p, a, Observed()).apply if o["kind"] == "Deployment")
+    assert deployment["metadata"]["labels"][naming.REVISION_LABEL] == manifest_hash(a.spec)[:12]
