@@ -48,7 +48,11 @@ class Decision:
 
 def _schema_errors(error: ValidationError) -> list[FieldError]:
     return [
-        FieldError(error_path(tuple(e["loc"])) or "(object)", "schema", e["msg"])
+        FieldError(
+            error_path(tuple(e["loc"])) or "(object)",
+            "schema",
+            e["msg"].removeprefix("Value error, "),
+        )
         for e in error.errors()
     ]
 
@@ -76,8 +80,12 @@ async def admit(
     *,
     fetch: Fetch,
     matrix: Matrix,
+    namespace: str | None = None,
 ) -> Decision:
-    """The decision for creating (old_data None) or updating an object of `kind`."""
+    """The decision for creating (old_data None) or updating an object of `kind`.
+
+    `namespace` is the request's namespace, used when the object does not carry one.
+    """
     if kind not in KINDS:
         return Decision([FieldError("kind", "schema", f"{kind} is not a kvfleet kind")])
     try:
@@ -92,7 +100,8 @@ async def admit(
         # Metadata-only updates (labels, finalizers) keep an admitted spec admitted, even if a
         # referenced object has since gone away.
         return Decision()
-    namespace = new.metadata.namespace or "default"
+    new.metadata.namespace = new.metadata.namespace or namespace or "default"
+    namespace = new.metadata.namespace
     found: list[FieldError]
     if isinstance(new, ModelArtifact):
         found = validate_modelartifact(new, old, matrix=matrix)

@@ -59,7 +59,14 @@ async def review(body: dict[str, Any], *, fetch: Fetch, matrix: Matrix) -> dict[
     obj = request["object"]
     name = f"{request.get('namespace') or ''}/{obj.get('metadata', {}).get('name', '?')}"
     try:
-        decision = await admit(kind, obj, request.get("oldObject"), fetch=fetch, matrix=matrix)
+        decision = await admit(
+            kind,
+            obj,
+            request.get("oldObject"),
+            fetch=fetch,
+            matrix=matrix,
+            namespace=request.get("namespace"),
+        )
     except FetchError as error:
         message = f"{kind} {name}: cannot check references: {error}; retry"
         return _response(uid, False, code=503, message=message)

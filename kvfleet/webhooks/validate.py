@@ -106,7 +106,11 @@ def _capacity(
         ]
     if plan.fits:
         return []
-    lines = ", ".join(f"{line.name} {_gib(line.bytes_per_rank)}" for line in plan.ledger[:-1])
+    lines = ", ".join(
+        f"{line.name} {_gib(line.bytes_per_rank)}"
+        for line in plan.ledger[:-1]
+        if line.bytes_per_rank
+    )
     return [
         FieldError(
             field,
