@@ -21,7 +21,7 @@ PREFIX = "kvfleet_engine_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LABELS = ("model", "revision")
 
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
     7.5, 10.0, 20.0, 40.0, 80.0,
 )
@@ -66,14 +66,14 @@ class EngineMetrics:
             return Histogram(PREFIX + name, doc, LABELS, registry=reg, buckets=buckets)
 
         self.ttft = hist("time_to_first_token_seconds",
-                         "Seconds from arrival to the first output token.", _LATENCY_BUCKETS)
+                         "Seconds from arrival to the first output token.", LATENCY_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds",
                          "Mean seconds per output token after the first (requests with >1 "
                          "output token).", _TPOT_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds",
-                        "Seconds from arrival to finish.", _LATENCY_BUCKETS)
+                        "Seconds from arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = hist("queue_time_seconds",
-                               "Seconds from arrival to first being scheduled.", _LATENCY_BUCKETS)
+                               "Seconds from arrival to first being scheduled.", LATENCY_BUCKETS)
         self.running = Gauge(PREFIX + "requests_running", "Requests holding KV blocks.",
                              LABELS, registry=reg)
         self.waiting = Gauge(PREFIX + "requests_waiting", "Requests waiting to be scheduled.",
