@@ -116,8 +116,12 @@ def test_prometheus_scrapes_the_engine_and_computes_ttft_p95(engine: EngineServe
                                 len(LATENCY_BUCKETS) - 1)]
     assert value <= upper
     series = query(prometheus, "kvfleet_engine_requests_total")
-    assert series and all(set(s["metric"]) <= {"__name__", "instance", "job", "model",  # type: ignore[arg-type]
-                                               "revision", "finish_reason"} for s in series)
+    assert series
+    for s in series:
+        labels = s["metric"]
+        assert isinstance(labels, dict)
+        assert set(labels) <= {"__name__", "instance", "job", "model", "revision",
+                               "finish_reason"}
 
 
 def test_promtool_accepts_the_exposition(engine: EngineServer) -> None:
