@@ -111,7 +111,8 @@ def build_crd(resource: type[Any]) -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string", "description": "APIVersion of the object."},
             "kind": {"type": "string", "description": "Kind of the object."},
-            "metadata": {"type": "object", "description": "Standard object metadata."},
+            # The apiserver owns ObjectMeta's schema: only `type` is allowed here.
+            "metadata": {"type": "object"},
             "spec": {**structural_schema(spec_model), "description": fields["spec"].description},
             "status": {
                 **structural_schema(status_model),
@@ -198,6 +199,10 @@ def structural_problems(schema: dict[str, Any], path: str = "") -> list[str]:
             problems.append(f"{where}: uses {key}")
     if "type" not in schema and not schema.get("x-kubernetes-int-or-string"):
         problems.append(f"{where}: no type")
+    if path == ".metadata":
+        if set(schema) != {"type"}:
+            problems.append(".metadata: must be exactly {type: object} (the apiserver owns it)")
+        return problems
     if not schema.get("description") and path.count(".") >= 1 and not path.endswith("[]"):
         problems.append(f"{where}: no description")
     if isinstance(schema.get("exclusiveMinimum"), int | float) and not isinstance(

@@ -48,7 +48,9 @@ def test_structural_checker_catches_refs_and_missing_descriptions() -> None:
         "type": "object",
         "properties": {"spec": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}},
     }
+    bad["properties"]["metadata"] = {"type": "object", "description": "meta"}
     problems = structural_problems(bad)
+    assert ".metadata: must be exactly {type: object} (the apiserver owns it)" in problems
     assert ".spec.a: uses $ref" in problems
     assert ".spec.a: no type" in problems
     assert ".spec.a: no description" in problems
