@@ -18,6 +18,7 @@ from kvfleet import __version__
 COMMAND_MODULES: tuple[str, ...] = (
     "engine",
     "devcluster",
+    "operator",
     "serve",
     "artifact", "check", "capacity", "crds", "webhook",
 )

@@ -1,0 +1,129 @@
+"""`kvfleet operator`: run the kopf operator that reconciles ModelArtifacts and ServingPools.
+
+Flags follow `kopf run`: `--namespace` (repeatable, globs allowed) or `--all-namespaces`,
+`--standalone` (no peering), `--priority`, `--peering`, `--liveness`; plus the Prometheus
+metrics port, the drift-check interval and the engine image the pods run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import yaml
+
+from kvfleet import __version__
+
+
+def register(subparsers: Any) -> None:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "operator",
+        help="run the operator (ModelArtifact, ServingPool)",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="serve this namespace (repeatable; globs like 'team-*' allowed)",
+    )
+    scope.add_argument(
+        "-A",
+        "--all-namespaces",
+        action="store_true",
+        help="serve the whole cluster (the default without --namespace)",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="do not coordinate with other operator replicas (no kopf peering)",
+    )
+    p.add_argument("--priority", type=int, default=0, help="kopf peering priority")
+    p.add_argument("--peering", default=None, help="kopf peering object name")
+    p.add_argument(
+        "--liveness",
+        default=None,
+        metavar="URL",
+        help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9090,
+        help="port of the Prometheus /metrics endpoint (0: none)",
+    )
+    p.add_argument("--metrics-address", default="0.0.0.0")
+    p.add_argument(
+        "--drift-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how often every pool is re-read and drift restored",
+    )
+    p.add_argument(
+        "--engine-image",
+        default=f"ghcr.io/kvfleet/kvfleet:{__version__}",
+        help="image of the engine containers",
+    )
+    p.add_argument("--matrix", default=None, help="compatibility matrix file (default: bundled)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument(
+        "--print-rbac",
+        action="store_true",
+        help="print the operator's ServiceAccount/ClusterRole/Binding YAML and exit",
+    )
+    p.add_argument(
+        "--rbac-namespace",
+        default="kvfleet-system",
+        help="namespace of the ServiceAccount in --print-rbac",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import kopf
+    from prometheus_client import start_http_server
+
+    from kvfleet.compat import MatrixError, default_matrix, load_matrix
+    from kvfleet.operator.builders import EngineOptions
+    from kvfleet.operator.handlers import OperatorConfig, build_registry
+    from kvfleet.operator.rbac import build_rbac
+
+    if args.print_rbac:
+        yaml.safe_dump_all(build_rbac(args.rbac_namespace), sys.stdout, sort_keys=False)
+        return 0
+    if args.drift_interval <= 0:
+        print("kvfleet operator: --drift-interval must be > 0 seconds", file=sys.stderr)
+        return 2
+    try:
+        matrix = load_matrix(Path(args.matrix)) if args.matrix else default_matrix()
+    except MatrixError as exc:
+        print(f"kvfleet operator: {exc}", file=sys.stderr)
+        return 2
+    kopf.configure(verbose=args.verbose, quiet=args.quiet)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_address)
+    config = OperatorConfig(
+        matrix=matrix,
+        options=EngineOptions(image=args.engine_image),
+        drift_interval_seconds=args.drift_interval,
+    )
+    kopf.run(
+        registry=build_registry(config),
+        standalone=args.standalone,
+        priority=args.priority,
+        peering_name=args.peering,
+        liveness_endpoint=args.liveness,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+    )
+    return 0

@@ -1,0 +1,57 @@
+"""Per-key coalescing of reconciles.
+
+Many triggers for one pool (its own create, four child objects appearing, Deployment status
+updates, the drift timer) must not become many concurrent or queued reconciles: at most one
+runs per key, and every trigger that arrives while one runs is served by a single follow-up run
+that starts after it — which is what a level-based reconcile needs to see the latest state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    # Mark the outcome as seen: a follow-up nobody joined must not log "never retrieved".
+    if not future.cancelled():
+        future.exception()
+
+
+class Coalescer(Generic[K]):
+    def __init__(self, run: Callable[[K], Awaitable[None]]) -> None:
+        self._run = run
+        self._locks: dict[K, asyncio.Lock] = {}
+        self._waiting: dict[K, asyncio.Future[None]] = {}
+
+    async def trigger(self, key: K) -> None:
+        """Return once a run that started after this call has finished (raise if it failed)."""
+        waiting = self._waiting.get(key)
+        if waiting is not None:
+            await asyncio.shield(waiting)
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(_retrieve)
+        self._waiting[key] = future
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            # From here on, new triggers need a new run: this one may already have read state.
+            del self._waiting[key]
+            try:
+                await self._run(key)
+            except asyncio.CancelledError:
+                future.cancel()
+                raise
+            except Exception as exc:
+                future.set_exception(exc)
+                raise
+            future.set_result(None)
+
+    def forget(self, key: K) -> None:
+        """Drop the bookkeeping of a deleted object (no run may be in flight for it)."""
+        lock = self._locks.get(key)
+        if lock is not None and not lock.locked() and key not in self._waiting:
+            del self._locks[key]

@@ -1,0 +1,178 @@
+"""kopf wiring: which events run which reconcile. Every handler is one line of dispatch; the
+decisions live in the pure reconcilers and the I/O in kvfleet.operator.runtime.
+
+Triggers of a ServingPool reconcile: the pool's create/update/resume (kopf progress and
+diff-base kept in `kvfleet.io/` annotations, never in status), any event on a Deployment,
+Service, ConfigMap or PodDisruptionBudget the operator manages (so a deleted Service or a
+Deployment that became ready is acted on at once), its artifact appearing or going away, and a
+drift timer that re-reads everything (level-based, it also catches pod scheduling changes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import kopf
+
+from kvfleet.compat import Matrix
+from kvfleet.operator import metrics, naming
+from kvfleet.operator.builders import EngineOptions
+from kvfleet.operator.kube import KubeApi, KubeError, client_from_connection
+from kvfleet.operator.runtime import InvalidObjectError, Key, Runtime
+
+log = logging.getLogger("kvfleet.operator")
+GROUP, VERSION = "kvfleet.io", "v1alpha1"
+RETRY_DELAY_SECONDS = 5.0
+# Children kinds watched for changes: (group, version, plural).
+CHILDREN = (
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+    ("policy", "v1", "poddisruptionbudgets"),
+)
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    matrix: Matrix
+    options: EngineOptions = field(default_factory=EngineOptions)
+    drift_interval_seconds: float = 30.0
+
+
+class _State:
+    """The runtime, created at login (it needs the credentials kopf logged in with)."""
+
+    def __init__(self) -> None:
+        self.runtime: Runtime | None = None
+        self.background: set[asyncio.Task[None]] = set()
+
+    def get(self) -> Runtime:
+        if self.runtime is None:
+            raise kopf.TemporaryError("not logged in yet", delay=RETRY_DELAY_SECONDS)
+        return self.runtime
+
+
+async def _handled(trigger: Callable[[Key], Awaitable[None]], key: Key) -> None:
+    """Run a reconcile from a kopf handler, mapping failures to kopf's retry semantics."""
+    try:
+        await trigger(key)
+    except InvalidObjectError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
+    except KubeError as exc:
+        if exc.retryable:
+            raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_SECONDS) from exc
+        raise kopf.PermanentError(str(exc)) from exc
+    except httpx.TransportError as exc:
+        raise kopf.TemporaryError(
+            f"apiserver unreachable: {exc}", delay=RETRY_DELAY_SECONDS
+        ) from exc
+
+
+def _controller_pool(body: Any) -> str | None:
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") == "ServingPool" and ref.get("controller"):
+            name: str = ref["name"]
+            return name
+    return None
+
+
+def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    state = _State()
+
+    def in_background(trigger: Callable[[Key], Awaitable[None]], key: Key) -> None:
+        async def run() -> None:
+            try:
+                await trigger(key)
+            except Exception as exc:  # the drift timer retries; say why meanwhile
+                log.warning("reconcile of %s/%s failed: %s", key[0], key[1], exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        state.background.add(task)
+        task.add_done_callback(state.background.discard)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        # The operator posts its own events for decisions; kopf's per-handler ones are noise.
+        settings.posting.level = logging.ERROR
+        # No cluster-wide CRD/namespace scans: the RBAC stays small.
+        settings.scanning.disabled = True
+
+    @kopf.on.login(registry=registry)
+    def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+            settings=settings
+        )
+        if info is None:
+            raise kopf.LoginError(
+                "no credentials: run in a pod with a service account, or set KUBECONFIG"
+            )
+        if state.runtime is None:
+            api = KubeApi(client_from_connection(info), metrics.count_request)
+            state.runtime = Runtime(api, config.matrix, config.options)
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        if state.runtime is not None:
+            await state.runtime.api.close()
+
+    # -- ServingPool ----------------------------------------------------------------------
+
+    @kopf.on.create(GROUP, VERSION, "servingpools", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "servingpools", registry=registry)
+    @kopf.on.resume(GROUP, VERSION, "servingpools", registry=registry)
+    async def pool_changed(namespace: str | None, name: str, **_: Any) -> None:
+        await _handled(state.get().pools.trigger, (namespace or "default", name))
+
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        "servingpools",
+        interval=config.drift_interval_seconds,
+        initial_delay=config.drift_interval_seconds,
+        registry=registry,
+    )
+    async def pool_drift(namespace: str | None, name: str, **_: Any) -> None:
+        await _handled(state.get().pools.trigger, (namespace or "default", name))
+
+    for group, version, plural in CHILDREN:
+
+        @kopf.on.event(
+            group,
+            version,
+            plural,
+            labels={"app.kubernetes.io/managed-by": naming.MANAGED_BY},
+            registry=registry,
+        )
+        async def child_changed(body: Any, namespace: str | None, **_: Any) -> None:
+            pool = _controller_pool(body)
+            if pool is not None and state.runtime is not None:
+                in_background(state.runtime.pools.trigger, (namespace or "default", pool))
+
+    # -- ModelArtifact --------------------------------------------------------------------
+
+    @kopf.on.create(GROUP, VERSION, "modelartifacts", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "modelartifacts", registry=registry)
+    @kopf.on.resume(GROUP, VERSION, "modelartifacts", registry=registry)
+    async def artifact_changed(namespace: str | None, name: str, reason: str, **_: Any) -> None:
+        runtime = state.get()
+        await _handled(runtime.artifacts.trigger, (namespace or "default", name))
+        if reason != "resume":  # on resume, every pool resumes by itself
+            for key in await runtime.pools_using(namespace or "default", name):
+                in_background(runtime.pools.trigger, key)
+
+    @kopf.on.delete(GROUP, VERSION, "modelartifacts", optional=True, registry=registry)
+    async def artifact_deleted(namespace: str | None, name: str, **_: Any) -> None:
+        runtime = state.get()
+        for key in await runtime.pools_using(namespace or "default", name):
+            in_background(runtime.pools.trigger, key)
+
+    return registry

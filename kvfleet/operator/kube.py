@@ -1,0 +1,180 @@
+"""The operator's own async Kubernetes client: the few verbs the reconcilers' plans need.
+
+kopf watches and keeps its own session; this client does the reads and writes of a reconcile
+(server-side apply of owned objects, status patches, events). It is built from the same
+`kopf.ConnectionInfo` that kopf logged in with, so there is one source of credentials, and it
+counts every request so the operator can report apiserver requests per reconcile.
+
+KubeError            a request failed (status code, the server's message, the path)
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import ssl
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvfleet.operator.naming import FIELD_MANAGER
+
+JsonObj = dict[str, Any]
+
+# kind -> (API prefix, plural); the kinds the operator reads or writes.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Service": ("/api/v1", "services"),
+    "Pod": ("/api/v1", "pods"),
+    "Event": ("/api/v1", "events"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "ServingPool": ("/apis/kvfleet.io/v1alpha1", "servingpools"),
+    "ModelArtifact": ("/apis/kvfleet.io/v1alpha1", "modelartifacts"),
+    "Rollout": ("/apis/kvfleet.io/v1alpha1", "rollouts"),
+}
+
+
+class KubeError(RuntimeError):
+    def __init__(self, method: str, path: str, status: int, message: str) -> None:
+        super().__init__(f"{method} {path}: HTTP {status}: {message}")
+        self.status = status
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in (409, 429) or self.status >= 500
+
+
+def path_of(kind: str, namespace: str, name: str | None = None) -> str:
+    prefix, plural = RESOURCES[kind]
+    path = f"{prefix}/namespaces/{namespace}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+def _material(path: Any, data: Any, folder: Path, name: str) -> str | None:
+    """A file path for PEM material given inline (base64) or as a path."""
+    if path:
+        return os.fsdecode(path)
+    if not data:
+        return None
+    raw = data.encode() if isinstance(data, str) else data
+    target = folder / name
+    target.write_bytes(base64.b64decode(raw))
+    target.chmod(0o600)
+    return str(target)
+
+
+def client_from_connection(info: Any, *, timeout: float = 30.0) -> httpx.AsyncClient:
+    """An httpx client for a `kopf.ConnectionInfo` (certificate, token or basic auth)."""
+    folder = Path(tempfile.mkdtemp(prefix="kvfleet-operator-"))
+    context = ssl.create_default_context()
+    ca = _material(info.ca_path, info.ca_data, folder, "ca.crt")
+    if ca is not None:
+        context.load_verify_locations(cafile=ca)
+    cert = _material(info.certificate_path, info.certificate_data, folder, "client.crt")
+    key = _material(info.private_key_path, info.private_key_data, folder, "client.key")
+    if cert is not None:
+        context.load_cert_chain(cert, key)
+    if info.insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    headers = {"Accept": "application/json"}
+    if info.token:
+        headers["Authorization"] = f"Bearer {info.token}"
+    auth = httpx.BasicAuth(info.username, info.password or "") if info.username else None
+    return httpx.AsyncClient(
+        base_url=info.server.rstrip("/"),
+        verify=context,
+        headers=headers,
+        auth=auth,
+        timeout=timeout,
+        limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+    )
+
+
+class KubeApi:
+    """Typed verbs over one httpx client; `on_request(verb)` is called for every request."""
+
+    def __init__(
+        self, client: httpx.AsyncClient, on_request: Callable[[str], None] | None = None
+    ) -> None:
+        self._client = client
+        self._on_request = on_request
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        missing_ok: bool = False,
+    ) -> JsonObj | None:
+        if self._on_request is not None:
+            self._on_request(method)
+        content = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": content_type} if body is not None else None
+        response = await self._client.request(
+            method, path, params=params, content=content, headers=headers
+        )
+        if response.status_code == 404 and missing_ok:
+            return None
+        if response.status_code >= 400:
+            try:
+                message = str(response.json().get("message", response.text))
+            except ValueError:
+                message = response.text
+            raise KubeError(method, path, response.status_code, message[:2000])
+        result: JsonObj = response.json() if response.content else {}
+        return result
+
+    async def get(self, kind: str, namespace: str, name: str) -> JsonObj | None:
+        return await self._send("GET", path_of(kind, namespace, name), missing_ok=True)
+
+    async def list(self, kind: str, namespace: str, selector: str | None = None) -> list[JsonObj]:
+        params = {"labelSelector": selector} if selector else None
+        found = await self._send("GET", path_of(kind, namespace), params=params)
+        items: list[JsonObj] = (found or {}).get("items", [])
+        return items
+
+    async def apply(self, obj: JsonObj) -> JsonObj:
+        """Server-side apply: create or restore the fields the operator owns (force: the
+        operator wins conflicts over its own fields, e.g. against `kubectl scale`)."""
+        meta = obj["metadata"]
+        result = await self._send(
+            "PATCH",
+            path_of(obj["kind"], meta["namespace"], meta["name"]),
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            body=obj,
+            content_type="application/apply-patch+yaml",
+        )
+        return result or {}
+
+    async def delete(self, kind: str, namespace: str, name: str, uid: str | None) -> None:
+        body: JsonObj = {
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "propagationPolicy": "Background",
+        }
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
+        await self._send("DELETE", path_of(kind, namespace, name), body=body, missing_ok=True)
+
+    async def patch_status(self, kind: str, namespace: str, name: str, status: JsonObj) -> None:
+        await self._send(
+            "PATCH",
+            path_of(kind, namespace, name) + "/status",
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    async def create(self, obj: JsonObj) -> None:
+        await self._send("POST", path_of(obj["kind"], obj["metadata"]["namespace"]), body=obj)

@@ -1,0 +1,82 @@
+"""The operator's RBAC, as data: exactly the verbs its reconcilers and kopf's watches use.
+
+`deploy/operator/rbac.yaml` is generated from `build_rbac()` (`kvfleet operator --print-rbac`)
+and a unit test fails when they differ, so the file is never edited by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAME = "kvfleet-operator"
+WATCH = ["get", "list", "watch"]
+
+
+def cluster_role_rules() -> list[dict[str, Any]]:
+    return [
+        # kopf watches the kinds it handles and stores progress in their annotations.
+        {
+            "apiGroups": ["kvfleet.io"],
+            "resources": ["servingpools", "modelartifacts"],
+            "verbs": [*WATCH, "patch"],
+        },
+        {
+            "apiGroups": ["kvfleet.io"],
+            "resources": ["servingpools/status", "modelartifacts/status"],
+            "verbs": ["get", "patch", "update"],
+        },
+        {"apiGroups": ["kvfleet.io"], "resources": ["rollouts"], "verbs": WATCH},
+        # Owned children: server-side apply is a patch; old revisions are deleted.
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments"],
+            "verbs": [*WATCH, "create", "patch", "delete"],
+        },
+        {
+            "apiGroups": [""],
+            "resources": ["services", "configmaps"],
+            "verbs": [*WATCH, "create", "patch", "delete"],
+        },
+        {
+            "apiGroups": ["policy"],
+            "resources": ["poddisruptionbudgets"],
+            "verbs": [*WATCH, "create", "patch", "delete"],
+        },
+        # Pod conditions explain why replicas are not ready.
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+        {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        # kopf peering (absent with --standalone) uses these.
+        {
+            "apiGroups": ["kopf.dev"],
+            "resources": ["clusterkopfpeerings", "kopfpeerings"],
+            "verbs": [*WATCH, "patch"],
+        },
+    ]
+
+
+def build_rbac(namespace: str = "kvfleet-system") -> list[dict[str, Any]]:
+    """ServiceAccount, ClusterRole and ClusterRoleBinding for a cluster-wide operator."""
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": NAME, "namespace": namespace},
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": NAME},
+            "rules": cluster_role_rules(),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": NAME},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": NAME,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": namespace}],
+        },
+    ]

@@ -1,0 +1,104 @@
+"""Operator plumbing that needs no cluster: reconcile coalescing, RBAC file, command line."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvfleet.cli import build_parser
+from kvfleet.operator.coalesce import Coalescer
+from kvfleet.operator.rbac import build_rbac
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.asyncio
+async def test_triggers_during_a_run_coalesce_into_one_follow_up() -> None:
+    runs: list[str] = []
+    gate = asyncio.Event()
+
+    async def reconcile(key: str) -> None:
+        runs.append(key)
+        if len(runs) == 1:
+            await gate.wait()
+
+    coalescer: Coalescer[str] = Coalescer(reconcile)
+    first = asyncio.create_task(coalescer.trigger("a"))
+    await asyncio.sleep(0)
+    followers = [asyncio.create_task(coalescer.trigger("a")) for _ in range(10)]
+    other = asyncio.create_task(coalescer.trigger("b"))  # other keys are not held up
+    await asyncio.wait_for(other, 1)
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(first, *followers), 1)
+    assert runs == ["a", "b", "a"]
+
+
+@pytest.mark.asyncio
+async def test_a_failed_run_fails_its_callers_and_the_next_trigger_runs_again() -> None:
+    calls = 0
+
+    async def reconcile(key: str) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("apiserver said no")
+
+    coalescer: Coalescer[str] = Coalescer(reconcile)
+    with pytest.raises(RuntimeError, match="apiserver said no"):
+        await coalescer.trigger("a")
+    await coalescer.trigger("a")
+    assert calls == 2
+
+
+def test_rbac_file_is_generated() -> None:
+    on_disk = list(yaml.safe_load_all((ROOT / "deploy/operator/rbac.yaml").read_text()))
+    assert on_disk == build_rbac(), (
+        "regenerate: kvfleet operator --print-rbac > deploy/operator/rbac.yaml"
+    )
+
+
+def test_rbac_allows_what_the_operator_writes() -> None:
+    rules = build_rbac()[1]["rules"]
+
+    def allowed(group: str, resource: str, verb: str) -> bool:
+        return any(
+            group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+            for r in rules
+        )
+
+    for group, resource in [
+        ("apps", "deployments"),
+        ("", "services"),
+        ("", "configmaps"),
+        ("policy", "poddisruptionbudgets"),
+    ]:
+        assert allowed(group, resource, "patch") and allowed(group, resource, "delete")
+    assert allowed("kvfleet.io", "servingpools/status", "patch")
+    assert not allowed("kvfleet.io", "servingpools", "update")  # never writes spec
+
+
+def test_operator_flags() -> None:
+    args = build_parser().parse_args(
+        ["operator", "-n", "team-a", "-n", "team-b", "--standalone", "--metrics-port", "0"]
+    )
+    assert args.namespace == ["team-a", "team-b"] and args.standalone and args.metrics_port == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["operator", "-n", "x", "--all-namespaces"])
+
+
+def test_print_rbac_runs_from_the_command_line() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvfleet", "operator", "--print-rbac", "--rbac-namespace", "ops"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    kinds = [d["kind"] for d in yaml.safe_load_all(out)]
+    assert kinds == ["ServiceAccount", "ClusterRole", "ClusterRoleBinding"]
