@@ -49,10 +49,9 @@ def load_kubeconfig(path: Path) -> Credentials:
         (u["user"] for u in config.get("users", []) if u["name"] == context.get("user")), {}
     )
     base = path.parent
-    ctx = ssl.create_default_context()
     ca = _material(cluster, "certificate-authority", base)
-    if ca is not None:
-        ctx.load_verify_locations(cadata=ca.decode())
+    # A kubeconfig CA replaces the system trust store, as in kubectl: the cluster CA only.
+    ctx = ssl.create_default_context(cadata=ca.decode()) if ca else ssl.create_default_context()
     cert = _material(user, "client-certificate", base)
     key = _material(user, "client-key", base)
     if cert is not None and key is not None:

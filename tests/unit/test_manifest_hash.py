@@ -97,3 +97,37 @@ def test_number_spelling_never_matters(temperature: float, top_k: int) -> None:
     a = _spec(samplingDefaults={"temperature": temperature, "topK": top_k})
     b = _spec(samplingDefaults={"topK": float(top_k), "temperature": repr(temperature)})
     assert manifest_hash(a) == manifest_hash(b)
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**12), 10**12)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def _shuffle_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _shuffle_keys(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [_shuffle_keys(v) for v in value]
+    return value
+
+
+@settings(max_examples=100, deadline=None)
+@given(_json_values)
+def test_canonical_json_ignores_key_order_and_round_trips(value: Any) -> None:
+    encoded = canonical_json(value)
+    assert canonical_json(_shuffle_keys(value)) == encoded
+    assert canonical_json(json.loads(encoded)) == encoded
+    # Compact: nothing but the JSON itself (whitespace can only appear inside strings).
+    compact = json.dumps(
+        json.loads(encoded), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+    assert encoded == compact.encode()
