@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvfleet.api import DocumentError, ModelArtifact, load_objects, manifest_hash
+from kvfleet.api import DocumentError, ModelArtifact, base_hash, load_objects, manifest_hash
 from kvfleet.api.documents import dump_object
 from kvfleet.api.gguf_artifact import GGUFArtifactError, artifact_from_gguf, embedded_gguf_path
 
@@ -21,6 +21,11 @@ def register(subparsers: Any) -> None:
         description="sha256 over the canonical JSON of the spec (see kvfleet/api/manifest.py).",
     )
     hash_.add_argument("files", nargs="+", type=Path, metavar="FILE.yaml")
+    hash_.add_argument(
+        "--base",
+        action="store_true",
+        help="print the base hash instead (the spec without adapters; what adapters name)",
+    )
     hash_.set_defaults(func=_hash)
     gguf = sub.add_parser(
         "from-gguf",
@@ -48,7 +53,8 @@ def _hash(args: argparse.Namespace) -> int:
         for obj in objects:
             if isinstance(obj, ModelArtifact):
                 found += 1
-                print(f"{manifest_hash(obj.spec)}  {path}:{obj.metadata.name}")
+                digest = base_hash(obj.spec) if args.base else manifest_hash(obj.spec)
+                print(f"{digest}  {path}:{obj.metadata.name}")
     if not found:
         print("error: no ModelArtifact in the given files", file=sys.stderr)
         return 1

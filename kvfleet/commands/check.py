@@ -62,6 +62,8 @@ def _check(args: argparse.Namespace) -> int:
             print(f"{where}: warning: {warning}")
         for problem in decision.errors:
             print(f"{where}: {problem}")
+            if problem.rule == "reference":
+                print(f"{where}: hint: pass the file that defines it too")
         if decision.allowed:
             print(f"{where}: ok")
         failed = failed or not decision.allowed

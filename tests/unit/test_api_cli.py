@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvfleet.api import load_objects, manifest_hash
+from kvfleet.api import base_hash, load_objects, manifest_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -39,6 +39,14 @@ def test_artifact_hash_prints_the_manifest_hash(capsys: pytest.CaptureFixture[st
     assert run("artifact", "hash", str(path)) == 0
     [artifact] = load_objects(path)
     assert capsys.readouterr().out == f"{manifest_hash(artifact.spec)}  {path}:qwen3-8b\n"
+
+
+def test_artifact_base_hash_is_what_adapters_name(capsys: pytest.CaptureFixture[str]) -> None:
+    path = EXAMPLES / "invalid" / "modelartifact-adapter-wrong-base.yaml"
+    assert run("artifact", "hash", "--base", str(path)) == 0
+    [artifact] = load_objects(path)
+    assert capsys.readouterr().out.split()[0] == base_hash(artifact.spec)
+    assert base_hash(artifact.spec) != manifest_hash(artifact.spec)
 
 
 def test_artifact_hash_without_artifacts_fails(capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,6 +98,8 @@ def test_check_refusal_exits_non_zero_and_names_field(capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert "ServingPool default/qwen3-8b-t4: spec.gpu.product: Tesla-T4" in out
     assert "[rule: compatibility]" in out
+    assert run("check", str(EXAMPLES / "servingpool-l4.yaml")) == 1
+    assert "hint: pass the file that defines it too" in capsys.readouterr().out
 
 
 def test_check_unparseable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
