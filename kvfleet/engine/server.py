@@ -17,9 +17,9 @@ import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -176,6 +176,36 @@ def _check_supported(body: SamplingFields) -> None:
             reject("response_format", "only {'type': 'text'} is supported")
 
 
+@dataclass(frozen=True, slots=True)
+class RequestHeaders:
+    idempotency_key: str | None
+    deadline_seconds: float | None
+
+
+def request_headers(
+    idempotency_key: Annotated[str | None, Header(
+        alias="Idempotency-Key", min_length=1, max_length=256,
+        description="A retry with the same key (and body) gets the original result or "
+        "stream instead of a second generation.")] = None,
+    deadline_seconds: Annotated[float | None, Header(
+        alias=DEADLINE_HEADER, gt=0, le=86_400,
+        description="End the request with finish_reason 'deadline' this many seconds after "
+        "arrival (the smaller of this and the body's deadline_seconds applies).")] = None,
+) -> RequestHeaders:
+    return RequestHeaders(idempotency_key, deadline_seconds)
+
+
+def _without_422(doc: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI documents validation failures as 422; this API answers 400 (OpenAI's shape)."""
+    for operations in doc.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    schemas = doc.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    return doc
+
+
 def _completion_prompt(body: CompletionRequest, engine: AsyncEngine
                        ) -> tuple[list[int], str | None]:
     """Token ids (and text, if given as text) of the one prompt of a completion request."""
@@ -266,19 +296,6 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
                            f"{_TENANT_RE.pattern}", cfg.tenant_header)
         return tenant
 
-    def deadline_of(request: Request, body: SamplingFields) -> float | None:
-        raw = request.headers.get(DEADLINE_HEADER)
-        if raw is None:
-            return body.deadline_seconds
-        try:
-            value = float(raw)
-        except ValueError:
-            value = -1.0
-        if not 0 < value <= 86_400:
-            raise ApiError("invalid_request_error", f"header {DEADLINE_HEADER} must be seconds "
-                           "in (0, 86400]", DEADLINE_HEADER)
-        return value if body.deadline_seconds is None else min(value, body.deadline_seconds)
-
     def check_model(body: SamplingFields) -> None:
         model = loaded().model
         if body.model not in (None, "", model.name):
@@ -291,19 +308,17 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
                            "another replica", retry_after=1)
         return loaded()
 
-    def build_spec(request: Request, body: SamplingFields, prompt_ids: list[int],
-                   max_tokens: int, prompt_text: str | None) -> GenerationSpec:
+    def build_spec(request: Request, headers: RequestHeaders, body: SamplingFields,
+                   prompt_ids: list[int], max_tokens: int, prompt_text: str | None
+                   ) -> GenerationSpec:
         tenant = tenant_of(request)
         scope = cfg.shared_prefix_scope if tenant in cfg.shared_prefix_tenants else tenant
-        key = request.headers.get("idempotency-key")
-        if key is not None and not 0 < len(key) <= 256:
-            raise ApiError("invalid_request_error", "Idempotency-Key must be 1-256 characters",
-                           "Idempotency-Key")
+        deadlines = [d for d in (headers.deadline_seconds, body.deadline_seconds) if d]
         return GenerationSpec(
             prompt_token_ids=tuple(prompt_ids), sampling=_sampling(body, max_tokens),
             tenant=tenant, cache_scope=scope,
-            priority=body.priority, deadline_seconds=deadline_of(request, body),
-            idempotency_key=key,
+            priority=body.priority, deadline_seconds=min(deadlines, default=None),
+            idempotency_key=headers.idempotency_key,
             body_fingerprint=fingerprint([request.url.path, body.model_dump(mode="json")]),
             skip_special_tokens=body.skip_special_tokens, prompt_text=prompt_text,
         )
@@ -333,7 +348,9 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
                      prompt_tokens_details={"cached_tokens": last.num_cached_tokens})
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: CompletionRequest, request: Request,
+                          headers: Annotated[RequestHeaders, Depends(request_headers)]
+                          ) -> Response:
         engine = check_ready()
         model = engine.model
         check_model(body)
@@ -342,7 +359,8 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
         if not prompt_ids:
             raise ApiError("invalid_request_error", "prompt: is empty; send at least one "
                            "token", "prompt")
-        spec = build_spec(request, body, prompt_ids, body.max_tokens or 16, prompt_text)
+        spec = build_spec(request, headers, body, prompt_ids, body.max_tokens or 16,
+                          prompt_text)
 
         def render(stream: RequestStream, event: StreamEvent, _: bool) -> dict[str, Any]:
             return CompletionStreamChunk(
@@ -364,7 +382,9 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_ERROR_RESPONSES)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               headers: Annotated[RequestHeaders, Depends(request_headers)]
+                               ) -> Response:
         engine = check_ready()
         model = engine.model
         check_model(body)
@@ -382,7 +402,7 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = requested or max(1, min(cfg.default_max_tokens,
                                              model.max_context - len(prompt_ids)))
-        spec = build_spec(request, body, prompt_ids, max_tokens, text)
+        spec = build_spec(request, headers, body, prompt_ids, max_tokens, text)
 
         def render(stream: RequestStream, event: StreamEvent, first: bool) -> dict[str, Any]:
             delta = ChatDelta(role="assistant" if first else None, content=event.text)
@@ -423,6 +443,14 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
     async def metrics() -> Response:
         return Response(loaded().metrics.exposition(), media_type=CONTENT_TYPE)
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _without_422(default_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(BodySizeLimit, max_bytes=cfg.max_body_bytes)
     return app
 

@@ -279,5 +279,12 @@ async def test_models_health_ready_and_openapi(served: Served) -> None:
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= doc["paths"].keys()
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"top_k", "min_tokens", "priority", "deadline_seconds"} <= props.keys()
-    errors = doc["paths"]["/v1/completions"]["post"]["responses"]
-    assert {"400", "429", "413"} <= errors.keys()
+    operation = doc["paths"]["/v1/completions"]["post"]
+    assert {"400", "429", "413"} <= operation["responses"].keys()
+    assert "422" not in operation["responses"]  # validation errors are 400, as in OpenAI
+    headers = {p["name"] for p in operation["parameters"] if p["in"] == "header"}
+    assert headers == {"Idempotency-Key", "x-kvfleet-deadline-seconds"}
+    r = await served.client.post("/v1/completions", json={"prompt": "a"},
+                                 headers={"x-kvfleet-deadline-seconds": "-1"})
+    assert (r.status_code, r.json()["error"]["param"]) == (
+        400, "header.x-kvfleet-deadline-seconds")
