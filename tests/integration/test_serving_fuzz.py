@@ -16,6 +16,7 @@ import pytest
 import schemathesis
 from engine_server import EngineServer, running_server
 from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis.core.result import Ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -56,7 +57,10 @@ def fuzz_operation(operation: Any, base_url: str) -> Counter[int]:
 # the same generator and checks, driven explicitly.
 def test_no_server_errors_and_no_hangs(engine: EngineServer) -> None:
     schema = schemathesis.openapi.from_url(engine.base_url + "/openapi.json")
-    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = []
+    for result in schema.get_all_operations():
+        assert isinstance(result, Ok), f"the OpenAPI document is invalid: {result}"
+        operations.append(result.ok())
     paths = {op.path for op in operations}
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/ready"} <= paths
     for operation in operations:
