@@ -106,7 +106,7 @@ def build_crd(resource: type[Any]) -> dict[str, Any]:
     )
     schema: dict[str, Any] = {
         "type": "object",
-        "description": (resource.__doc__ or kind).strip(),
+        "description": " ".join((resource.__doc__ or kind).split()),
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string", "description": "APIVersion of the object."},

@@ -257,7 +257,9 @@ class ModelArtifactStatus(KubeModel):
 
 
 class ModelArtifact(KubeModel):
-    """A ModelArtifact object."""
+    """An immutable, hashed manifest of everything that makes a model servable: weight files,
+    tokenizer, chat template, architecture, dtype, quantization, adapters. A new model version
+    is a new ModelArtifact; status.manifestHash identifies exactly what is served."""
 
     crd: ClassVar[CRDNames] = CRDNames(
         plural="modelartifacts",

@@ -197,7 +197,8 @@ class RolloutStatus(KubeModel):
 
 
 class Rollout(KubeModel):
-    """A Rollout object."""
+    """Moves a ServingPool to another ModelArtifact: optional shadow traffic, canary steps with
+    PromQL analysis, automatic promotion or rollback. Progress lives in status."""
 
     crd: ClassVar[CRDNames] = CRDNames(
         plural="rollouts",

@@ -200,7 +200,9 @@ class ServingPoolStatus(KubeModel):
 
 
 class ServingPool(KubeModel):
-    """A ServingPool object."""
+    """N replicas of the kvfleet engine serving one ModelArtifact on one GPU product, with
+    engine settings, SLOs and reserves; status reports ready replicas and the planned KV
+    capacity per replica."""
 
     crd: ClassVar[CRDNames] = CRDNames(
         plural="servingpools",

@@ -115,7 +115,8 @@ class TenantQuotaStatus(KubeModel):
 
 
 class TenantQuota(KubeModel):
-    """A TenantQuota object."""
+    """A tenant's budget, enforced by the router before the engine sees a request: request and
+    token rates, concurrency, KV blocks, priority, borrowing, allowed pools and regions."""
 
     crd: ClassVar[CRDNames] = CRDNames(
         plural="tenantquotas",
