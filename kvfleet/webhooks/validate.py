@@ -145,6 +145,7 @@ def validate_servingpool(
     found = check(artifact.spec, new.spec, matrix=matrix, engine_version=engine_version)
     errors = _own(found, "ServingPool")
     errors += _referenced(found, "spec.artifactRef.name", f"ModelArtifact {ref} is incompatible")
+    # A GPU the matrix does not know, or cannot run the model, has no meaningful memory plan.
     if not any(e.field == "spec.gpu.product" for e in errors):
         plan = plan_for_pool(artifact.spec, new.spec, gpu_memory_bytes(new, matrix))
         errors += _capacity(plan, new, artifact, "spec.gpu")
