@@ -229,6 +229,33 @@ def test_capacity_from_hf_config(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "candidate concurrency  5 sequences" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_capacity_from_the_real_gguf(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfleet.api.gguf_artifact import embedded_gguf_path
+
+    assert (
+        run(
+            "capacity",
+            "--gguf",
+            str(embedded_gguf_path()),
+            "--gpu",
+            "L4",
+            "--workspace",
+            "2GiB",
+            "--safety",
+            "1GiB",
+            "--output",
+            "json",
+        )
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, dequantized to float32 by the engine.
+    assert data["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert data["weight_bytes"] == 134_515_008 * 4
+    assert data["seq_tokens"] == 8192 and data["unknowns"] == []
+
+
 def test_capacity_partial_load_inputs_are_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(*WORKED, "--arrival-rate", "3") == 2
     assert "GPU count needs all of" in capsys.readouterr().err
