@@ -45,6 +45,11 @@ class KubeError(RuntimeError):
         self.status = status
 
     @property
+    def gone(self) -> bool:
+        """The object or its namespace is going away: there is nothing left to reconcile."""
+        return self.status == 404 or (self.status == 403 and "being terminated" in str(self))
+
+    @property
     def retryable(self) -> bool:
         return self.status in (409, 429) or self.status >= 500
 

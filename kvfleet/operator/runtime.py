@@ -23,7 +23,7 @@ from kvfleet.compat import Matrix
 from kvfleet.operator import metrics, naming
 from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.coalesce import Coalescer
-from kvfleet.operator.kube import JsonObj, KubeApi
+from kvfleet.operator.kube import JsonObj, KubeApi, KubeError
 from kvfleet.operator.modelartifact import reconcile_artifact
 from kvfleet.operator.servingpool import Event, Observed, deployment_ready, reconcile
 
@@ -98,6 +98,14 @@ class Runtime:
         )
 
     async def reconcile_pool(self, key: Key) -> None:
+        try:
+            await self._reconcile_pool(key)
+        except KubeError as exc:
+            if not exc.gone:
+                raise
+            log.debug("ServingPool %s/%s is going away: %s", key[0], key[1], exc)
+
+    async def _reconcile_pool(self, key: Key) -> None:
         ns, name = key
         raw = await self.api.get("ServingPool", ns, name)
         if raw is None or raw["metadata"].get("deletionTimestamp"):
@@ -123,6 +131,14 @@ class Runtime:
     # -- ModelArtifact --------------------------------------------------------------------
 
     async def reconcile_artifact(self, key: Key) -> None:
+        try:
+            await self._reconcile_artifact(key)
+        except KubeError as exc:
+            if not exc.gone:
+                raise
+            log.debug("ModelArtifact %s/%s is going away: %s", key[0], key[1], exc)
+
+    async def _reconcile_artifact(self, key: Key) -> None:
         ns, name = key
         raw = await self.api.get("ModelArtifact", ns, name)
         if raw is None or raw["metadata"].get("deletionTimestamp"):

@@ -1,0 +1,336 @@
+"""The operator against a real apiserver, scheduler and KWOK GPU nodes.
+
+The operator runs as a subprocess (`.venv/bin/kvfleet operator`) with the harness kubeconfig,
+so restarting it is a real restart: a new process, new watches, state only from the cluster.
+Pods land on KWOK fake nodes, which mark them Running/Ready without running the engine; that
+is what placement, availability and drift need. Each test uses its own namespace; nodes a test
+adds are deleted by that test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvfleet.api import manifest_hash
+from kvfleet.api.builders import make_artifact, make_pool
+from kvfleet.devcluster import fleet
+from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
+from kvfleet.devcluster.kube import KubeClient
+from kvfleet.operator import naming
+from kvfleet.operator.kube import path_of
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+KVFLEET = ROOT / ".venv" / "bin" / "kvfleet"
+H100 = fleet.H100_80GB.product
+L40S = fleet.GpuProduct("NVIDIA-L40S", 46068, "ada-lovelace", 8, 9, "l40s")
+Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]
+JsonObj = dict[str, Any]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class OperatorProcess:
+    """`kvfleet operator` as a child process; `restart()` is a real process restart."""
+
+    def __init__(self, kubeconfig: Path, log_dir: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.log_dir = log_dir
+        self.metrics_port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = (self.log_dir / f"operator-{self.starts}.log").open("wb")
+        command = [str(KVFLEET)] if KVFLEET.exists() else [sys.executable, "-m", "kvfleet"]
+        self.proc = subprocess.Popen(
+            [*command, "operator", "--all-namespaces", "--standalone",
+             "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1",
+             "--drift-interval", "3", "--verbose"],
+            env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONPATH": str(ROOT)},
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        for _ in range(10):
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    text: str = response.read().decode()
+                    return text
+            except OSError as exc:
+                error = exc
+                time.sleep(1)
+        alive = self.proc is not None and self.proc.poll() is None
+        pytest.fail(f"operator metrics at {url}: {error} (alive={alive})\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        path = self.log_dir / f"operator-{self.starts}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def crds(kubectl: Kubectl) -> None:
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(ROOT / "crds"))
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: DevCluster | ExistingCluster, crds: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    proc = OperatorProcess(Path(cluster.kubeconfig), tmp_path_factory.mktemp("operator"))
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _get(kube: KubeClient, kind: str, ns: str, name: str) -> JsonObj:
+    return kube.request("GET", path_of(kind, ns, name))
+
+
+def _create(kube: KubeClient, obj: JsonObj) -> None:
+    kube.request("POST", path_of(obj["kind"], obj["metadata"]["namespace"]), obj)
+
+
+def _cond(obj: JsonObj, cond_type: str) -> JsonObj:
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == cond_type), {})
+
+
+def _wait_pool(
+    kube: KubeClient, op: OperatorProcess, ns: str, name: str, check: Callable[[JsonObj], bool],
+    what: str, timeout: float = 90,
+) -> JsonObj:  # fmt: skip
+    deadline = time.monotonic() + timeout
+    pool: JsonObj = {}
+    while time.monotonic() < deadline:
+        pool = _get(kube, "ServingPool", ns, name)
+        if check(pool):
+            return pool
+        time.sleep(0.5)
+    pytest.fail(
+        f"ServingPool {ns}/{name}: timed out waiting for {what}; status: "
+        f"{yaml.safe_dump(pool.get('status'))}\noperator log tail:\n{op.log_tail()}"
+    )
+
+
+def _available(pool: JsonObj) -> bool:
+    return _cond(pool, "Available").get("status") == "True"
+
+
+def _namespaced(obj: JsonObj, ns: str) -> JsonObj:
+    obj["metadata"]["namespace"] = ns
+    return obj
+
+
+def _artifact_and_pool(kube: KubeClient, ns: str, pool: str, **sets: Any) -> None:
+    _create(kube, make_artifact("qwen3-8b", ns).data())
+    # H100 nodes: the harness's one local node (whose pods really run) is an L4.
+    builder = make_pool(pool, "qwen3-8b", ns).set("spec.gpu.product", H100)
+    for path, value in sets.items():
+        builder.set(path.replace("__", "."), value)
+    _create(kube, builder.data())
+
+
+@pytest.fixture
+def add_nodes(kube: KubeClient) -> Iterator[Callable[[list[JsonObj]], None]]:
+    created: list[str] = []
+
+    def add(nodes: list[JsonObj]) -> None:
+        created.extend(fleet.create_nodes(kube, nodes))
+
+    yield add
+    for name in created:
+        kube.delete("Node", name)
+
+
+def test_examples_become_available_on_matching_gpu_nodes(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
+    add_nodes: Callable[[list[JsonObj]], None],
+) -> None:  # fmt: skip
+    example_pool = yaml.safe_load((EXAMPLES / "servingpool-l4.yaml").read_text())
+    region = example_pool["spec"]["region"]
+    nodes = [
+        fleet.build_node(f"gpu-l4-{region}-{namespace}-{i}", fleet.L4, 1, f"{region}a")
+        for i in range(example_pool["spec"]["replicas"])
+    ]
+    for node in nodes:
+        node["metadata"]["labels"]["topology.kubernetes.io/region"] = region
+    add_nodes(nodes)
+    for example in ("modelartifact-qwen3-8b.yaml", "servingpool-l4.yaml", "tenantquota.yaml"):
+        kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / example))
+    name = example_pool["metadata"]["name"]
+    pool = _wait_pool(kube, operator, namespace, name, _available, "Available=True")
+
+    assert pool["status"]["readyReplicas"] == example_pool["spec"]["replicas"]
+    assert pool["status"]["capacity"]["candidateConcurrency"] == 5
+    assert _cond(pool, "CapacityOK")["status"] == "True"
+    assert _cond(pool, "Degraded")["status"] == "False"
+    artifact = _get(kube, "ModelArtifact", namespace, "qwen3-8b")
+    assert artifact["status"]["manifestHash"] == manifest_hash(artifact["spec"])
+    assert pool["status"]["servingRevision"] == artifact["status"]["manifestHash"]
+    assert _cond(artifact, "Verified")["status"] == "True"
+    assert _cond(artifact, "Compatible")["status"] == "True"
+
+    pods = kube.list("Pod", namespace, label_selector=f"{naming.POOL_LABEL}={name}")
+    assert len(pods) == example_pool["spec"]["replicas"]
+    node_names = {n["metadata"]["name"] for n in nodes}
+    for p in pods:
+        assert p["status"]["phase"] == "Running"
+        assert p["spec"]["nodeName"] in node_names  # the eu-west-1 L4s, not dev-region ones
+    for kind, obj_name in [("Service", name), ("ConfigMap", f"{name}-engine")]:
+        owner = kube.get(kind, obj_name, namespace)["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"]) == ("ServingPool", name)
+
+    table = kubectl("get", "servingpools", "-n", namespace).stdout
+    header, row = table.splitlines()[0].split(), table.splitlines()[1].split()
+    assert header[:6] == ["NAME", "ARTIFACT", "GPU", "DESIRED", "READY-REPLICAS", "READY"]
+    assert row[:6] == [name, "qwen3-8b", "NVIDIA-L4", "2", "2", "True"]
+    # kopf keeps its progress in annotations; status holds only what the operator decided.
+    assert any(k.startswith("kvfleet.io/") for k in pool["metadata"].get("annotations", {}))
+    assert "kopf" not in pool["status"]
+    metrics = operator.metrics()
+    assert 'kvfleet_operator_reconciles_total{kind="ServingPool"}' in metrics
+    assert 'kvfleet_operator_reconcile_duration_seconds_bucket{kind="ModelArtifact"' in metrics
+
+
+def test_missing_gpu_product_reports_why_until_a_node_appears(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
+    add_nodes: Callable[[list[JsonObj]], None],
+) -> None:  # fmt: skip
+    _artifact_and_pool(kube, namespace, "big", spec__gpu__product="NVIDIA-L40S")
+    pool = _wait_pool(
+        kube, operator, namespace, "big",
+        lambda p: _cond(p, "Available").get("reason") == "Unschedulable",
+        "Available=False reason Unschedulable",
+    )  # fmt: skip
+    available = _cond(pool, "Available")
+    assert available["status"] == "False"
+    assert "no node with 1 free nvidia.com/gpu of product NVIDIA-L40S" in available["message"]
+    assert _cond(pool, "Degraded")["reason"] == "Unschedulable"
+    events = kubectl(
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        "involvedObject.kind=ServingPool,reason=Unschedulable",
+        "-o",
+        "name",
+    ).stdout
+    assert events.strip(), "no Unschedulable event on the pool"
+    generation, spec = pool["metadata"]["generation"], pool["spec"]
+
+    add_nodes([fleet.build_node(f"gpu-l40s-{namespace}", L40S, 1, "zone-a")])
+    pool = _wait_pool(kube, operator, namespace, "big", _available, "Available after node added")
+    assert pool["metadata"]["generation"] == generation and pool["spec"] == spec
+    assert _cond(pool, "Degraded")["status"] == "False"
+
+
+def test_drift_is_restored_and_deleted_service_recreated(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str
+) -> None:
+    _artifact_and_pool(kube, namespace, "chat", spec__replicas=1)
+    pool = _wait_pool(kube, operator, namespace, "chat", _available, "Available")
+    deployment = naming.deployment_name("chat", pool["status"]["servingRevision"])
+
+    kubectl("scale", "deployment", deployment, "-n", namespace, "--replicas=3")
+    kubectl("set", "image", f"deployment/{deployment}", "engine=evil:latest", "-n", namespace)
+
+    def restored() -> JsonObj | None:
+        d = kube.get("Deployment", deployment, namespace)
+        image = d["spec"]["template"]["spec"]["containers"][0]["image"]
+        return d if d["spec"]["replicas"] == 1 and image != "evil:latest" else None
+
+    kube.wait_for(f"Deployment {deployment} restored", restored, 30)
+    old_uid = kube.get("Service", "chat", namespace)["metadata"]["uid"]
+    kube.delete("Service", "chat", namespace)
+    kube.wait_for(
+        "Service chat recreated",
+        lambda: (
+            (s := kube.get_or_none("Service", "chat", namespace))
+            and s["metadata"]["uid"] != old_uid
+        ),
+        30,
+    )
+    final = _wait_pool(kube, operator, namespace, "chat", _available, "Available again")
+    assert final["spec"] == pool["spec"] and final["metadata"]["generation"] == 1
+    reasons = kubectl(
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        "involvedObject.kind=ServingPool,reason=Restored",
+        "-o",
+        "jsonpath={.items[*].message}",
+    ).stdout
+    assert "drifted at .spec.replicas" in reasons or "drifted at .spec.template" in reasons
+
+
+def test_operator_restart_converges_without_duplicates(
+    kube: KubeClient, operator: OperatorProcess, namespace: str
+) -> None:
+    _artifact_and_pool(kube, namespace, "p0")
+    _wait_pool(kube, operator, namespace, "p0", _available, "p0 Available")
+    operator.stop()
+    try:
+        for i in (1, 2, 3):
+            _create(
+                kube, make_pool(f"p{i}", "qwen3-8b", namespace).set("spec.gpu.product", H100).data()
+            )
+        kube.delete("Service", "p0", namespace)
+    finally:
+        operator.start()
+    time.sleep(1.5)  # let it begin creating, then kill it mid-way
+    operator.stop(signal.SIGKILL)
+    operator.start()
+    for i in range(4):
+        _wait_pool(kube, operator, namespace, f"p{i}", _available, f"p{i} Available")
+    deployments = kube.list("Deployment", namespace)
+    pools = sorted(d["metadata"]["labels"][naming.POOL_LABEL] for d in deployments)
+    assert pools == ["p0", "p1", "p2", "p3"]
+    services = sorted(s["metadata"]["name"] for s in kube.list("Service", namespace))
+    assert services == ["p0", "p1", "p2", "p3"]
+    pods = kube.list("Pod", namespace)
+    assert len(pods) == 4
