@@ -197,7 +197,9 @@ def locate(src: Path | None = None) -> ToolPaths:
 def build(src: Path | None = None, *, log: bool = True) -> ToolPaths:
     """Build every tool whose cache folder is absent; idempotent and safe to rerun."""
     src = src or tools_src_dir()
-    go = shutil.which("go")
+    go = shutil.which("go") or next(
+        (p for p in ("/usr/local/go/bin/go",) if os.access(p, os.X_OK)), None
+    )
     for tool in TOOLS:
         folder = tool_dir(src, tool)
         if folder.is_dir():
