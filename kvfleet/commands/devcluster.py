@@ -70,7 +70,9 @@ def _up(args: argparse.Namespace) -> int:
     )
     stop = threading.Event()
     # SIGTERM (from `down`) and Ctrl-C both end the wait below; teardown happens in `finally`.
+    # SIGINT is set explicitly: a shell starts background jobs with it ignored.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     cluster = DevCluster(options)
     try:
         try:

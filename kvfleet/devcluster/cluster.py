@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import os
 import shutil
 import socket
 import ssl
@@ -45,6 +46,26 @@ ADMISSION_PLUGINS = (
 )
 
 
+WORKDIR_PREFIX = "kvfleet-devcluster-"
+OWNER_FILE = "owner.pid"
+
+
+def remove_orphaned_workdirs() -> None:
+    """Delete work dirs whose harness died without cleaning up (SIGKILL, power loss); their
+    processes are already gone (PR_SET_PDEATHSIG), only files remain."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
+        try:
+            owner = int((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or still being created
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,7 +89,9 @@ class DevCluster:
 
     def __init__(self, options: ClusterOptions | None = None) -> None:
         self.options = options or ClusterOptions()
-        self.workdir = Path(tempfile.mkdtemp(prefix="kvfleet-devcluster-"))
+        remove_orphaned_workdirs()
+        self.workdir = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
+        (self.workdir / OWNER_FILE).write_text(str(os.getpid()))
         self.processes: list[ManagedProcess] = []
         self.runner: LocalPodRunner | None = None
         self.prometheus: Prometheus | None = None
