@@ -288,3 +288,44 @@ def test_local_pod_restarts_per_restart_policy(
     (status,) = failed["status"]["containerStatuses"]
     assert status["restartCount"] == 0
     assert status["state"]["terminated"]["exitCode"] == 3
+
+
+WHOAMI = (
+    "import os, pathlib; "
+    "from kvfleet.devcluster.kube import KubeClient, KubeConfig; "
+    "api = KubeClient(KubeConfig.load(pathlib.Path(os.environ['KUBECONFIG']))); "
+    "review = api.request('POST', '/apis/authentication.k8s.io/v1/selfsubjectreviews', "
+    "{'apiVersion': 'authentication.k8s.io/v1', 'kind': 'SelfSubjectReview'}); "
+    "print(review['status']['userInfo']['username'])"
+)
+
+
+def test_local_pod_talks_to_the_api_server_as_its_service_account(
+    cluster: DevCluster | ExistingCluster, kube: KubeClient, namespace: str, local_node: str
+) -> None:
+    kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "whoami", "namespace": namespace},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": local_node},
+                "restartPolicy": "Never",
+                "containers": [{"name": "c", "image": "none", "command": ["python", "-c", WHOAMI]}],
+            },
+        }
+    )
+    pod = kube.wait_for(
+        "the whoami pod to finish",
+        lambda: (
+            p
+            if (p := kube.get("Pod", "whoami", namespace))["status"].get("phase")
+            in ("Succeeded", "Failed")
+            else None
+        ),
+        60,
+    )
+    assert cluster.runner is not None
+    output = cluster.runner.log_path(namespace, "whoami", "c").read_text()
+    assert pod["status"]["phase"] == "Succeeded", output
+    assert output.strip() == f"system:serviceaccount:{namespace}:default"

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 POD_CIDR = "127.64.0.0/16"
 HEARTBEAT_S = 10.0
 LEASE_DURATION_S = 40
+TOKEN_SECONDS = 24 * 3600  # outlives any test session or dev-cluster day
 BACKOFF_MAX_S = 10.0  # a real kubelet caps at 5 min; tests want crashes retried quickly
 
 
@@ -345,6 +346,8 @@ class LocalPodRunner:
         env["PATH"] = f"{venv_bin}:{env.get('PATH', '/usr/bin:/bin')}"
         env["PYTHONPATH"] = str(self.project_root)
         env.pop("KUBECONFIG", None)
+        if obj["spec"].get("automountServiceAccountToken", True):
+            env.update(self._service_account_env(pod, obj))
         fields = {
             "status.podIP": pod.ip,
             "status.hostIP": "127.0.0.1",
@@ -369,6 +372,50 @@ class LocalPodRunner:
                 secret = self.api.get("Secret", ref["name"], pod.namespace)
                 env[name] = base64.b64decode(secret.get("data", {}).get(ref["key"], "")).decode()
         return env
+
+    def _service_account_env(self, pod: LocalPod, obj: JsonObj) -> dict[str, str]:
+        """In-cluster credentials: a token of the pod's service account, bound to the pod.
+
+        There is no /var/run/secrets mount, so the token reaches the process as a kubeconfig
+        ($KUBECONFIG, which kopf and the kubernetes client read) plus the usual
+        KUBERNETES_SERVICE_HOST/PORT; the process then has exactly its RBAC permissions.
+        """
+        account = obj["spec"].get("serviceAccountName") or "default"
+        review = self.api.request(
+            "POST",
+            f"/api/v1/namespaces/{pod.namespace}/serviceaccounts/{account}/token",
+            {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "expirationSeconds": TOKEN_SECONDS,
+                    "boundObjectRef": {
+                        "kind": "Pod",
+                        "apiVersion": "v1",
+                        "name": pod.name,
+                        "uid": pod.uid,
+                    },
+                },
+            },
+        )
+        server = self.api.config.server
+        ca = self.api.config.ca_file
+        kubeconfig = pod.folder / "serviceaccount.kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: in-cluster\n"
+            f"clusters:\n- name: in-cluster\n  cluster:\n    server: {server}\n"
+            + (f"    certificate-authority: {ca}\n" if ca else "")
+            + f"users:\n- name: {account}\n  user:\n    token: {review['status']['token']}\n"
+            "contexts:\n- name: in-cluster\n  context:\n    cluster: in-cluster\n"
+            f"    user: {account}\n    namespace: {pod.namespace}\n"
+        )
+        kubeconfig.chmod(0o600)
+        host, _, port = server.removeprefix("https://").rpartition(":")
+        return {
+            "KUBECONFIG": str(kubeconfig),
+            "KUBERNETES_SERVICE_HOST": host,
+            "KUBERNETES_SERVICE_PORT": port,
+        }
 
     def _probe(self, pod: LocalPod, obj: JsonObj, c: Container, now: float) -> None:
         readiness, liveness = c.spec.get("readinessProbe"), c.spec.get("livenessProbe")
