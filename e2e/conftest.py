@@ -4,6 +4,7 @@
                  an ExistingCluster (nothing is built or started then)
     kube         a KubeClient (admin) for that cluster
     kubectl      run kubectl against it: kubectl("get", "nodes", "-o", "json") -> CompletedProcess
+    helm         run helm against it, with its own cache/config dirs: helm("install", ...)
     prometheus   the harness's Prometheus (skips on an existing cluster)
     local_node   name of a local GPU node whose pods really run (skips on an existing cluster)
     namespace    a fresh namespace per test, deleted afterwards
@@ -86,6 +87,38 @@ def kubectl(cluster: DevCluster | ExistingCluster, kubectl_path: str) -> Kubectl
             [kubectl_path, *args], env=env, capture_output=True, text=True, check=check,
             input=input, timeout=timeout,
         )  # fmt: skip
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def helm(
+    cluster: DevCluster | ExistingCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Kubectl:
+    """Run the pinned helm (or helm from PATH on an existing cluster) against the cluster."""
+    try:
+        path = str(toolchain.locate()["helm"])
+    except ToolsMissingError:
+        found = shutil.which("helm")
+        if found is None:
+            _unavailable("helm is neither built (e2e/tools/build.sh) nor on PATH")
+        assert found is not None
+        path = found
+    home = tmp_path_factory.mktemp("helm-home")  # keep helm's cache/config out of $HOME
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(cluster.kubeconfig),
+        "HELM_CACHE_HOME": str(home / "cache"),
+        "HELM_CONFIG_HOME": str(home / "config"),
+        "HELM_DATA_HOME": str(home / "data"),
+    }
+
+    def run(
+        *args: str, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [path, *args], env=env, capture_output=True, text=True, check=check, timeout=timeout
+        )
 
     return run
 

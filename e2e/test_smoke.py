@@ -329,3 +329,21 @@ def test_local_pod_talks_to_the_api_server_as_its_service_account(
     output = cluster.runner.log_path(namespace, "whoami", "c").read_text()
     assert pod["status"]["phase"] == "Succeeded", output
     assert output.strip() == f"system:serviceaccount:{namespace}:default"
+
+
+def test_helm_installs_into_the_cluster_and_sees_v1_34(
+    helm: Kubectl, kube: KubeClient, namespace: str, tmp_path: Path
+) -> None:
+    chart = tmp_path / "smoke"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: smoke\nversion: 0.1.0\n")
+    (chart / "templates" / "cm.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}\n"
+        "data:\n  kubeVersion: {{ .Capabilities.KubeVersion.Version | quote }}\n"
+    )
+    assert helm("version", "--short").stdout.startswith("v3.22.")
+    helm("install", "smoke", str(chart), "--namespace", namespace, "--wait")
+    cm = kube.get("ConfigMap", "smoke", namespace)
+    assert cm["data"]["kubeVersion"].startswith("v1.34.")
+    helm("uninstall", "smoke", "--namespace", namespace)
+    assert kube.get_or_none("ConfigMap", "smoke", namespace) is None
