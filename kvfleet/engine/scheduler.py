@@ -253,19 +253,27 @@ class Scheduler:
                    self.config.long_prefill_token_threshold, budget)
 
     def _activate_tenant(self, tenant: str) -> None:
-        """A tenant coming back from idle starts at the least active virtual time."""
+        """A tenant coming back from idle starts at the least active virtual time; with no
+        tenant active, level with the furthest-ahead one, so nobody carries credit across an
+        idle period (a newcomer at 0 would otherwise outrank a returning tenant)."""
         active = {r.tenant for r in (*self.waiting, *self.running)}
-        floor = min((self._vtime.get(t, 0.0) for t in active), default=0.0)
+        floor = min((self._vtime.get(t, 0.0) for t in active),
+                    default=max(self._vtime.values(), default=0.0))
         if tenant not in active:
             self._vtime[tenant] = max(self._vtime.get(tenant, 0.0), floor)
 
     def _pick_waiting(self, now: float) -> Request:
+        # Aging lifts a request at most to the best priority waiting: it ends starvation of
+        # lower priorities without ranking same-priority requests by age over tenant share.
+        best = min(r.priority for r in self.waiting)
+
         def key(request: Request) -> tuple[float, ...]:
             order = float(self._order[request.request_id])
             vtime = self._vtime.get(request.tenant, 0.0)
             if self.config.policy is SchedulingPolicy.PRIORITY:
                 waited = now - request.timings.arrival_time
-                level = math.floor(request.priority - waited / self.config.priority_aging_seconds)
+                level = max(best, math.floor(request.priority
+                                             - waited / self.config.priority_aging_seconds))
                 return (level, vtime, order)
             return (vtime, order)
 
