@@ -291,7 +291,7 @@ class DevCluster:
         self.local_node_names = fleet.create_nodes(self.api, local)
         if local:
             self.runner = LocalPodRunner(
-                self.api,
+                KubeClient(self.api.config),  # its own connection pool for its own thread
                 self.local_node_names,
                 self.workdir / "pods",
                 project_root=opts.project_root,

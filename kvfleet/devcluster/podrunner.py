@@ -152,7 +152,8 @@ class LocalPod:
 
 
 class LocalPodRunner:
-    """Runs the pods bound to `node_names` until stop(); one background thread."""
+    """Runs the pods bound to `node_names` until stop(); one background thread. The runner
+    owns `api` and closes it on stop()."""
 
     def __init__(
         self,
@@ -196,6 +197,7 @@ class LocalPodRunner:
         self.pods.clear()
         self._http.close()
         self.ips.close()
+        self.api.close()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_interval):
