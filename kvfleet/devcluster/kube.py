@@ -38,6 +38,33 @@ _RESOURCES: dict[str, tuple[str, str, bool]] = {
     "Deployment": ("/apis/apps/v1", "deployments", True),
     "ReplicaSet": ("/apis/apps/v1", "replicasets", True),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases", True),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets", True),
+    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices", True),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
+    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "CustomResourceDefinition": (
+        "/apis/apiextensions.k8s.io/v1",
+        "customresourcedefinitions",
+        False,
+    ),
+    "ValidatingWebhookConfiguration": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "validatingwebhookconfigurations",
+        False,
+    ),
+    "MutatingWebhookConfiguration": (
+        "/apis/admissionregistration.k8s.io/v1",
+        "mutatingwebhookconfigurations",
+        False,
+    ),
+    # kvfleet's own resources (group kvfleet.io, see DESIGN.md).
+    "ModelArtifact": ("/apis/kvfleet.io/v1alpha1", "modelartifacts", True),
+    "ServingPool": ("/apis/kvfleet.io/v1alpha1", "servingpools", True),
+    "TenantQuota": ("/apis/kvfleet.io/v1alpha1", "tenantquotas", True),
+    "Rollout": ("/apis/kvfleet.io/v1alpha1", "rollouts", True),
 }
 
 
