@@ -80,6 +80,8 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--long-prefill-token-threshold", type=_positive_int, default=512)
     engine.add_argument("--scheduling-policy", choices=[x.value for x in SchedulingPolicy],
                         default=SchedulingPolicy.PRIORITY.value)
+    engine.add_argument("--priority-aging-seconds", type=float, default=10.0,
+                        help="waiting this long raises a request one priority level")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True)
     http = p.add_argument_group("http")

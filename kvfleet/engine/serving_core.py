@@ -39,7 +39,8 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_running=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        policy=args.scheduling_policy, tenant_weights=args.tenant_weights)
+        policy=args.scheduling_policy, tenant_weights=args.tenant_weights,
+        priority_aging_seconds=args.priority_aging_seconds)
 
     def load() -> LoadedEngine:
         model = load_model(args.model, progress=_log_progress)
