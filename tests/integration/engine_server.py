@@ -22,8 +22,6 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
-# `python -m kvfleet serve`; overridable to test a branch where another command is broken.
-_ENTRY = os.environ.get("KVFLEET_TEST_CLI", "-m kvfleet").split()
 
 
 def free_port() -> int:
@@ -75,7 +73,7 @@ def running_server(*flags: str, ready_timeout: float = 180.0) -> Iterator[Engine
         log_path = Path(tmp) / "server.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                [sys.executable, *_ENTRY, "serve", "--port", str(port), *flags],
+                [sys.executable, "-m", "kvfleet", "serve", "--port", str(port), *flags],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"})
         server = EngineServer(f"http://127.0.0.1:{port}", process, log_path)
