@@ -66,6 +66,13 @@ def register(subparsers: Any) -> None:
         help="how often every pool is re-read and drift restored",
     )
     p.add_argument(
+        "--max-concurrent-reconciles",
+        type=int,
+        default=10,
+        metavar="N",
+        help="reconciles running at once; a burst of changes queues beyond that",
+    )
+    p.add_argument(
         "--engine-image",
         default=f"ghcr.io/kvfleet/kvfleet:{__version__}",
         help="image of the engine containers",
@@ -100,8 +107,12 @@ def run(args: argparse.Namespace) -> int:
     if args.print_rbac:
         yaml.safe_dump_all(build_rbac(args.rbac_namespace), sys.stdout, sort_keys=False)
         return 0
-    if args.drift_interval <= 0:
-        print("kvfleet operator: --drift-interval must be > 0 seconds", file=sys.stderr)
+    if args.drift_interval <= 0 or args.max_concurrent_reconciles < 1:
+        print(
+            "kvfleet operator: --drift-interval must be > 0 seconds and "
+            "--max-concurrent-reconciles >= 1",
+            file=sys.stderr,
+        )
         return 2
     try:
         matrix = load_matrix(Path(args.matrix)) if args.matrix else default_matrix()
@@ -116,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         matrix=matrix,
         options=EngineOptions(image=args.engine_image),
         drift_interval_seconds=args.drift_interval,
+        max_concurrent_reconciles=args.max_concurrent_reconciles,
     )
     kopf.run(
         registry=build_registry(config),

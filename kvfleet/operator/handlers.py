@@ -16,13 +16,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import kopf
 
 from kvfleet.compat import Matrix
 from kvfleet.operator import metrics, naming
 from kvfleet.operator.builders import EngineOptions
-from kvfleet.operator.kube import KubeApi, KubeError, client_from_connection
+from kvfleet.operator.kube import KubeApi, KubeError, connection_from_kopf
 from kvfleet.operator.runtime import InvalidObjectError, Key, Runtime
 
 log = logging.getLogger("kvfleet.operator")
@@ -42,6 +42,7 @@ class OperatorConfig:
     matrix: Matrix
     options: EngineOptions = field(default_factory=EngineOptions)
     drift_interval_seconds: float = 30.0
+    max_concurrent_reconciles: int = 10
 
 
 class _State:
@@ -67,7 +68,7 @@ async def _handled(trigger: Callable[[Key], Awaitable[None]], key: Key) -> None:
         if exc.retryable:
             raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_SECONDS) from exc
         raise kopf.PermanentError(str(exc)) from exc
-    except httpx.TransportError as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         raise kopf.TemporaryError(
             f"apiserver unreachable: {exc}", delay=RETRY_DELAY_SECONDS
         ) from exc
@@ -106,7 +107,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         settings.scanning.disabled = True
 
     @kopf.on.login(registry=registry)
-    def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
         info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
             settings=settings
         )
@@ -115,8 +116,10 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 "no credentials: run in a pod with a service account, or set KUBECONFIG"
             )
         if state.runtime is None:
-            api = KubeApi(client_from_connection(info), metrics.count_request)
-            state.runtime = Runtime(api, config.matrix, config.options)
+            api = KubeApi(connection_from_kopf(info), metrics.count_request)
+            state.runtime = Runtime(
+                api, config.matrix, config.options, max_concurrent=config.max_concurrent_reconciles
+            )
         return info
 
     @kopf.on.cleanup(registry=registry)
@@ -152,7 +155,13 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             labels={"app.kubernetes.io/managed-by": naming.MANAGED_BY},
             registry=registry,
         )
-        async def child_changed(body: Any, namespace: str | None, **_: Any) -> None:
+        async def child_changed(
+            body: Any, namespace: str | None, type: str | None, **_: Any
+        ) -> None:
+            # Only changes matter: the initial listing (None) is covered by the pools' resume,
+            # and ADDED is the operator's own create.
+            if type not in ("MODIFIED", "DELETED"):
+                return
             pool = _controller_pool(body)
             if pool is not None and state.runtime is not None:
                 in_background(state.runtime.pools.trigger, (namespace or "default", pool))

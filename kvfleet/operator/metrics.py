@@ -12,7 +12,13 @@ RECONCILE_SECONDS = Histogram(
     "kvfleet_operator_reconcile_duration_seconds",
     "Wall time of one reconcile (reads, decision, writes), by kind.",
     ["kind"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+QUEUE_SECONDS = Histogram(
+    "kvfleet_operator_reconcile_queue_seconds",
+    "Time a triggered reconcile waited for a free slot (--max-concurrent-reconciles), by kind.",
+    ["kind"],
+    buckets=(0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
 )
 API_REQUESTS = Counter(
     "kvfleet_operator_apiserver_requests_total", "Requests the operator sent, by verb.", ["verb"]

@@ -45,22 +45,32 @@ class Runtime:
     pools: Coalescer[Key] = field(init=False)
     artifacts: Coalescer[Key] = field(init=False)
 
+    max_concurrent: int = 10
+    _slots: asyncio.Semaphore = field(init=False)
+
     def __post_init__(self) -> None:
+        # Like controller-runtime's MaxConcurrentReconciles: a burst of new pools queues here
+        # instead of all crowding the apiserver at once, so each reconcile finishes quickly.
+        self._slots = asyncio.Semaphore(self.max_concurrent)
         self.pools = Coalescer(self._timed("ServingPool", self.reconcile_pool))
         self.artifacts = Coalescer(self._timed("ModelArtifact", self.reconcile_artifact))
 
-    @staticmethod
-    def _timed(kind: str, fn: Any) -> Any:
+    def _timed(self, kind: str, fn: Any) -> Any:
         async def run(key: Key) -> None:
-            started = time.perf_counter()
-            metrics.RECONCILES.labels(kind=kind).inc()
-            try:
-                await fn(key)
-            except Exception:
-                metrics.RECONCILE_ERRORS.labels(kind=kind).inc()
-                raise
-            finally:
-                metrics.RECONCILE_SECONDS.labels(kind=kind).observe(time.perf_counter() - started)
+            queued = time.perf_counter()
+            async with self._slots:
+                started = time.perf_counter()
+                metrics.QUEUE_SECONDS.labels(kind=kind).observe(started - queued)
+                metrics.RECONCILES.labels(kind=kind).inc()
+                try:
+                    await fn(key)
+                except Exception:
+                    metrics.RECONCILE_ERRORS.labels(kind=kind).inc()
+                    raise
+                finally:
+                    metrics.RECONCILE_SECONDS.labels(kind=kind).observe(
+                        time.perf_counter() - started
+                    )
 
         return run
 
@@ -118,15 +128,23 @@ class Runtime:
         plan = reconcile(
             pool, artifact, observed, matrix=self.matrix, now=_now(), options=self.options
         )
+        # The objects are independent (a pod waits for its ConfigMap), so the writes go out
+        # together: one round trip of latency instead of one per object.
+        await asyncio.gather(*(self.api.apply(obj) for obj in plan.apply))
         for obj in plan.apply:
-            await self.api.apply(obj)
             metrics.OBJECTS_APPLIED.labels(kind=obj["kind"]).inc()
-        for obj in plan.delete:
-            meta = obj["metadata"]
-            await self.api.delete(obj["kind"], ns, meta["name"], meta.get("uid"))
-        await self._write_status("ServingPool", raw, plan.status)
-        for event in plan.events:
-            await self._post_event(raw, event)
+        await asyncio.gather(
+            *(
+                self.api.delete(
+                    obj["kind"], ns, obj["metadata"]["name"], obj["metadata"].get("uid")
+                )
+                for obj in plan.delete
+            )
+        )
+        await asyncio.gather(
+            self._write_status("ServingPool", raw, plan.status),
+            *(self._post_event(raw, event) for event in plan.events),
+        )
 
     # -- ModelArtifact --------------------------------------------------------------------
 

@@ -1,0 +1,296 @@
+"""Operator scale benchmark: N ServingPools over 2N fake GPU nodes on the real control plane.
+
+For each N (default 10 and 100; `--pools 10 100 1000` for the full run) a fresh harness cluster
+(etcd, kube-apiserver, controller-manager, scheduler, KWOK) gets 2N single-GPU L4 KWOK nodes,
+one ModelArtifact and N one-replica ServingPools, with `kvfleet operator` running as a
+subprocess. Measured per N, side by side:
+
+  converge_s            first pool created -> every pool Available=True
+  reconcile p50/p95     histogram_quantile over the operator's own duration histogram
+  requests/reconcile    operator apiserver requests / reconciles during convergence
+  steady req/reconcile  the same over one drift interval after convergence (writes must be 0)
+  rss_mb                operator peak resident memory
+  the per-pool ratios against the smallest N, which show whether cost grows linearly
+
+    .venv/bin/python bench/operator_scale.py --pools 10 100          # ~3 min on 2 cores
+    .venv/bin/python bench/operator_scale.py --pools 10 100 1000     # the issue's full run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvfleet.api.builders import make_artifact, make_pool  # noqa: E402
+from kvfleet.devcluster import fleet  # noqa: E402
+from kvfleet.devcluster.cluster import ClusterOptions, DevCluster  # noqa: E402
+from kvfleet.devcluster.kube import KubeClient  # noqa: E402
+from kvfleet.operator.kube import path_of  # noqa: E402
+
+NAMESPACE = "bench"
+
+
+@dataclass
+class Result:
+    pools: int
+    nodes: int
+    converge_s: float
+    reconciles: int
+    reconcile_p50_s: float
+    reconcile_p95_s: float
+    requests_per_reconcile: float
+    requests_per_pool: float
+    steady_p50_s: float
+    steady_p95_s: float
+    steady_requests_per_reconcile: float
+    steady_writes: int
+    rss_mb: float
+    operator_cpu_s: float
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Operator metrics as {'name{labels}': value} (the text format, no client library)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvfleet_operator_"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def _total(samples: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in samples.items() if k.startswith(prefix))
+
+
+def _quantile(samples: dict[str, float], q: float) -> float:
+    """PromQL histogram_quantile over the ServingPool reconcile duration buckets."""
+    prefix = 'kvfleet_operator_reconcile_duration_seconds_bucket{kind="ServingPool",le="'
+    buckets = sorted(
+        (float("inf") if k[len(prefix):-2] == "+Inf" else float(k[len(prefix):-2]), v)
+        for k, v in samples.items()
+        if k.startswith(prefix)
+    )  # fmt: skip
+    total = buckets[-1][1] if buckets else 0
+    if total == 0:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = upper, count
+    return lower
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def _available(kube: KubeClient) -> int:
+    pools = kube.request("GET", path_of("ServingPool", NAMESPACE)).get("items", [])
+    return sum(
+        1
+        for p in pools
+        if any(
+            c["type"] == "Available" and c["status"] == "True"
+            for c in (p.get("status") or {}).get("conditions", [])
+        )
+    )
+
+
+def run_one(num_pools: int, nodes_per_pool: int, drift_s: float, timeout_s: float) -> Result:
+    num_nodes = nodes_per_pool * num_pools
+    options = ClusterOptions(
+        node_groups=(fleet.NodeGroup(fleet.L4, count=num_nodes, gpus_per_node=1),),
+        local_nodes=0,
+        prometheus=False,
+        startup_timeout=max(90.0, num_nodes * 0.2),
+    )
+    print(f"[{num_pools} pools] starting cluster with {num_nodes} KWOK L4 nodes", flush=True)
+    with DevCluster(options) as cluster:
+        kube = cluster.api
+        _apply_crds(kube)
+        kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+        port = _free_port()
+        log = (cluster.workdir / "operator.log").open("wb")
+        operator = subprocess.Popen(
+            [sys.executable, *_profiler(num_pools), "-m", "kvfleet", "operator", "-A",
+             "--standalone", "--quiet", "--metrics-port", str(port),
+             "--metrics-address", "127.0.0.1",
+             "--drift-interval", str(drift_s)],
+            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(ROOT)},
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+        )  # fmt: skip
+        peak_rss = [0]
+        cpu_s = [0.0]
+        stop = threading.Event()
+
+        def sample_rss() -> None:
+            proc = psutil.Process(operator.pid)
+            while not stop.is_set():
+                try:
+                    peak_rss[0] = max(peak_rss[0], proc.memory_info().rss)
+                    times = proc.cpu_times()
+                    cpu_s[0] = times.user + times.system
+                except psutil.Error:
+                    return
+                stop.wait(0.5)
+
+        sampler = threading.Thread(target=sample_rss, daemon=True)
+        sampler.start()
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    before = _scrape(port)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or operator.poll() is not None:
+                        tail = (cluster.workdir / "operator.log").read_text()[-3000:]
+                        raise RuntimeError(f"operator did not start:\n{tail}") from None
+                    time.sleep(0.5)
+            artifact = make_artifact("qwen3-8b", NAMESPACE).data()
+            kube.request("POST", path_of("ModelArtifact", NAMESPACE), artifact)
+            pools = [make_pool(f"pool-{i:04d}", "qwen3-8b", NAMESPACE).data()
+                     for i in range(num_pools)]  # fmt: skip
+            started = time.monotonic()
+            with ThreadPoolExecutor(8) as pool_exec:
+                list(pool_exec.map(
+                    lambda p: kube.request("POST", path_of("ServingPool", NAMESPACE), p), pools
+                ))  # fmt: skip
+            print(f"[{num_pools} pools] created in {time.monotonic() - started:.1f}s", flush=True)
+            last_print = 0.0
+            while (done := _available(kube)) < num_pools:
+                now = time.monotonic()
+                if now - started > timeout_s:
+                    raise TimeoutError(f"{done}/{num_pools} Available after {timeout_s:.0f}s")
+                if now - last_print > 10:
+                    print(f"[{num_pools} pools] {done} Available at {now - started:.0f}s",
+                          flush=True)  # fmt: skip
+                    last_print = now
+                time.sleep(1)
+            converge = time.monotonic() - started
+            converged = _scrape(port)
+            time.sleep(drift_s + 5)  # one drift tick over every pool
+            steady = _delta(_scrape(port), converged)
+        finally:
+            stop.set()
+            operator.send_signal(signal.SIGTERM)
+            try:
+                operator.wait(30)
+            except subprocess.TimeoutExpired:
+                operator.kill()
+                operator.wait(10)
+            log.close()
+    window = _delta(converged, before)
+    reconciles = _total(window, 'kvfleet_operator_reconciles_total{kind="ServingPool"')
+    reconciles += _total(window, 'kvfleet_operator_reconciles_total{kind="ModelArtifact"')
+    requests = _total(window, "kvfleet_operator_apiserver_requests_total")
+    steady_reconciles = _total(steady, "kvfleet_operator_reconciles_total")
+    steady_requests = _total(steady, "kvfleet_operator_apiserver_requests_total")
+    writes = steady_requests - _total(
+        steady, 'kvfleet_operator_apiserver_requests_total{verb="GET"'
+    )
+    return Result(
+        pools=num_pools,
+        nodes=num_nodes,
+        converge_s=round(converge, 2),
+        reconciles=int(reconciles),
+        reconcile_p50_s=round(_quantile(window, 0.50), 4),
+        reconcile_p95_s=round(_quantile(window, 0.95), 4),
+        requests_per_reconcile=round(requests / max(reconciles, 1), 2),
+        requests_per_pool=round(requests / num_pools, 2),
+        steady_p50_s=round(_quantile(steady, 0.50), 4),
+        steady_p95_s=round(_quantile(steady, 0.95), 4),
+        steady_requests_per_reconcile=round(steady_requests / max(steady_reconciles, 1), 2),
+        steady_writes=int(writes),
+        rss_mb=round(peak_rss[0] / 2**20, 1),
+        operator_cpu_s=round(cpu_s[0], 1),
+    )
+
+
+def _profiler(num_pools: int) -> list[str]:
+    """`-m cProfile -o FILE` when KVFLEET_BENCH_PROFILE names a folder (to see where CPU goes)."""
+    folder = os.environ.get("KVFLEET_BENCH_PROFILE")
+    return ["-m", "cProfile", "-o", f"{folder}/operator-{num_pools}.prof"] if folder else []
+
+
+def _apply_crds(kube: KubeClient) -> None:
+    crd_path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    names = []
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        kube.request("POST", crd_path, crd)
+        names.append(crd["metadata"]["name"])
+
+    def established(name: str) -> bool | None:
+        crd = kube.request("GET", f"{crd_path}/{name}")
+        conditions = (crd.get("status") or {}).get("conditions", [])
+        ok = any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+        return True if ok else None
+
+    for name in names:
+        kube.wait_for(f"CRD {name} established", lambda: established(name), 60)  # noqa: B023
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pools", type=int, nargs="+", default=[10, 100])
+    parser.add_argument("--nodes-per-pool", type=int, default=2)
+    parser.add_argument("--drift-interval", type=float, default=20.0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="per N, seconds")
+    parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    args = parser.parse_args()
+    results = [
+        run_one(n, args.nodes_per_pool, args.drift_interval, args.timeout) for n in args.pools
+    ]
+    base = results[0]
+    print()
+    print(
+        "| pools | nodes | converge s | s/pool | reconciles | p50 s | p95 s | req/reconcile "
+        "| req/pool | steady p50 s | steady p95 s | steady req/reconcile | steady writes "
+        "| RSS MB | s/pool vs first |"
+    )
+    print("|" + "---|" * 15)
+    for r in results:
+        ratio = (r.converge_s / r.pools) / (base.converge_s / base.pools)
+        print(f"| {r.pools} | {r.nodes} | {r.converge_s} | {r.converge_s / r.pools:.3f} | "
+              f"{r.reconciles} | {r.reconcile_p50_s} | {r.reconcile_p95_s} | "
+              f"{r.requests_per_reconcile} | {r.requests_per_pool} | "
+              f"{r.steady_p50_s} | {r.steady_p95_s} | "
+              f"{r.steady_requests_per_reconcile} | {r.steady_writes} | {r.rss_mb} | "
+              f"{ratio:.2f}× |")  # fmt: skip
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
