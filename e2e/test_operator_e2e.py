@@ -334,3 +334,42 @@ def test_operator_restart_converges_without_duplicates(
     assert services == ["p0", "p1", "p2", "p3"]
     pods = kube.list("Pod", namespace)
     assert len(pods) == 4
+
+
+def test_real_engine_pod_serves_the_artifact_on_the_local_node(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
+    local_node: str, fake_nodes: list[str],
+) -> None:  # fmt: skip
+    """One pool whose pod really runs `kvfleet serve` (the harness's local L4 node): the args,
+    ConfigMap settings and readiness the operator builds are those the real engine accepts."""
+    fake_l4 = [
+        n["metadata"]["name"]
+        for n in kube.list("Node", label_selector=f"{fleet.PRODUCT_LABEL}=NVIDIA-L4,type=kwok")
+    ]
+    kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "modelartifact-smollm2.yaml"))
+    # A 1 GiB "GPU" keeps the planned KV cache small: the local engine allocates it in RAM.
+    pool = make_pool("smol", "smollm2-135m-instruct", namespace)
+    for path, value in {
+        "spec.gpu.memory": "1Gi",
+        "spec.engine.workspace": "64Mi",
+        "spec.engine.safetyMargin": "64Mi",
+        "spec.engine.maxModelLength": 2048,
+        "spec.engine.maxBatchedTokens": 512,
+    }.items():
+        pool.set(path, value)
+    kubectl("cordon", *fake_l4)  # the local node is then the only L4 that takes new pods
+    try:
+        _create(kube, pool.data())
+        ready = _wait_pool(kube, operator, namespace, "smol", _available, "real pod Ready", 300)
+    finally:
+        kubectl("uncordon", *fake_l4)
+    (pod,) = kube.list("Pod", namespace, label_selector=f"{naming.POOL_LABEL}=smol")
+    assert pod["spec"]["nodeName"] == local_node
+    revision = ready["status"]["servingRevision"]
+    url = f"http://{pod['status']['podIP']}:8000/v1/models"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        models = yaml.safe_load(response.read())
+    assert [(m["id"], m["revision"]) for m in models["data"]] == [
+        ("smollm2-135m-instruct", revision[:12])
+    ]
+    assert ready["status"]["capacity"]["kvTokensPerReplica"] > 0
