@@ -264,14 +264,17 @@ class IncrementalDetokenizer:
         """Append generated ids; return the newly complete text (possibly empty)."""
         self._ids.extend(new_ids)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        delta = new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self.text += delta
-        return delta
+        # Longest run of the new ids whose text is complete: a batch of ids ending mid-character
+        # still releases the characters before it.
+        for end in range(len(self._ids), self._read_offset, -1):
+            new_text = self._decode(self._ids[self._prefix_offset : end])
+            if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR):
+                delta = new_text[len(prefix_text) :]
+                self._prefix_offset = self._read_offset
+                self._read_offset = end
+                self.text += delta
+                return delta
+        return ""
 
     def flush(self) -> str:
         """At the end of generation: emit whatever is held back, incomplete bytes as U+FFFD."""

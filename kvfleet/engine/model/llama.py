@@ -178,7 +178,8 @@ class LlamaModel(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos(), emb.sin()
             self._rope_cache_len = length
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        cos = self._cos.index_select(0, positions).unsqueeze(1)
+        return cos, self._sin.index_select(0, positions).unsqueeze(1)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention
@@ -188,7 +189,7 @@ class LlamaModel(nn.Module):
         num_tokens = token_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         cos, sin = self._rope(positions)
-        hidden = self.embed_tokens[token_ids]
+        hidden = self.embed_tokens.index_select(0, token_ids)
         for layer in range(cfg.num_layers):
             x = _rms_norm(hidden, self.input_layernorm[layer], cfg.rms_norm_eps)
             qkv = _linear(x, self.qkv_proj[layer])
