@@ -5,8 +5,9 @@
     kube         a KubeClient (admin) for that cluster
     kubectl      run kubectl against it: kubectl("get", "nodes", "-o", "json") -> CompletedProcess
     helm         run helm against it, with its own cache/config dirs: helm("install", ...)
-    prometheus   the harness's Prometheus (skips on an existing cluster)
-    local_node   name of a local GPU node whose pods really run (skips on an existing cluster)
+    prometheus   a PrometheusClient: the harness's, or $KVFLEET_PROMETHEUS_URL's (else skips)
+    local_node   name of a local GPU node whose pods really run (else skips)
+    fake_nodes   names of the KWOK GPU nodes (else skips)
     namespace    a fresh namespace per test, deleted afterwards
 
 The binaries come from e2e/tools/build.sh. Without them the e2e tests skip with the build
@@ -29,7 +30,7 @@ from kvfleet.devcluster import toolchain
 from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
 from kvfleet.devcluster.errors import ToolsMissingError
 from kvfleet.devcluster.kube import KubeClient
-from kvfleet.devcluster.prometheus import Prometheus
+from kvfleet.devcluster.prometheus import PrometheusClient
 
 Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -124,23 +125,23 @@ def helm(
 
 
 @pytest.fixture(scope="session")
-def prometheus(cluster: DevCluster | ExistingCluster) -> Prometheus:
+def prometheus(cluster: DevCluster | ExistingCluster) -> PrometheusClient:
     if cluster.prometheus is None:
-        pytest.skip("Prometheus is started only by the harness, not on an existing cluster")
+        pytest.skip("no Prometheus: on an existing cluster set KVFLEET_PROMETHEUS_URL")
     return cluster.prometheus
 
 
 @pytest.fixture(scope="session")
 def local_node(cluster: DevCluster | ExistingCluster) -> str:
     if not cluster.local_node_names:
-        pytest.skip("local GPU nodes (pods that really run) exist only in the harness cluster")
+        pytest.skip("no local GPU node (label kvfleet.io/local-node=true) whose pods really run")
     return cluster.local_node_names[0]
 
 
 @pytest.fixture(scope="session")
 def fake_nodes(cluster: DevCluster | ExistingCluster) -> list[str]:
     if not cluster.has_fake_nodes:
-        pytest.skip("KWOK fake GPU nodes exist only in the harness cluster")
+        pytest.skip("no KWOK fake GPU nodes (label type=kwok) in this cluster")
     return list(cluster.fake_node_names)
 
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.devcluster import fleet
 from kvfleet.devcluster.kube import JsonObj, KubeClient, condition_true
-from kvfleet.devcluster.prometheus import Prometheus
+from kvfleet.devcluster.prometheus import PrometheusClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -67,7 +67,7 @@ def generated_tokens(url: str) -> float:
 
 
 def test_engine_deployment_on_a_local_node_serves_and_is_scraped(
-    kube: KubeClient, namespace: str, local_node: str, prometheus: Prometheus
+    kube: KubeClient, namespace: str, local_node: str, prometheus: PrometheusClient
 ) -> None:
     kube.create(engine_deployment("engine", namespace))
 

@@ -373,3 +373,33 @@ def test_real_engine_pod_serves_the_artifact_on_the_local_node(
         ("smollm2-135m-instruct", revision[:12])
     ]
     assert ready["status"]["capacity"]["kvTokensPerReplica"] > 0
+
+
+def test_engine_settings_and_replicas_roll_the_deployment(
+    kube: KubeClient, operator: OperatorProcess, namespace: str
+) -> None:
+    _artifact_and_pool(kube, namespace, "chat")
+    pool = _wait_pool(kube, operator, namespace, "chat", _available, "Available")
+    name = naming.deployment_name("chat", pool["status"]["servingRevision"])
+    before = kube.get("Deployment", name, namespace)["spec"]["template"]["metadata"]["annotations"]
+    kube.request(
+        "PATCH",
+        path_of("ServingPool", namespace, "chat"),
+        {"spec": {"replicas": 2, "engine": {"maxRunningRequests": 32}}},
+        content_type="application/merge-patch+json",
+    )
+    pool = _wait_pool(
+        kube, operator, namespace, "chat",
+        lambda p: _available(p) and p["status"].get("readyReplicas") == 2
+        and p["status"].get("observedGeneration") == 2,
+        "2 ready replicas with the new settings",
+    )  # fmt: skip
+    deployment = kube.get("Deployment", name, namespace)
+    after = deployment["spec"]["template"]["metadata"]["annotations"]
+    key = naming.ENGINE_CONFIG_HASH_ANNOTATION
+    assert after[key] != before[key]  # a settings change restarts the engines
+    assert deployment["spec"]["replicas"] == 2
+    assert kube.get("ConfigMap", "chat-engine", namespace)["data"]["KVFLEET_MAX_NUM_SEQS"] == "32"
+    pods = kube.list("Pod", namespace, label_selector=f"{naming.POOL_LABEL}=chat")
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    assert {p["metadata"]["annotations"][key] for p in live} == {after[key]}

@@ -16,7 +16,7 @@ from e2e.conftest import Kubectl
 from kvfleet.devcluster import fleet
 from kvfleet.devcluster.cluster import ClusterOptions, DevCluster, ExistingCluster
 from kvfleet.devcluster.kube import JsonObj, KubeClient, condition_true
-from kvfleet.devcluster.prometheus import Prometheus
+from kvfleet.devcluster.prometheus import PrometheusClient
 
 pytestmark = pytest.mark.e2e
 
@@ -157,7 +157,7 @@ def http_pod(name: str, node: str, marker: Path, port: int = 8080, delay: float 
 
 
 def test_local_pod_really_runs_is_probed_scraped_and_terminated(
-    kube: KubeClient, namespace: str, local_node: str, prometheus: Prometheus, tmp_path: Path
+    kube: KubeClient, namespace: str, local_node: str, prometheus: PrometheusClient, tmp_path: Path
 ) -> None:
     marker = tmp_path / "sigterm"
     pod_obj = http_pod("web", local_node, marker)
@@ -296,13 +296,20 @@ WHOAMI = (
     "api = KubeClient(KubeConfig.load(pathlib.Path(os.environ['KUBECONFIG']))); "
     "review = api.request('POST', '/apis/authentication.k8s.io/v1/selfsubjectreviews', "
     "{'apiVersion': 'authentication.k8s.io/v1', 'kind': 'SelfSubjectReview'}); "
-    "print(review['status']['userInfo']['username'])"
+    "pathlib.Path(os.environ['OUT']).write_text(review['status']['userInfo']['username'])"
 )
 
 
 def test_local_pod_talks_to_the_api_server_as_its_service_account(
-    cluster: DevCluster | ExistingCluster, kube: KubeClient, namespace: str, local_node: str
+    kube: KubeClient, namespace: str, local_node: str, tmp_path: Path
 ) -> None:
+    out = tmp_path / "whoami"
+    container = {
+        "name": "c",
+        "image": "none",
+        "command": ["python", "-c", WHOAMI],
+        "env": [{"name": "OUT", "value": str(out)}],
+    }
     kube.create(
         {
             "apiVersion": "v1",
@@ -311,7 +318,7 @@ def test_local_pod_talks_to_the_api_server_as_its_service_account(
             "spec": {
                 "nodeSelector": {"kubernetes.io/hostname": local_node},
                 "restartPolicy": "Never",
-                "containers": [{"name": "c", "image": "none", "command": ["python", "-c", WHOAMI]}],
+                "containers": [container],
             },
         }
     )
@@ -325,10 +332,8 @@ def test_local_pod_talks_to_the_api_server_as_its_service_account(
         ),
         60,
     )
-    assert cluster.runner is not None
-    output = cluster.runner.log_path(namespace, "whoami", "c").read_text()
-    assert pod["status"]["phase"] == "Succeeded", output
-    assert output.strip() == f"system:serviceaccount:{namespace}:default"
+    assert pod["status"]["phase"] == "Succeeded", pod["status"]
+    assert out.read_text() == f"system:serviceaccount:{namespace}:default"
 
 
 def test_helm_installs_into_the_cluster_and_sees_v1_34(

@@ -92,7 +92,7 @@ def _up(args: argparse.Namespace) -> int:
         print(f"dev cluster up in {cluster.startup_seconds:.1f}s")
         print(f"  export KUBECONFIG={cluster.kubeconfig}")
         if cluster.prometheus:
-            print(f"  prometheus: {cluster.prometheus.url}")
+            print(f"  export KVFLEET_PROMETHEUS_URL={cluster.prometheus.url}")
         print("Ctrl-C or `kvfleet dev-cluster down` stops it.", flush=True)
         while not stop.wait(1.0):
             pass

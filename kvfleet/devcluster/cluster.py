@@ -31,7 +31,7 @@ from kvfleet.devcluster.kube import KubeClient, KubeConfig, condition_true
 from kvfleet.devcluster.pki import ClusterPki, create_pki, kubeconfig_yaml
 from kvfleet.devcluster.podrunner import LocalPodRunner
 from kvfleet.devcluster.processes import ManagedProcess
-from kvfleet.devcluster.prometheus import Prometheus
+from kvfleet.devcluster.prometheus import PROMETHEUS_URL_ENV, Prometheus, PrometheusClient
 
 SERVICE_CIDR = "10.0.0.0/24"  # allocation range only: no traffic is ever sent there
 SERVICE_IP = "10.0.0.1"
@@ -338,18 +338,30 @@ class DevCluster:
 
 
 class ExistingCluster:
-    """A cluster someone else runs, reached through a kubeconfig; nothing to start or stop."""
+    """A cluster someone else runs, reached through a kubeconfig; nothing to start or stop.
 
-    runner: LocalPodRunner | None = None
-    prometheus: Prometheus | None = None
-    local_node_names: list[str] = []  # noqa: RUF012 - read-only defaults of an absent feature
-    fake_node_names: list[str] = []  # noqa: RUF012
-    has_fake_nodes = False
+    Harness-style parts are found rather than made: KWOK nodes by their `type=kwok` label,
+    local nodes (whose pods some runner really runs, e.g. `kvfleet dev-cluster up` in another
+    shell) by `kvfleet.io/local-node=true`, and Prometheus through $KVFLEET_PROMETHEUS_URL.
+    """
+
+    runner: LocalPodRunner | None = None  # the runner, if any, lives in another process
 
     def __init__(self, kubeconfig: Path) -> None:
         self.kubeconfig = kubeconfig
         self.api = KubeClient(KubeConfig.load(kubeconfig))
         self.server = self.api.config.server
+        self.fake_node_names = self._nodes(f"{fleet.FAKE_NODE_LABEL}=kwok")
+        self.local_node_names = self._nodes(f"{fleet.LOCAL_NODE_LABEL}=true")
+        url = os.environ.get(PROMETHEUS_URL_ENV)
+        self.prometheus: PrometheusClient | None = PrometheusClient(url) if url else None
+
+    def _nodes(self, selector: str) -> list[str]:
+        return sorted(n["metadata"]["name"] for n in self.api.list("Node", label_selector=selector))
+
+    @property
+    def has_fake_nodes(self) -> bool:
+        return bool(self.fake_node_names)
 
     def stop(self) -> None:
         self.api.close()

@@ -66,16 +66,38 @@ def build_config(api_server: str, ca: Path, client: CertPair) -> dict[str, Any]:
     }
 
 
-class Prometheus:
-    """The server process and a tiny query client."""
+PROMETHEUS_URL_ENV = "KVFLEET_PROMETHEUS_URL"
+
+
+class PrometheusClient:
+    """Queries one Prometheus server over its HTTP API."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def active_targets(self) -> list[dict[str, Any]]:
+        resp = httpx.get(f"{self.url}/api/v1/targets", params={"state": "active"}, timeout=5)
+        resp.raise_for_status()
+        targets: list[dict[str, Any]] = resp.json()["data"]["activeTargets"]
+        return targets
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        resp = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=10)
+        resp.raise_for_status()
+        result: list[dict[str, Any]] = resp.json()["data"]["result"]
+        return result
+
+
+class Prometheus(PrometheusClient):
+    """The server process the harness runs, plus the query client."""
 
     def __init__(
         self, binary: Path, workdir: Path, port: int, api_server: str, ca: Path, client: CertPair
     ) -> None:
+        super().__init__(f"http://127.0.0.1:{port}")
         workdir.mkdir(parents=True, exist_ok=True)
         config_path = workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(build_config(api_server, ca, client)))
-        self.url = f"http://127.0.0.1:{port}"
         self.process = ManagedProcess(
             "prometheus",
             [
@@ -93,18 +115,6 @@ class Prometheus:
         self.process.wait_ready(
             lambda: httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200, timeout
         )
-
-    def active_targets(self) -> list[dict[str, Any]]:
-        resp = httpx.get(f"{self.url}/api/v1/targets", params={"state": "active"}, timeout=5)
-        resp.raise_for_status()
-        targets: list[dict[str, Any]] = resp.json()["data"]["activeTargets"]
-        return targets
-
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        resp = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=10)
-        resp.raise_for_status()
-        result: list[dict[str, Any]] = resp.json()["data"]["result"]
-        return result
 
     def stop(self) -> None:
         self.process.stop()
