@@ -40,14 +40,16 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfleet.engine.llm import LLM  # imports torch: only when generating
     from kvfleet.engine.request import SamplingParams
 
-    prompts: list[str] = list(args.prompts) or [sys.stdin.read()]
     try:
+        # Validate the flags before importing torch and loading the model: fail fast.
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 stop=tuple(args.stop))
+        prompts: list[str] = list(args.prompts) or [sys.stdin.read()]
+        from kvfleet.engine.llm import LLM
+
         llm = LLM(args.model, show_progress=not args.no_progress)
         inputs: list[Any] = ([[{"role": "user", "content": p}] for p in prompts] if args.chat
                              else prompts)
