@@ -13,7 +13,8 @@ from kvfleet.devcluster import fleet, toolchain
 from kvfleet.devcluster.errors import DevClusterError, ToolsMissingError
 from kvfleet.devcluster.kube import KubeConfig
 from kvfleet.devcluster.pki import create_pki, kubeconfig_yaml
-from kvfleet.devcluster.podrunner import Container, IpPool, LocalPod, expand, pod_status
+from kvfleet.devcluster.podrunner import IpPool
+from kvfleet.devcluster.podstate import Container, LocalPod, expand, pod_status
 from kvfleet.devcluster.prometheus import build_config
 
 

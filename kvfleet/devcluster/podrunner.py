@@ -10,6 +10,9 @@ SIGTERM, waits the grace period, then removes the pod object.
 What a real kubelet does that this one does not: images, volumes, resource isolation,
 startup probes, `kubectl logs/exec` (container output goes to files under the pod's folder).
 Init containers run in order before the containers, as in Kubernetes.
+
+The loop and process handling live here; the pure status (`podstate`), the process environment
+(`podenv`) and probes (`probes`) are their own modules.
 """
 
 from __future__ import annotations
@@ -18,24 +21,28 @@ import datetime as dt
 import fcntl
 import ipaddress
 import logging
-import os
-import re
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import httpx
 
 from kvfleet.devcluster.errors import DevClusterError, KubeApiError
 from kvfleet.devcluster.kube import JsonObj, KubeClient
+from kvfleet.devcluster.podenv import container_env, resolve_program
+from kvfleet.devcluster.podstate import (
+    Container,
+    LocalPod,
+    expand,
+    node_status,
+    now_iso,
+    pod_status,
+    terminated_state,
+)
+from kvfleet.devcluster.probes import run_probe
 from kvfleet.devcluster.processes import ManagedProcess
 
 log = logging.getLogger(__name__)
@@ -43,12 +50,7 @@ log = logging.getLogger(__name__)
 POD_CIDR = "127.64.0.0/16"
 HEARTBEAT_S = 10.0
 LEASE_DURATION_S = 40
-TOKEN_SECONDS = 24 * 3600  # outlives any test session or dev-cluster day
 BACKOFF_MAX_S = 10.0  # a real kubelet caps at 5 min; tests want crashes retried quickly
-
-
-def now_iso() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _micro_now() -> str:
@@ -100,55 +102,6 @@ class IpPool:
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
-
-
-_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
-
-
-def expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion in command/args/env: unknown references stay as written."""
-    return _VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), text)
-
-
-@dataclass
-class Container:
-    """One container of a pod and the process that currently plays it."""
-
-    spec: JsonObj
-    init: bool = False
-    process: ManagedProcess | None = None
-    restart_count: int = 0
-    started_at: str | None = None
-    exit_code: int | None = None
-    finished_at: str | None = None
-    last_terminated: JsonObj | None = None
-    next_start: float = 0.0
-    ready: bool = False
-    done: bool = False  # exited and will not be restarted
-    start_error: str | None = None
-    probe_due: float = 0.0
-    probe_failures: int = 0
-    live_due: float = 0.0
-    live_failures: int = 0
-
-    @property
-    def name(self) -> str:
-        return str(self.spec["name"])
-
-
-@dataclass
-class LocalPod:
-    uid: str
-    namespace: str
-    name: str
-    node: str
-    ip: str
-    folder: Path
-    containers: list[Container]
-    init_containers: list[Container]
-    start_time: str = field(default_factory=now_iso)
-    terminating_since: float | None = None
-    last_status: JsonObj | None = None
 
 
 class LocalPodRunner:
@@ -232,7 +185,7 @@ class LocalPodRunner:
                     }
                 )
             self.api.merge_patch(
-                "Node", node, {"status": _node_status(node, now, self._since)}, subresource="status"
+                "Node", node, {"status": node_status(node, now, self._since)}, subresource="status"
             )
         self._next_heartbeat = time.monotonic() + HEARTBEAT_S
 
@@ -290,7 +243,7 @@ class LocalPodRunner:
         if c.process is not None and not c.process.running():
             c.exit_code = c.process.stop()
             c.finished_at, c.process, c.ready = now_iso(), None, False
-            c.last_terminated = _terminated(c)
+            c.last_terminated = terminated_state(c)
             if policy == "Always" or (policy == "OnFailure" and c.exit_code != 0):
                 backoff = min(BACKOFF_MAX_S, 2.0 ** min(c.restart_count, 4))
                 c.next_start, c.restart_count = now + backoff, c.restart_count + 1
@@ -309,14 +262,14 @@ class LocalPodRunner:
             self._probe(pod, obj, c, now)
 
     def _start(self, pod: LocalPod, obj: JsonObj, c: Container) -> None:
-        env = self._env(pod, obj, c.spec)
+        env = container_env(self.api, pod, obj, c.spec, self.project_root, self.extra_env)
         argv = [expand(a, env) for a in [*c.spec.get("command", []), *c.spec.get("args", [])]]
         if not argv:
             raise DevClusterError(
                 f"pod {pod.namespace}/{pod.name} container {c.name}: no command; the local "
                 "runner has no images, so set `command`"
             )
-        argv[0] = self._resolve(argv[0])
+        argv[0] = resolve_program(argv[0], self.project_root)
         workdir = Path(c.spec.get("workingDir") or pod.folder)
         c.process = ManagedProcess(
             f"{pod.name}/{c.name}",
@@ -332,100 +285,13 @@ class LocalPodRunner:
         live_delay = float(c.spec.get("livenessProbe", {}).get("initialDelaySeconds", 0))
         c.live_due = time.monotonic() + live_delay
 
-    def _resolve(self, program: str) -> str:
-        venv_bin = self.project_root / ".venv" / "bin"
-        if program in ("python", "python3") or program == "kvfleet":
-            candidate = venv_bin / program
-            if candidate.exists():
-                return str(candidate)
-            return sys.executable if program != "kvfleet" else str(venv_bin / "kvfleet")
-        return shutil.which(program) or program
-
-    def _env(self, pod: LocalPod, obj: JsonObj, spec: JsonObj) -> dict[str, str]:
-        # The harness's own environment plus the pod's: the processes are ours, on this machine.
-        env = {**os.environ, **self.extra_env, "HOSTNAME": pod.name}
-        venv_bin = str(self.project_root / ".venv" / "bin")
-        env["PATH"] = f"{venv_bin}:{env.get('PATH', '/usr/bin:/bin')}"
-        env["PYTHONPATH"] = str(self.project_root)
-        env.pop("KUBECONFIG", None)
-        if obj["spec"].get("automountServiceAccountToken", True):
-            env.update(self._service_account_env(pod, obj))
-        fields = {
-            "status.podIP": pod.ip,
-            "status.hostIP": "127.0.0.1",
-            "metadata.name": pod.name,
-            "metadata.namespace": pod.namespace,
-            "metadata.uid": pod.uid,
-            "spec.nodeName": pod.node,
-            "spec.serviceAccountName": obj["spec"].get("serviceAccountName", "default"),
-        }
-        for item in spec.get("env", []):
-            name = item["name"]
-            if "value" in item:
-                env[name] = expand(str(item["value"]), env)
-            elif "fieldRef" in item.get("valueFrom", {}):
-                env[name] = fields.get(item["valueFrom"]["fieldRef"]["fieldPath"], "")
-            elif ref := item.get("valueFrom", {}).get("configMapKeyRef"):
-                cm = self.api.get("ConfigMap", ref["name"], pod.namespace)
-                env[name] = cm.get("data", {}).get(ref["key"], "")
-            elif ref := item.get("valueFrom", {}).get("secretKeyRef"):
-                import base64
-
-                secret = self.api.get("Secret", ref["name"], pod.namespace)
-                env[name] = base64.b64decode(secret.get("data", {}).get(ref["key"], "")).decode()
-        return env
-
-    def _service_account_env(self, pod: LocalPod, obj: JsonObj) -> dict[str, str]:
-        """In-cluster credentials: a token of the pod's service account, bound to the pod.
-
-        There is no /var/run/secrets mount, so the token reaches the process as a kubeconfig
-        ($KUBECONFIG, which kopf and the kubernetes client read) plus the usual
-        KUBERNETES_SERVICE_HOST/PORT; the process then has exactly its RBAC permissions.
-        """
-        account = obj["spec"].get("serviceAccountName") or "default"
-        review = self.api.request(
-            "POST",
-            f"/api/v1/namespaces/{pod.namespace}/serviceaccounts/{account}/token",
-            {
-                "apiVersion": "authentication.k8s.io/v1",
-                "kind": "TokenRequest",
-                "spec": {
-                    "expirationSeconds": TOKEN_SECONDS,
-                    "boundObjectRef": {
-                        "kind": "Pod",
-                        "apiVersion": "v1",
-                        "name": pod.name,
-                        "uid": pod.uid,
-                    },
-                },
-            },
-        )
-        server = self.api.config.server
-        ca = self.api.config.ca_file
-        kubeconfig = pod.folder / "serviceaccount.kubeconfig"
-        kubeconfig.write_text(
-            "apiVersion: v1\nkind: Config\ncurrent-context: in-cluster\n"
-            f"clusters:\n- name: in-cluster\n  cluster:\n    server: {server}\n"
-            + (f"    certificate-authority: {ca}\n" if ca else "")
-            + f"users:\n- name: {account}\n  user:\n    token: {review['status']['token']}\n"
-            "contexts:\n- name: in-cluster\n  context:\n    cluster: in-cluster\n"
-            f"    user: {account}\n    namespace: {pod.namespace}\n"
-        )
-        kubeconfig.chmod(0o600)
-        host, _, port = server.removeprefix("https://").rpartition(":")
-        return {
-            "KUBECONFIG": str(kubeconfig),
-            "KUBERNETES_SERVICE_HOST": host,
-            "KUBERNETES_SERVICE_PORT": port,
-        }
-
     def _probe(self, pod: LocalPod, obj: JsonObj, c: Container, now: float) -> None:
         readiness, liveness = c.spec.get("readinessProbe"), c.spec.get("livenessProbe")
         if readiness is None:
             c.ready = True
         elif now >= c.probe_due:
             c.probe_due = now + float(readiness.get("periodSeconds", 10))
-            if self._check(pod, c, readiness):
+            if run_probe(self._http, pod, c.spec, readiness):
                 c.probe_failures, c.ready = 0, True
             else:
                 c.probe_failures += 1
@@ -433,45 +299,12 @@ class LocalPodRunner:
                     c.ready = False
         if liveness is not None and now >= c.live_due and c.process is not None:
             c.live_due = now + float(liveness.get("periodSeconds", 10))
-            c.live_failures = 0 if self._check(pod, c, liveness) else c.live_failures + 1
+            c.live_failures = (
+                0 if run_probe(self._http, pod, c.spec, liveness) else c.live_failures + 1
+            )
             if c.live_failures >= int(liveness.get("failureThreshold", 3)):
                 grace = int(obj["spec"].get("terminationGracePeriodSeconds", 30))
                 c.process.stop(grace=grace)  # the next round sees the exit and restarts
-
-    def _check(self, pod: LocalPod, c: Container, probe: JsonObj) -> bool:
-        timeout = float(probe.get("timeoutSeconds", 1))
-        if http := probe.get("httpGet"):
-            host = http.get("host") or pod.ip
-            port = _port(c.spec, http["port"])
-            scheme = str(http.get("scheme", "HTTP")).lower()
-            try:
-                resp = self._http.get(
-                    f"{scheme}://{host}:{port}{http.get('path', '/')}", timeout=timeout
-                )
-            except httpx.HTTPError:
-                return False
-            return 200 <= resp.status_code < 400
-        if tcp := probe.get("tcpSocket"):
-            try:
-                with socket.create_connection(
-                    (tcp.get("host") or pod.ip, _port(c.spec, tcp["port"])), timeout
-                ):
-                    return True
-            except OSError:
-                return False
-        if exec_ := probe.get("exec"):
-            try:
-                done = subprocess.run(
-                    exec_["command"],
-                    timeout=timeout,
-                    capture_output=True,
-                    check=False,
-                    cwd=pod.folder,
-                )
-            except (OSError, subprocess.TimeoutExpired):
-                return False
-            return done.returncode == 0
-        return True
 
     def _terminate(self, pod: LocalPod, grace: int) -> None:
         if pod.terminating_since is None:
@@ -519,133 +352,3 @@ class LocalPodRunner:
             "Pod", pod.name, {"status": status}, pod.namespace, subresource="status"
         )
         pod.last_status = status
-
-
-def _port(container: JsonObj, port: int | str) -> int:
-    if isinstance(port, int) or str(port).isdigit():
-        return int(port)
-    for p in container.get("ports", []):
-        if p.get("name") == port:
-            return int(p["containerPort"])
-    raise DevClusterError(f"container {container['name']}: probe names unknown port {port!r}")
-
-
-def _terminated(c: Container) -> JsonObj:
-    reason = "Completed" if c.exit_code == 0 else "Error"
-    return {
-        "terminated": {
-            "exitCode": c.exit_code,
-            "reason": reason,
-            "startedAt": c.started_at,
-            "finishedAt": c.finished_at,
-        }
-    }
-
-
-def _container_status(c: Container) -> JsonObj:
-    state: JsonObj
-    if c.process is not None:
-        state = {"running": {"startedAt": c.started_at}}
-    elif c.done:
-        state = _terminated(c)
-    elif c.start_error:
-        state = {"waiting": {"reason": "RunContainerError", "message": c.start_error}}
-    elif c.restart_count:
-        state = {"waiting": {"reason": "CrashLoopBackOff"}}
-    else:
-        state = {"waiting": {"reason": "ContainerCreating"}}
-    status: JsonObj = {
-        "name": c.name,
-        "image": c.spec.get("image", ""),
-        "imageID": "",
-        "containerID": f"local://{c.process.pid}" if c.process else "",
-        "ready": c.ready and c.process is not None,
-        "started": c.process is not None,
-        "restartCount": c.restart_count,
-        "state": state,
-        "lastState": c.last_terminated or {},
-    }
-    return status
-
-
-def pod_status(pod: LocalPod, current: JsonObj) -> JsonObj:
-    """The pod's status as a kubelet would write it; a pure function of the runner's state."""
-    mains, inits = pod.containers, pod.init_containers
-    init_ok = all(c.done and c.exit_code == 0 for c in inits)
-    if any(c.done and c.exit_code != 0 for c in inits) or (
-        mains and all(c.done for c in mains) and any(c.exit_code != 0 for c in mains)
-    ):
-        phase = "Failed"
-    elif mains and all(c.done for c in mains):
-        phase = "Succeeded"
-    elif init_ok and any(c.process is not None or c.done or c.started_at for c in mains):
-        phase = "Running"
-    else:
-        phase = "Pending"
-    ready = init_ok and all(c.ready and c.process is not None for c in mains)
-    old = {c.get("type"): c for c in current.get("conditions") or []}
-
-    def cond(kind: str, ok: bool) -> JsonObj:
-        value = "True" if ok else "False"
-        prior = old.get(kind)
-        since = prior["lastTransitionTime"] if prior and prior.get("status") == value else None
-        return {"type": kind, "status": value, "lastTransitionTime": since or now_iso()}
-
-    conditions = [
-        cond("PodReadyToStartContainers", True),
-        cond("Initialized", init_ok),
-        cond("ContainersReady", ready),
-        cond("Ready", ready),
-    ]
-    if "PodScheduled" in old:
-        conditions.insert(0, old["PodScheduled"])
-    status: JsonObj = {
-        "phase": phase,
-        "hostIP": "127.0.0.1",
-        "hostIPs": [{"ip": "127.0.0.1"}],
-        "podIP": pod.ip,
-        "podIPs": [{"ip": pod.ip}],
-        "startTime": pod.start_time,
-        "conditions": conditions,
-        "containerStatuses": [_container_status(c) for c in mains],
-    }
-    if inits:
-        status["initContainerStatuses"] = [_container_status(c) for c in inits]
-    return status
-
-
-def _node_status(node: str, now: str, since: str) -> dict[str, Any]:
-    def cond(kind: str, value: str, reason: str) -> JsonObj:
-        return {
-            "type": kind,
-            "status": value,
-            "reason": reason,
-            "message": reason,
-            "lastHeartbeatTime": now,
-            "lastTransitionTime": since,
-        }
-
-    return {
-        "conditions": [
-            cond("Ready", "True", "KubeletReady"),
-            cond("MemoryPressure", "False", "KubeletHasSufficientMemory"),
-            cond("DiskPressure", "False", "KubeletHasNoDiskPressure"),
-            cond("PIDPressure", "False", "KubeletHasSufficientPID"),
-        ],
-        "addresses": [
-            {"type": "InternalIP", "address": "127.0.0.1"},
-            {"type": "Hostname", "address": node},
-        ],
-        "nodeInfo": {
-            "kubeletVersion": "v1.34.4-kvfleet-local",
-            "operatingSystem": "linux",
-            "architecture": "amd64",
-            "containerRuntimeVersion": "local://process",
-            "kernelVersion": "",
-            "osImage": "",
-            "kubeProxyVersion": "",
-            "machineID": "",
-            "systemUUID": "",
-            "bootID": "",
-        },
-    }

@@ -1,0 +1,113 @@
+"""The environment of a local pod's process: the pod's env (values, downward API fields,
+ConfigMap and Secret keys, $(VAR) expansion) and in-cluster credentials for its service account.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from kvfleet.devcluster.kube import JsonObj, KubeClient
+from kvfleet.devcluster.podstate import LocalPod, expand
+
+TOKEN_SECONDS = 24 * 3600  # outlives any test session or dev-cluster day
+
+
+def resolve_program(program: str, project_root: Path) -> str:
+    """`kvfleet` and `python` mean the project's virtualenv, as the image would provide them."""
+    venv_bin = project_root / ".venv" / "bin"
+    if program in ("python", "python3") or program == "kvfleet":
+        candidate = venv_bin / program
+        if candidate.exists():
+            return str(candidate)
+        return sys.executable if program != "kvfleet" else str(venv_bin / "kvfleet")
+    return shutil.which(program) or program
+
+
+def container_env(
+    api: KubeClient,
+    pod: LocalPod,
+    obj: JsonObj,
+    spec: JsonObj,
+    project_root: Path,
+    extra_env: dict[str, str],
+) -> dict[str, str]:
+    # The harness's own environment plus the pod's: the processes are ours, on this machine.
+    env = {**os.environ, **extra_env, "HOSTNAME": pod.name}
+    venv_bin = str(project_root / ".venv" / "bin")
+    env["PATH"] = f"{venv_bin}:{env.get('PATH', '/usr/bin:/bin')}"
+    env["PYTHONPATH"] = str(project_root)
+    env.pop("KUBECONFIG", None)
+    if obj["spec"].get("automountServiceAccountToken", True):
+        env.update(service_account_env(api, pod, obj))
+    fields = {
+        "status.podIP": pod.ip,
+        "status.hostIP": "127.0.0.1",
+        "metadata.name": pod.name,
+        "metadata.namespace": pod.namespace,
+        "metadata.uid": pod.uid,
+        "spec.nodeName": pod.node,
+        "spec.serviceAccountName": obj["spec"].get("serviceAccountName", "default"),
+    }
+    for item in spec.get("env", []):
+        name = item["name"]
+        if "value" in item:
+            env[name] = expand(str(item["value"]), env)
+        elif "fieldRef" in item.get("valueFrom", {}):
+            env[name] = fields.get(item["valueFrom"]["fieldRef"]["fieldPath"], "")
+        elif ref := item.get("valueFrom", {}).get("configMapKeyRef"):
+            cm = api.get("ConfigMap", ref["name"], pod.namespace)
+            env[name] = cm.get("data", {}).get(ref["key"], "")
+        elif ref := item.get("valueFrom", {}).get("secretKeyRef"):
+            import base64
+
+            secret = api.get("Secret", ref["name"], pod.namespace)
+            env[name] = base64.b64decode(secret.get("data", {}).get(ref["key"], "")).decode()
+    return env
+
+
+def service_account_env(api: KubeClient, pod: LocalPod, obj: JsonObj) -> dict[str, str]:
+    """In-cluster credentials: a token of the pod's service account, bound to the pod.
+
+    There is no /var/run/secrets mount, so the token reaches the process as a kubeconfig
+    ($KUBECONFIG, which kopf and the kubernetes client read) plus the usual
+    KUBERNETES_SERVICE_HOST/PORT; the process then has exactly its RBAC permissions.
+    """
+    account = obj["spec"].get("serviceAccountName") or "default"
+    review = api.request(
+        "POST",
+        f"/api/v1/namespaces/{pod.namespace}/serviceaccounts/{account}/token",
+        {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": TOKEN_SECONDS,
+                "boundObjectRef": {
+                    "kind": "Pod",
+                    "apiVersion": "v1",
+                    "name": pod.name,
+                    "uid": pod.uid,
+                },
+            },
+        },
+    )
+    server = api.config.server
+    ca = api.config.ca_file
+    kubeconfig = pod.folder / "serviceaccount.kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: in-cluster\n"
+        f"clusters:\n- name: in-cluster\n  cluster:\n    server: {server}\n"
+        + (f"    certificate-authority: {ca}\n" if ca else "")
+        + f"users:\n- name: {account}\n  user:\n    token: {review['status']['token']}\n"
+        "contexts:\n- name: in-cluster\n  context:\n    cluster: in-cluster\n"
+        f"    user: {account}\n    namespace: {pod.namespace}\n"
+    )
+    kubeconfig.chmod(0o600)
+    host, _, port = server.removeprefix("https://").rpartition(":")
+    return {
+        "KUBECONFIG": str(kubeconfig),
+        "KUBERNETES_SERVICE_HOST": host,
+        "KUBERNETES_SERVICE_PORT": port,
+    }

@@ -1,0 +1,190 @@
+"""What the local pod runner knows about its pods, and the status it writes for them.
+
+Pure: `pod_status` and `node_status` turn the runner's bookkeeping into the Pod and Node status
+a kubelet would write; nothing here starts processes or talks to the API server.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvfleet.devcluster.kube import JsonObj
+from kvfleet.devcluster.processes import ManagedProcess
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command/args/env: unknown references stay as written."""
+    return _VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+@dataclass
+class Container:
+    """One container of a pod and the process that currently plays it."""
+
+    spec: JsonObj
+    init: bool = False
+    process: ManagedProcess | None = None
+    restart_count: int = 0
+    started_at: str | None = None
+    exit_code: int | None = None
+    finished_at: str | None = None
+    last_terminated: JsonObj | None = None
+    next_start: float = 0.0
+    ready: bool = False
+    done: bool = False  # exited and will not be restarted
+    start_error: str | None = None
+    probe_due: float = 0.0
+    probe_failures: int = 0
+    live_due: float = 0.0
+    live_failures: int = 0
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["name"])
+
+
+@dataclass
+class LocalPod:
+    uid: str
+    namespace: str
+    name: str
+    node: str
+    ip: str
+    folder: Path
+    containers: list[Container]
+    init_containers: list[Container]
+    start_time: str = field(default_factory=now_iso)
+    terminating_since: float | None = None
+    last_status: JsonObj | None = None
+
+
+def terminated_state(c: Container) -> JsonObj:
+    reason = "Completed" if c.exit_code == 0 else "Error"
+    return {
+        "terminated": {
+            "exitCode": c.exit_code,
+            "reason": reason,
+            "startedAt": c.started_at,
+            "finishedAt": c.finished_at,
+        }
+    }
+
+
+def container_status(c: Container) -> JsonObj:
+    state: JsonObj
+    if c.process is not None:
+        state = {"running": {"startedAt": c.started_at}}
+    elif c.done:
+        state = terminated_state(c)
+    elif c.start_error:
+        state = {"waiting": {"reason": "RunContainerError", "message": c.start_error}}
+    elif c.restart_count:
+        state = {"waiting": {"reason": "CrashLoopBackOff"}}
+    else:
+        state = {"waiting": {"reason": "ContainerCreating"}}
+    status: JsonObj = {
+        "name": c.name,
+        "image": c.spec.get("image", ""),
+        "imageID": "",
+        "containerID": f"local://{c.process.pid}" if c.process else "",
+        "ready": c.ready and c.process is not None,
+        "started": c.process is not None,
+        "restartCount": c.restart_count,
+        "state": state,
+        "lastState": c.last_terminated or {},
+    }
+    return status
+
+
+def pod_status(pod: LocalPod, current: JsonObj) -> JsonObj:
+    """The pod's status as a kubelet would write it; a pure function of the runner's state."""
+    mains, inits = pod.containers, pod.init_containers
+    init_ok = all(c.done and c.exit_code == 0 for c in inits)
+    if any(c.done and c.exit_code != 0 for c in inits) or (
+        mains and all(c.done for c in mains) and any(c.exit_code != 0 for c in mains)
+    ):
+        phase = "Failed"
+    elif mains and all(c.done for c in mains):
+        phase = "Succeeded"
+    elif init_ok and any(c.process is not None or c.done or c.started_at for c in mains):
+        phase = "Running"
+    else:
+        phase = "Pending"
+    ready = init_ok and all(c.ready and c.process is not None for c in mains)
+    old = {c.get("type"): c for c in current.get("conditions") or []}
+
+    def cond(kind: str, ok: bool) -> JsonObj:
+        value = "True" if ok else "False"
+        prior = old.get(kind)
+        since = prior["lastTransitionTime"] if prior and prior.get("status") == value else None
+        return {"type": kind, "status": value, "lastTransitionTime": since or now_iso()}
+
+    conditions = [
+        cond("PodReadyToStartContainers", True),
+        cond("Initialized", init_ok),
+        cond("ContainersReady", ready),
+        cond("Ready", ready),
+    ]
+    if "PodScheduled" in old:
+        conditions.insert(0, old["PodScheduled"])
+    status: JsonObj = {
+        "phase": phase,
+        "hostIP": "127.0.0.1",
+        "hostIPs": [{"ip": "127.0.0.1"}],
+        "podIP": pod.ip,
+        "podIPs": [{"ip": pod.ip}],
+        "startTime": pod.start_time,
+        "conditions": conditions,
+        "containerStatuses": [container_status(c) for c in mains],
+    }
+    if inits:
+        status["initContainerStatuses"] = [container_status(c) for c in inits]
+    return status
+
+
+def node_status(node: str, now: str, since: str) -> dict[str, Any]:
+    def cond(kind: str, value: str, reason: str) -> JsonObj:
+        return {
+            "type": kind,
+            "status": value,
+            "reason": reason,
+            "message": reason,
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": since,
+        }
+
+    return {
+        "conditions": [
+            cond("Ready", "True", "KubeletReady"),
+            cond("MemoryPressure", "False", "KubeletHasSufficientMemory"),
+            cond("DiskPressure", "False", "KubeletHasNoDiskPressure"),
+            cond("PIDPressure", "False", "KubeletHasSufficientPID"),
+        ],
+        "addresses": [
+            {"type": "InternalIP", "address": "127.0.0.1"},
+            {"type": "Hostname", "address": node},
+        ],
+        "nodeInfo": {
+            "kubeletVersion": "v1.34.4-kvfleet-local",
+            "operatingSystem": "linux",
+            "architecture": "amd64",
+            "containerRuntimeVersion": "local://process",
+            "kernelVersion": "",
+            "osImage": "",
+            "kubeProxyVersion": "",
+            "machineID": "",
+            "systemUUID": "",
+            "bootID": "",
+        },
+    }
