@@ -11,6 +11,7 @@ drift timer that re-reads everything (level-based, it also catches pod schedulin
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -135,12 +136,19 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def pool_changed(namespace: str | None, name: str, **_: Any) -> None:
         await _handled(state.get().pools.trigger, (namespace or "default", name))
 
+    def spread(**kwargs: Any) -> float:
+        # Pools created together would otherwise tick together forever: offset each pool's
+        # first tick by a stable fraction (from its uid) of the interval.
+        uid = str(kwargs["body"].get("metadata", {}).get("uid", ""))
+        fraction = int(hashlib.sha256(uid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        return config.drift_interval_seconds * (0.5 + fraction)
+
     @kopf.timer(
         GROUP,
         VERSION,
         "servingpools",
         interval=config.drift_interval_seconds,
-        initial_delay=config.drift_interval_seconds,
+        initial_delay=spread,
         registry=registry,
     )
     async def pool_drift(namespace: str | None, name: str, **_: Any) -> None:

@@ -87,10 +87,9 @@ class Connection:
 def connection_from_kopf(info: Any) -> Connection:
     """The `kopf.ConnectionInfo` kopf logged in with (certificate, token or basic auth)."""
     folder = Path(tempfile.mkdtemp(prefix="kvfleet-operator-"))
-    context = ssl.create_default_context()
     ca = _material(info.ca_path, info.ca_data, folder, "ca.crt")
-    if ca is not None:
-        context.load_verify_locations(cafile=ca)
+    # With a cluster CA, trust only it (as kubectl does); without one, the system's.
+    context = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
     cert = _material(info.certificate_path, info.certificate_data, folder, "client.crt")
     key = _material(info.private_key_path, info.private_key_data, folder, "client.key")
     if cert is not None:
