@@ -1,1 +1,23 @@
-"""kvfleet.operator."""
+"""kvfleet.operator: the kopf operator that serves ModelArtifacts and ServingPools.
+
+Pure core (no I/O):
+  servingpool.reconcile(pool, artifact, observed) -> Plan    what to apply/delete, the status
+  modelartifact.reconcile_artifact(artifact) -> status       manifest hash, Verified, Compatible
+  builders.build_deployment/_config_map/_service/_pdb        the manifests
+  placement                                                  node selection, scheduling reasons
+  drift.has_drifted(desired, observed)                       what counts as drift
+Edges:
+  runtime.Runtime     reads what exists, runs the reconcilers, carries out plans
+  handlers            kopf wiring (when reconciles run)
+  kube.KubeApi        the operator's apiserver client (server-side apply, status, events)
+  metrics, rbac       Prometheus metrics; the ClusterRole as data
+
+Errors: kube.KubeError (an apiserver request failed), runtime.InvalidObjectError (an object
+the API models reject).
+"""
+
+from kvfleet.operator.builders import EngineOptions
+from kvfleet.operator.modelartifact import reconcile_artifact
+from kvfleet.operator.servingpool import Observed, Plan, reconcile
+
+__all__ = ["EngineOptions", "Observed", "Plan", "reconcile", "reconcile_artifact"]

@@ -45,6 +45,8 @@ def cluster_role_rules() -> list[dict[str, Any]]:
         # Pod conditions explain why replicas are not ready.
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        # kopf resolves `--namespace` globs against the live namespaces.
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": WATCH},
         # kopf peering (absent with --standalone) uses these.
         {
             "apiGroups": ["kopf.dev"],
