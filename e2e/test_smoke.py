@@ -352,3 +352,36 @@ def test_helm_installs_into_the_cluster_and_sees_v1_34(
     assert cm["data"]["kubeVersion"].startswith("v1.34.")
     helm("uninstall", "smoke", "--namespace", namespace)
     assert kube.get_or_none("ConfigMap", "smoke", namespace) is None
+
+
+def test_failing_liveness_probe_restarts_the_container(
+    kube: KubeClient, namespace: str, local_node: str
+) -> None:
+    container = {
+        "name": "c",
+        "image": "none",
+        "command": ["sleep", "600"],
+        # Nothing listens on the pod IP's port 9: every probe fails.
+        "livenessProbe": {"tcpSocket": {"port": 9}, "periodSeconds": 1, "failureThreshold": 2},
+    }
+    kube.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "unlive", "namespace": namespace},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": local_node},
+                "terminationGracePeriodSeconds": 1,
+                "containers": [container],
+            },
+        }
+    )
+
+    def restarted() -> JsonObj | None:
+        pod = kube.get("Pod", "unlive", namespace)
+        statuses = pod["status"].get("containerStatuses") or [{}]
+        return pod if statuses[0].get("restartCount", 0) >= 1 else None
+
+    pod = kube.wait_for("a liveness restart", restarted, 30)
+    terminated = pod["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert terminated["exitCode"] == 143  # 128 + SIGTERM, as a container runtime reports it

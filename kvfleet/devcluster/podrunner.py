@@ -57,6 +57,11 @@ def _micro_now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def container_exit_code(returncode: int | None) -> int | None:
+    """Popen reports death by signal N as -N; container runtimes report 128 + N."""
+    return 128 - returncode if returncode is not None and returncode < 0 else returncode
+
+
 class IpPool:
     """Hands out loopback addresses from one /24 of `cidr`; returned addresses are reused.
 
@@ -240,8 +245,10 @@ class LocalPodRunner:
 
     def _drive(self, pod: LocalPod, obj: JsonObj, c: Container, policy: str) -> None:
         now = time.monotonic()
+        if c.process is not None and c.kill_at is not None and now >= c.kill_at:
+            c.process.signal(signal.SIGKILL)
         if c.process is not None and not c.process.running():
-            c.exit_code = c.process.stop()
+            c.exit_code = container_exit_code(c.process.stop())
             c.finished_at, c.process, c.ready = now_iso(), None, False
             c.last_terminated = terminated_state(c)
             if policy == "Always" or (policy == "OnFailure" and c.exit_code != 0):
@@ -280,6 +287,7 @@ class LocalPodRunner:
         )
         c.started_at, c.exit_code, c.finished_at, c.ready = now_iso(), None, None, False
         c.probe_failures = c.live_failures = 0
+        c.kill_at = None
         delay = float(c.spec.get("readinessProbe", {}).get("initialDelaySeconds", 0))
         c.probe_due = time.monotonic() + delay
         live_delay = float(c.spec.get("livenessProbe", {}).get("initialDelaySeconds", 0))
@@ -302,9 +310,11 @@ class LocalPodRunner:
             c.live_failures = (
                 0 if run_probe(self._http, pod, c.spec, liveness) else c.live_failures + 1
             )
-            if c.live_failures >= int(liveness.get("failureThreshold", 3)):
-                grace = int(obj["spec"].get("terminationGracePeriodSeconds", 30))
-                c.process.stop(grace=grace)  # the next round sees the exit and restarts
+            if c.live_failures >= int(liveness.get("failureThreshold", 3)) and c.kill_at is None:
+                # SIGTERM now, SIGKILL after the grace period; the loop never blocks on a pod.
+                grace = float(obj["spec"].get("terminationGracePeriodSeconds", 30))
+                c.process.signal(signal.SIGTERM)
+                c.kill_at = now + grace
 
     def _terminate(self, pod: LocalPod, grace: int) -> None:
         if pod.terminating_since is None:
@@ -339,7 +349,7 @@ class LocalPodRunner:
     def _kill(self, pod: LocalPod, grace: float) -> None:
         for c in pod.init_containers + pod.containers:
             if c.process is not None:
-                c.exit_code = c.process.stop(grace=grace)
+                c.exit_code = container_exit_code(c.process.stop(grace=grace))
                 c.process = None
         self.ips.give_back(pod.ip)
 

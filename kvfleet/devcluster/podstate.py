@@ -44,6 +44,7 @@ class Container:
     ready: bool = False
     done: bool = False  # exited and will not be restarted
     start_error: str | None = None
+    kill_at: float | None = None  # monotonic deadline after a failed liveness probe
     probe_due: float = 0.0
     probe_failures: int = 0
     live_due: float = 0.0
