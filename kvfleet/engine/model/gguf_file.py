@@ -19,9 +19,9 @@ import torch
 
 from kvfleet.engine.errors import ModelLoadError, UnsupportedModelError
 from kvfleet.engine.model.config import ModelConfig
+from kvfleet.engine.model.gguf_reader import GGUFFile, TensorInfo
 from kvfleet.engine.tokenizer import GGUFTokenizerSpec
 
-GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = frozenset({"llama"})
 # Types we dequantize. The issue's required set is F32/F16/BF16/Q4_0/Q4_1/Q8_0; the K-quants are
 # dequantized by the same `gguf` routine and are common in published files.
@@ -56,31 +56,8 @@ class GGUFContents:
     chat_template: str | None
 
 
-def _open(path: Path) -> Any:
-    import gguf  # imported lazily: it pulls numpy memmaps and is only needed here
-
-    try:
-        with path.open("rb") as handle:
-            magic = handle.read(4)
-    except OSError as exc:
-        raise ModelLoadError(
-            path, f"cannot read the file ({exc.strerror})", "Check the path and its permissions"
-        ) from exc
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(
-            path,
-            f"not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})",
-            "Pass a .gguf model file or an HF checkpoint directory",
-        )
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(path, f"unreadable GGUF structure ({exc})", _CORRUPT_REMEDY) from exc
-
-
-def _field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _field(metadata: dict[str, Any], key: str, path: Path, default: Any = ...) -> Any:
+    if key not in metadata:
         if default is ...:
             raise ModelLoadError(
                 path,
@@ -88,43 +65,40 @@ def _field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
                 "Re-convert the model with a current llama.cpp convert_hf_to_gguf.py",
             )
         return default
-    try:
-        return field.contents()
-    except (ValueError, IndexError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(
-            path, f"metadata key {key!r} is unreadable ({exc})", _CORRUPT_REMEDY
-        ) from exc
+    return metadata[key]
 
 
-def _read_config(reader: Any, path: Path, has_output: bool, quantization: str) -> ModelConfig:
-    arch = _field(reader, "general.architecture", path)
+def _read_config(
+    meta: dict[str, Any], path: Path, has_output: bool, quantization: str
+) -> ModelConfig:
+    arch = _field(meta, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             path,
             f"architecture {arch!r} is not supported",
             f"Use a model of architecture {sorted(SUPPORTED_ARCHITECTURES)}",
         )
-    hidden = int(_field(reader, f"{arch}.embedding_length", path))
-    num_heads = int(_field(reader, f"{arch}.attention.head_count", path))
-    tokens = _field(reader, "tokenizer.ggml.tokens", path, [])
-    vocab = int(_field(reader, f"{arch}.vocab_size", path, len(tokens)))
+    hidden = int(_field(meta, f"{arch}.embedding_length", path))
+    num_heads = int(_field(meta, f"{arch}.attention.head_count", path))
+    tokens = _field(meta, "tokenizer.ggml.tokens", path, [])
+    vocab = int(_field(meta, f"{arch}.vocab_size", path, len(tokens)))
     try:
         return ModelConfig(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", path)),
-            num_layers=int(_field(reader, f"{arch}.block_count", path)),
+            intermediate_size=int(_field(meta, f"{arch}.feed_forward_length", path)),
+            num_layers=int(_field(meta, f"{arch}.block_count", path)),
             num_heads=num_heads,
-            num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", path, num_heads)),
-            head_dim=int(_field(reader, f"{arch}.attention.key_length", path, hidden // num_heads)),
-            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", path, 10000.0)),
+            num_kv_heads=int(_field(meta, f"{arch}.attention.head_count_kv", path, num_heads)),
+            head_dim=int(_field(meta, f"{arch}.attention.key_length", path, hidden // num_heads)),
+            rope_theta=float(_field(meta, f"{arch}.rope.freq_base", path, 10000.0)),
             rms_norm_eps=float(
-                _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path, 1e-5)
+                _field(meta, f"{arch}.attention.layer_norm_rms_epsilon", path, 1e-5)
             ),
-            max_context=int(_field(reader, f"{arch}.context_length", path)),
+            max_context=int(_field(meta, f"{arch}.context_length", path)),
             tie_word_embeddings=not has_output,
-            name=str(_field(reader, "general.name", path, "")),
+            name=str(_field(meta, "general.name", path, "")),
             quantization=quantization,
         )
     except (ValueError, ZeroDivisionError) as exc:
@@ -159,68 +133,66 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def _dequantize(tensor: Any, path: Path) -> torch.Tensor:
+def _dequantize(file: GGUFFile, tensor: TensorInfo) -> torch.Tensor:
     from gguf.quants import dequantize
 
-    type_name: str = tensor.tensor_type.name
+    type_name = tensor.ggml_type.name
     if type_name not in SUPPORTED_TENSOR_TYPES:
         raise UnsupportedModelError(
-            path,
+            file.path,
             f"tensor {tensor.name!r} has type {type_name}",
             f"Use a file quantized as one of {sorted(SUPPORTED_TENSOR_TYPES)}",
         )
     try:
-        array = dequantize(tensor.data, tensor.tensor_type)
+        array = dequantize(file.raw(tensor), tensor.ggml_type)
     except (ValueError, NotImplementedError) as exc:
         raise ModelLoadError(
-            path, f"cannot dequantize tensor {tensor.name!r} ({exc})", _CORRUPT_REMEDY
+            file.path, f"cannot dequantize tensor {tensor.name!r} ({exc})", _CORRUPT_REMEDY
         ) from exc
-    # np.array copies out of the read-only memmap; torch warns on non-writable buffers.
-    expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    array = np.array(array, dtype=np.float32).reshape(expected)
-    return torch.from_numpy(array)
+    # np.array copies out of the read-only memory map; torch warns on non-writable buffers.
+    return torch.from_numpy(np.array(array, dtype=np.float32).reshape(tensor.shape))
 
 
 def _iter_weights(
-    reader: Any, path: Path, config: ModelConfig, progress: ProgressCallback | None
+    file: GGUFFile, config: ModelConfig, progress: ProgressCallback | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    tensors = list(reader.tensors)
-    for index, tensor in enumerate(tensors):
+    for index, tensor in enumerate(file.tensors):
         name = _internal_name(tensor.name)
         if name is not None:
-            weight = _dequantize(tensor, path)
+            weight = _dequantize(file, tensor)
             if name.endswith(".q_proj"):
                 weight = _unpermute_rope_rows(weight, config.num_heads)
             elif name.endswith(".k_proj"):
                 weight = _unpermute_rope_rows(weight, config.num_kv_heads)
             yield name, weight
         if progress is not None:
-            progress(index + 1, len(tensors))
+            progress(index + 1, len(file.tensors))
 
 
 def read_gguf(path: Path, progress: ProgressCallback | None = None) -> GGUFContents:
     """Everything needed to run the model in `path`; ModelLoadError if anything is off."""
-    reader = _open(path)
-    names = {t.name for t in reader.tensors}
+    file = GGUFFile(path)
+    meta = file.metadata
+    names = {t.name for t in file.tensors}
     type_counts: dict[str, int] = {}
-    for tensor in reader.tensors:
-        type_counts[tensor.tensor_type.name] = type_counts.get(tensor.tensor_type.name, 0) + 1
+    for tensor in file.tensors:
+        type_counts[tensor.ggml_type.name] = type_counts.get(tensor.ggml_type.name, 0) + 1
     quantization = max(type_counts, key=lambda k: type_counts[k]) if type_counts else "none"
     config = _read_config(
-        reader, path, has_output="output.weight" in names, quantization=quantization
+        meta, path, has_output="output.weight" in names, quantization=quantization
     )
-    weights = dict(_iter_weights(reader, path, config, progress))
+    weights = dict(_iter_weights(file, config, progress))
     tokenizer_spec = GGUFTokenizerSpec(
-        model=str(_field(reader, "tokenizer.ggml.model", path)),
-        tokens=list(_field(reader, "tokenizer.ggml.tokens", path)),
-        token_types=list(_field(reader, "tokenizer.ggml.token_type", path, [])),
-        merges=list(_field(reader, "tokenizer.ggml.merges", path, [])),
-        bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", path, None)),
-        eos_token_id=_optional_int(_field(reader, "tokenizer.ggml.eos_token_id", path, None)),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", path, False)),
-        pre=_field(reader, "tokenizer.ggml.pre", path, None),
+        model=str(_field(meta, "tokenizer.ggml.model", path)),
+        tokens=list(_field(meta, "tokenizer.ggml.tokens", path)),
+        token_types=list(_field(meta, "tokenizer.ggml.token_type", path, [])),
+        merges=list(_field(meta, "tokenizer.ggml.merges", path, [])),
+        bos_token_id=_optional_int(_field(meta, "tokenizer.ggml.bos_token_id", path, None)),
+        eos_token_id=_optional_int(_field(meta, "tokenizer.ggml.eos_token_id", path, None)),
+        add_bos_token=bool(_field(meta, "tokenizer.ggml.add_bos_token", path, False)),
+        pre=_field(meta, "tokenizer.ggml.pre", path, None),
     )
-    template = _field(reader, "tokenizer.chat_template", path, None)
+    template = _field(meta, "tokenizer.chat_template", path, None)
     return GGUFContents(
         config=config,
         weights=weights,
