@@ -7,6 +7,7 @@ certificate as files or inline data, bearer tokens); exec credential plugins are
 
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import ssl
@@ -103,8 +104,10 @@ class KubeConfig:
             if entry.get(file_key):
                 return (path.parent / str(entry[file_key])).resolve()
             if entry.get(data_key):
+                # ssl loads certificates only from files; removed when the interpreter exits.
                 with tempfile.NamedTemporaryFile("wb", delete=False, suffix=".pem") as tmp:
                     tmp.write(base64.b64decode(entry[data_key]))
+                atexit.register(Path(tmp.name).unlink, missing_ok=True)
                 return Path(tmp.name)
             return None
 
