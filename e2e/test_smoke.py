@@ -72,7 +72,7 @@ def test_gpu_deployment_lands_on_an_l4_node_and_becomes_ready(
     pod = kube.wait_for("the L4 pod Running and Ready", ready_pod, 60)
     node = kube.get("Node", pod["spec"]["nodeName"])
     assert node["metadata"]["labels"][fleet.PRODUCT_LABEL] == "NVIDIA-L4"
-    assert pod["spec"]["nodeName"] in fake_nodes
+    assert node["metadata"]["annotations"][fleet.KWOK_ANNOTATION] == "fake"  # a KWOK node
     deployment = kube.wait_for(
         "the Deployment to count its ready replica",
         lambda: (
@@ -89,7 +89,7 @@ def test_gpu_deployment_lands_on_an_l4_node_and_becomes_ready(
 def test_more_gpus_than_any_node_stays_pending_with_failed_scheduling(
     kube: KubeClient, namespace: str, fake_nodes: list[str]
 ) -> None:
-    obj = gpu_deployment("too-big", 16, {})
+    obj = gpu_deployment("too-big", 64, {})
     obj["metadata"]["namespace"] = namespace
     kube.create(obj)
 
