@@ -128,6 +128,10 @@ class Tokenizer:
         text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
 
+    def save(self, path: str | Path) -> None:
+        """Write the pipeline as an HF `tokenizer.json` (e.g. to ship it next to safetensors)."""
+        self._backend.save(str(path))
+
     @classmethod
     def from_gguf(cls, spec: GGUFTokenizerSpec, path: str | Path) -> Tokenizer:
         """Rebuild the tokenizer a GGUF file describes; `path` is only used in error messages."""
