@@ -12,7 +12,9 @@ Fairness: every scheduled token advances its tenant's virtual time by `1 / weigh
 waiting request comes from the tenant with the least virtual time (a tenant returning from
 idle starts at the current minimum, so it cannot bank credit). Under the priority policy the
 priority level (lowered by one per `priority_aging_seconds` of waiting, so low priority never
-starves) is compared first.
+starves) is compared first. If that request cannot start because a flooding tenant holds
+the running slots or the blocks, one of the flooder's requests is preempted for it, so a
+flood delays another tenant's first token by about one step, not by a whole generation.
 
 Threading: `add_request` and `abort_request` may be called from any thread; they only queue
 work. Everything else runs on the engine thread, and the queued work is applied at the next
@@ -25,7 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
@@ -134,7 +136,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         copies: dict[str, list[tuple[int, int]]] = {}
-        preempted: list[str] = []
+        preempted = self._preempt_for_fairness(now)
+        out_of_blocks = False
 
         for request in list(self.running):
             if budget == 0:
@@ -148,6 +151,7 @@ class Scheduler:
                 copies.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
+                out_of_blocks = True
                 if victim is request:
                     break
             else:
@@ -155,10 +159,14 @@ class Scheduler:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
 
-        # Admitting while preempting would only thrash: wait for blocks to come back.
-        while (not preempted and budget > 0 and self.waiting
+        # Admitting while short of blocks would only thrash: wait for blocks to come back.
+        # A request preempted in this step is not readmitted in it either.
+        while (not out_of_blocks and budget > 0
                and len(self.running) < self.config.max_num_running):
-            request = self._pick_waiting(now)
+            candidates = [r for r in self.waiting if r.request_id not in preempted]
+            if not candidates:
+                break
+            request = self._pick_waiting(now, candidates)
             computed = (self.kv.get_computed_blocks(request)
                         if request.num_computed_tokens == 0 else [])
             num_new = min(request.num_tokens - len(computed) * self.kv.block_size,
@@ -262,22 +270,64 @@ class Scheduler:
         if tenant not in active:
             self._vtime[tenant] = max(self._vtime.get(tenant, 0.0), floor)
 
-    def _pick_waiting(self, now: float) -> Request:
+    def _preempt_for_fairness(self, now: float) -> list[str]:
+        """Make room for the request next in line when its tenant holds fewer running slots
+        (per weight) than another tenant, and it cannot start because the slots or the KV
+        blocks are all taken: preempt that tenant's newest, least important request.
+
+        Strict inequality after the move, so two tenants never take a slot back and forth;
+        never preempts a request more important than the one it makes room for."""
+        preempted: list[str] = []
+        while self.waiting:
+            candidate = self._pick_waiting(now, self.waiting)
+            computed = (self.kv.get_computed_blocks(candidate)
+                        if candidate.num_computed_tokens == 0 else [])
+            num_new = min(candidate.num_tokens - len(computed) * self.kv.block_size,
+                          self.config.long_prefill_token_threshold)
+            if (len(self.running) < self.config.max_num_running
+                    and self.kv.can_allocate(candidate, num_new, computed)):
+                break
+            victim = self._fairness_victim(candidate)
+            if victim is None:
+                break
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return preempted
+
+    def _fairness_victim(self, candidate: Request) -> Request | None:
+        weight = self.config.tenant_weight
+        counts = Counter(r.tenant for r in self.running)
+        mine = (counts[candidate.tenant] + 1) / weight(candidate.tenant)
+        over = [t for t in counts if t != candidate.tenant and mine < counts[t] / weight(t)]
+        if not over:
+            return None
+        tenant = max(over, key=lambda t: counts[t] / weight(t))
+        victims = [r for r in self.running
+                   if r.tenant == tenant and r.priority >= candidate.priority]
+        if not victims:
+            return None
+        return max(victims, key=lambda r: (r.priority, self._order[r.request_id]))
+
+    def _pick_waiting(self, now: float, candidates: list[Request]) -> Request:
         # Aging lifts a request at most to the best priority waiting: it ends starvation of
         # lower priorities without ranking same-priority requests by age over tenant share.
-        best = min(r.priority for r in self.waiting)
+        best = min(r.priority for r in candidates)
+        # Equal virtual times are common (a tenant arriving next to a flooding one starts
+        # level with it): then the tenant holding fewer running slots per weight goes first.
+        running = Counter(r.tenant for r in self.running)
 
         def key(request: Request) -> tuple[float, ...]:
             order = float(self._order[request.request_id])
             vtime = self._vtime.get(request.tenant, 0.0)
+            share = running[request.tenant] / self.config.tenant_weight(request.tenant)
             if self.config.policy is SchedulingPolicy.PRIORITY:
                 waited = now - request.timings.arrival_time
                 level = max(best, math.floor(request.priority
                                              - waited / self.config.priority_aging_seconds))
-                return (level, vtime, order)
-            return (vtime, order)
+                return (level, vtime, share, order)
+            return (vtime, share, order)
 
-        return min(self.waiting, key=key)
+        return min(candidates, key=key)
 
     def _build_output(self, scheduled: dict[str, int], copies: dict[str, list[tuple[int, int]]],
                       preempted: list[str], finished_ids: tuple[str, ...]) -> SchedulerOutput:

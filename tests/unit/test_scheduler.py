@@ -174,6 +174,43 @@ def test_a_flooding_tenant_does_not_starve_another() -> None:
     assert admitted.index("b1") <= 5, admitted
 
 
+def test_a_tenant_holding_every_slot_yields_one_to_a_newcomer_within_a_step() -> None:
+    scheduler, runner = make_scheduler(max_num_running=4)
+    flood = [make_request(f"a{i}", 8, max_tokens=20, tenant="a") for i in range(8)]
+    for request in flood:
+        scheduler.add_request(request)
+    step(scheduler, runner)
+    step(scheduler, runner)
+    newcomer = make_request("b0", 8, max_tokens=5, tenant="b")
+    scheduler.add_request(newcomer)
+    output = step(scheduler, runner)
+    assert [c.request_id for c in output.chunks if c.start_position == 0] == ["b0"]
+    assert output.preempted_request_ids == ("a3",)  # the flooder's newest running request
+    run_to_completion(scheduler, runner)
+    for request in [*flood, newcomer]:
+        assert request.output_token_ids == expected_output(request.prompt_token_ids,
+                                                           request.sampling_params.max_tokens)
+
+
+def test_tenants_at_their_share_do_not_take_slots_back_and_forth() -> None:
+    scheduler, runner = make_scheduler(max_num_running=4)
+    for i in range(6):
+        scheduler.add_request(make_request(f"a{i}", 8, max_tokens=6, tenant="a"))
+        scheduler.add_request(make_request(f"b{i}", 8, max_tokens=6, tenant="b"))
+    run_to_completion(scheduler, runner)
+    assert scheduler.num_preemptions == 0
+
+
+def test_fairness_never_preempts_a_more_important_request() -> None:
+    scheduler, runner = make_scheduler(max_num_running=2, policy="priority")
+    for i in range(2):
+        scheduler.add_request(make_request(f"a{i}", 8, max_tokens=6, tenant="a", priority=0))
+    step(scheduler, runner)
+    scheduler.add_request(make_request("b0", 8, max_tokens=6, tenant="b", priority=5))
+    output = step(scheduler, runner)
+    assert output.preempted_request_ids == () and scheduler.waiting[0].request_id == "b0"
+
+
 def test_tenant_weights_split_admissions_by_share() -> None:
     scheduler, runner = make_scheduler(max_num_running=1, tenant_weights={"gold": 3.0})
     for i in range(12):
