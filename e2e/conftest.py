@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ from kvfleet.devcluster.prometheus import PrometheusClient
 Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
-def _unavailable(reason: str) -> None:
+def _unavailable(reason: str) -> NoReturn:
     if os.environ.get("KVFLEET_E2E_REQUIRED") == "1":
         pytest.fail(f"e2e prerequisites missing although KVFLEET_E2E_REQUIRED=1: {reason}")
     pytest.skip(reason)
@@ -74,7 +75,6 @@ def kubectl_path(cluster: DevCluster | ExistingCluster) -> str:
         found = shutil.which("kubectl")
         if found is None:
             _unavailable("kubectl is neither built (e2e/tools/build.sh) nor on PATH")
-        assert found is not None
         return found
 
 
@@ -103,7 +103,6 @@ def helm(
         found = shutil.which("helm")
         if found is None:
             _unavailable("helm is neither built (e2e/tools/build.sh) nor on PATH")
-        assert found is not None
         path = found
     home = tmp_path_factory.mktemp("helm-home")  # keep helm's cache/config out of $HOME
     env = {
