@@ -22,8 +22,8 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
