@@ -169,14 +169,22 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(requests), desc="generating", unit="req",
                   disable=not use_tqdm) as bar:
-            while self.core.has_unfinished_requests():
-                for request in self.core.step():
-                    if request.sampling_params.stop and not request.is_finished:
-                        self._check_stop_strings(request, texts)
+            try:
+                while self.core.has_unfinished_requests():
+                    for request in self.core.step():
+                        if request.sampling_params.stop and not request.is_finished:
+                            self._check_stop_strings(request, texts)
+                    for request in requests:
+                        if request.is_finished and request.request_id not in done:
+                            done[request.request_id] = self._output(request)
+                            bar.update(1)
+            except BaseException:
+                # A failed step or Ctrl-C: end our requests so the engine stays usable. The
+                # boundary step only frees blocks; it runs no model.
                 for request in requests:
-                    if request.is_finished and request.request_id not in done:
-                        done[request.request_id] = self._output(request)
-                        bar.update(1)
+                    self.core.abort_request(request.request_id, FinishReason.ERROR)
+                self.core.scheduler.schedule()
+                raise
         return [done[r.request_id] for r in requests]
 
     def _check_stop_strings(self, request: Request, texts: dict[str, str]) -> None:

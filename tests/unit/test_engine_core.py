@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_fakes import EOS_TOKEN_ID, FakeRunner, FakeTokenizer, make_request, next_token
 
 from kvfleet.engine.config import CacheConfig, SchedulerConfig
@@ -12,6 +13,7 @@ from kvfleet.engine.llm import LLM
 from kvfleet.engine.request import FinishReason, SamplingParams
 from kvfleet.engine.sampler import Sampler
 from kvfleet.engine.scheduler import Scheduler
+from kvfleet.engine.scheduler_output import SchedulerOutput
 
 
 def make_core(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 256,
@@ -122,3 +124,26 @@ def test_token_id_prompts() -> None:
     (output,) = make_llm().generate(prompt_token_ids=[[7, 8, 9]], sampling_params=greedy(1),
                                     use_tqdm=False)
     assert output.token_ids == (next_token([7, 8, 9]),) and output.prompt is None
+
+
+def test_a_failing_step_frees_everything_and_the_engine_stays_usable() -> None:
+    llm = make_llm()
+    runner = llm.core.runner
+    assert isinstance(runner, FakeRunner)
+    real_execute = runner.execute
+    calls = 0
+
+    def flaky(output: SchedulerOutput) -> dict[str, torch.Tensor]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("device lost")
+        return real_execute(output)
+
+    runner.execute = flaky  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(["abc", "def"], greedy(5), use_tqdm=False)
+    assert not llm.core.has_unfinished_requests()
+    assert llm.stats().kv_cache_usage == 0.0
+    (output,) = llm.generate("abc", greedy(2), use_tqdm=False)
+    assert output.finish_reason == "length"
