@@ -4,16 +4,20 @@ pod status, $(VAR) expansion, pod IP blocks, kubeconfig parsing, Prometheus rela
 from __future__ import annotations
 
 import base64
+import os
 import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from kvfleet.devcluster import fleet, toolchain
+from kvfleet.devcluster.cluster import OWNER_FILE, WORKDIR_PREFIX, remove_orphaned_workdirs
 from kvfleet.devcluster.errors import DevClusterError, ToolsMissingError
 from kvfleet.devcluster.kube import KubeConfig
 from kvfleet.devcluster.pki import create_pki, kubeconfig_yaml
-from kvfleet.devcluster.podrunner import IpPool
+from kvfleet.devcluster.podrunner import IpPool, container_exit_code
 from kvfleet.devcluster.podstate import Container, LocalPod, expand, pod_status
 from kvfleet.devcluster.prometheus import build_config
 
@@ -137,3 +141,23 @@ def test_prometheus_keeps_only_annotated_loopback_pods(tmp_path: Path) -> None:
     keeps = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
     assert [r["regex"] for r in keeps] == ["true", r"127\..*"]
     assert job["kubernetes_sd_configs"][0]["role"] == "pod"
+
+
+def test_exit_codes_follow_container_runtimes() -> None:
+    assert container_exit_code(-15) == 143
+    assert container_exit_code(3) == 3
+    assert container_exit_code(None) is None
+
+
+def test_orphaned_work_dirs_are_removed_and_live_ones_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name, pid in (("orphan", dead.pid), ("live", os.getpid())):
+        folder = tmp_path / f"{WORKDIR_PREFIX}{name}"
+        folder.mkdir()
+        (folder / OWNER_FILE).write_text(str(pid))
+    remove_orphaned_workdirs()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{WORKDIR_PREFIX}live"]
