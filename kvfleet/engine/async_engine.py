@@ -397,22 +397,45 @@ class AsyncEngine:
                     return
                 commands, self._commands = self._commands, _Commands()
             batch: list[tuple[RequestStream, StreamEvent | BaseException | None]] = []
-            self._apply(commands, batch)
-            self._expire_deadlines()
             try:
-                if self._tracked or self._needs_step or self.core.has_unfinished_requests():
-                    self._needs_step = False
-                    self.core.step()
-            except Exception:  # a failing step must not kill the server: fail its requests
-                logger.exception("engine step failed; failing %d requests", len(self._tracked))
-                for tracked in self._tracked.values():
-                    tracked.forced_reason = tracked.forced_reason or "error"
-                    self.core.abort_request(tracked.request.request_id, FinishReason.ERROR)
-                self._needs_step = True
-            self._collect(batch)
-            self.metrics.observe_stats(self.core.stats())
+                self._iterate(commands, batch)
+            except Exception:  # never let the engine thread die with requests waiting on it
+                logger.exception("engine loop failed; ending %d requests with finish_reason "
+                                 "error", len(self._tracked))
+                self._fail_all(batch)
             if batch and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _iterate(self, commands: _Commands,
+                 batch: list[tuple[RequestStream, StreamEvent | BaseException | None]]) -> None:
+        self._apply(commands, batch)
+        self._expire_deadlines()
+        try:
+            if self._tracked or self._needs_step or self.core.has_unfinished_requests():
+                self._needs_step = False
+                self.core.step()
+        except Exception:  # a failing step must not kill the server: fail its requests
+            logger.exception("engine step failed; failing %d requests", len(self._tracked))
+            for tracked in self._tracked.values():
+                tracked.forced_reason = tracked.forced_reason or "error"
+                self.core.abort_request(tracked.request.request_id, FinishReason.ERROR)
+            self._needs_step = True
+        self._collect(batch)
+        self.metrics.observe_stats(self.core.stats())
+
+    def _fail_all(self, batch: list[tuple[RequestStream, StreamEvent | BaseException | None]]
+                  ) -> None:
+        for tracked in self._tracked.values():
+            batch.append((tracked.stream, StreamEvent(
+                seq=tracked.seq, text="", num_new_tokens=0, finish_reason="error",
+                num_prompt_tokens=tracked.request.num_prompt_tokens,
+                num_output_tokens=tracked.num_sent_tokens)))
+            try:
+                self.core.abort_request(tracked.request.request_id, FinishReason.ERROR)
+            except Exception:  # the core is already broken; the request is ended for clients
+                logger.exception("abort of %s failed", tracked.request.request_id)
+        self._tracked.clear()
+        self._needs_step = True
 
     def _apply(self, commands: _Commands,
                batch: list[tuple[RequestStream, StreamEvent | BaseException | None]]) -> None:

@@ -77,11 +77,15 @@ async def run_server(load: Callable[[], LoadedEngine], options: RuntimeOptions) 
 
     async def drain() -> None:
         lifecycle.advance(LifecycleState.DRAINING)
-        if serving.engine is not None:
-            cancelled = await serving.engine.drain(options.grace_seconds)
-            logger.info("drained; %d requests cancelled after the grace period", cancelled,
-                        extra={"fields": {"event": "drain_done", "cancelled": cancelled}})
-        server.should_exit = True
+        try:
+            if serving.engine is not None:
+                cancelled = await serving.engine.drain(options.grace_seconds)
+                logger.info("drained; %d requests cancelled after the grace period", cancelled,
+                            extra={"fields": {"event": "drain_done", "cancelled": cancelled}})
+        except Exception:  # the process must still exit; uvicorn's own timeout is the backstop
+            logger.exception("drain failed")
+        finally:
+            server.should_exit = True
 
     server = _DrainingServer(config, lambda: loop.call_soon_threadsafe(
         lambda: loop.create_task(drain())))

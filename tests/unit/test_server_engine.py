@@ -229,3 +229,28 @@ def test_idempotency_cache_expires_finished_entries_and_bounds_its_size() -> Non
     for key in "xyz":
         cache.put("t", key, "f", key)
     assert len(cache) == 2 and cache.get("t", "x", "f") is None
+
+
+@pytest.mark.asyncio
+async def test_a_bug_outside_the_step_ends_requests_with_error_instead_of_hanging() -> None:
+    core = FakeCore(step_seconds=0.005)
+    engine, _ = await started(core)
+    try:
+        stream = await engine.submit(spec())
+        await wait_events(stream, 1)
+        original = core.stats
+        calls = iter(range(1_000_000))
+
+        def broken_once() -> object:
+            if next(calls) == 0:
+                raise RuntimeError("injected bug in the stats snapshot")
+            return original()
+
+        core.stats = broken_once  # type: ignore[method-assign,assignment]
+        events = await asyncio.wait_for(stream.result(), 5)
+        assert events[-1].finish_reason == "error"
+        after = await engine.submit(spec(max_tokens=3))
+        assert (await asyncio.wait_for(after.result(), 5))[-1].finish_reason == "length"
+        assert core.blocks_in_use() == 0
+    finally:
+        await engine.stop()

@@ -73,7 +73,9 @@ def test_loading_ready_then_sigterm_drains_and_exits_zero() -> None:
 
             def stream(name: str, max_tokens: int) -> None:
                 body = {"prompt": "abc", "max_tokens": max_tokens, "stream": True}
-                with client.stream("POST", "/v1/completions", json=body) as r:
+                # One client per thread: httpx clients are not shared across threads.
+                with httpx.Client(base_url=base, timeout=10) as own, \
+                        own.stream("POST", "/v1/completions", json=body) as r:
                     results[name] = [json.loads(line[6:]) for line in r.iter_lines()
                                      if line.startswith("data: {")]
 
@@ -81,7 +83,12 @@ def test_loading_ready_then_sigterm_drains_and_exits_zero() -> None:
                        threading.Thread(target=stream, args=("long", 1000 // 5))]
             for t in threads:
                 t.start()
-            time.sleep(0.1)
+            for _ in range(500):  # both requests admitted before the signal
+                metrics = client.get("/metrics").text
+                if 'kvfleet_engine_requests_running{model="fake-model",' \
+                   'revision="sha256:fake"} 2.0' in metrics:
+                    break
+                time.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.05)
             assert client.get("/ready").status_code == 503
@@ -96,6 +103,11 @@ def test_loading_ready_then_sigterm_drains_and_exits_zero() -> None:
         events = [line.get("event") for line in logs]
         assert "drain_start" in events and "drain_done" in events
         assert sum(1 for line in logs if line.get("event") == "request_finished") == 3
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        print("server stderr:\n" + (proc.stderr.read() if proc.stderr else ""))
+        raise
     finally:
         if proc.poll() is None:
             proc.kill()
