@@ -21,6 +21,7 @@ subprocess. Measured per N, side by side:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -41,12 +42,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvfleet.api.builders import make_artifact, make_pool  # noqa: E402
+from kvfleet.devcluster import cluster as devcluster_module  # noqa: E402
 from kvfleet.devcluster import fleet  # noqa: E402
 from kvfleet.devcluster.cluster import ClusterOptions, DevCluster  # noqa: E402
 from kvfleet.devcluster.kube import KubeClient  # noqa: E402
 from kvfleet.operator.kube import path_of  # noqa: E402
 
 NAMESPACE = "bench"
+# Every pool has a ClusterIP Service; the harness's /24 service range holds only 254 of them,
+# so the benchmark's clusters get a /16 (an allocation range only: no traffic goes there).
+BENCH_SERVICE_CIDR = "10.0.0.0/16"
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the parent dies, so a killed run leaves no operator behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -150,6 +160,7 @@ def run_one(num_pools: int, nodes_per_pool: int, drift_s: float, timeout_s: floa
              "--drift-interval", str(drift_s)],
             env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(ROOT)},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )  # fmt: skip
         peak_rss = [0]
         cpu_s = [0.0]
@@ -274,6 +285,9 @@ def _apply_crds(kube: KubeClient) -> None:
 
 
 def main() -> int:
+    # A SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the cluster and operator stop.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    devcluster_module.SERVICE_CIDR = BENCH_SERVICE_CIDR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pools", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--nodes-per-pool", type=int, default=2)

@@ -9,6 +9,7 @@ adds are deleted by that test.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -49,6 +50,11 @@ def _free_port() -> int:
         return port
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the parent dies, so a killed run leaves no operator behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 class OperatorProcess:
     """`kvfleet operator` as a child process; `restart()` is a real process restart."""
 
@@ -69,6 +75,7 @@ class OperatorProcess:
              "--drift-interval", "3", "--verbose"],
             env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONPATH": str(ROOT)},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )  # fmt: skip
         log.close()
 

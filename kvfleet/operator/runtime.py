@@ -25,7 +25,13 @@ from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.coalesce import Coalescer
 from kvfleet.operator.kube import JsonObj, KubeApi, KubeError
 from kvfleet.operator.modelartifact import reconcile_artifact
-from kvfleet.operator.servingpool import Event, Observed, deployment_ready, reconcile
+from kvfleet.operator.servingpool import (
+    Event,
+    Observed,
+    deployment_ready,
+    reconcile,
+    with_apply_failure,
+)
 
 log = logging.getLogger("kvfleet.operator")
 Key = tuple[str, str]  # (namespace, name)
@@ -130,9 +136,17 @@ class Runtime:
         )
         # The objects are independent (a pod waits for its ConfigMap), so the writes go out
         # together: one round trip of latency instead of one per object.
-        await asyncio.gather(*(self.api.apply(obj) for obj in plan.apply))
-        for obj in plan.apply:
-            metrics.OBJECTS_APPLIED.labels(kind=obj["kind"]).inc()
+        outcomes = await asyncio.gather(
+            *(self.api.apply(obj) for obj in plan.apply), return_exceptions=True
+        )
+        failures: list[tuple[str, KubeError]] = []
+        for obj, outcome in zip(plan.apply, outcomes, strict=True):
+            if isinstance(outcome, KubeError) and not outcome.gone:
+                failures.append((f"{obj['kind']} {obj['metadata']['name']}", outcome))
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                metrics.OBJECTS_APPLIED.labels(kind=obj["kind"]).inc()
         await asyncio.gather(
             *(
                 self.api.delete(
@@ -141,10 +155,19 @@ class Runtime:
                 for obj in plan.delete
             )
         )
+        status, events = plan.status, list(plan.events)
+        if failures:
+            # The pool says what the apiserver refused (e.g. a full Service IP range) instead
+            # of keeping a status that hides it; the error also makes kopf retry.
+            message = "; ".join(f"{what}: {exc}" for what, exc in failures)
+            status = with_apply_failure(status, message, now=_now())
+            events.append(Event("Warning", "ApplyFailed", message))
         await asyncio.gather(
-            self._write_status("ServingPool", raw, plan.status),
-            *(self._post_event(raw, event) for event in plan.events),
+            self._write_status("ServingPool", raw, status),
+            *(self._post_event(raw, event) for event in events),
         )
+        if failures:
+            raise failures[0][1]
 
     # -- ModelArtifact --------------------------------------------------------------------
 

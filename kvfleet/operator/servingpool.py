@@ -306,3 +306,16 @@ def reconcile(
     if generation is not None:
         status["observedGeneration"] = generation
     return Plan(apply=tuple(apply), delete=tuple(delete), status=status, events=tuple(events))
+
+
+def with_apply_failure(status: dict[str, Any], message: str, *, now: datetime) -> dict[str, Any]:
+    """`status` with Degraded=True, reason ApplyFailed: the apiserver refused an owned object."""
+    conditions = merge_conditions(
+        status.get("conditions", []),
+        [Cond("Degraded", True, "ApplyFailed", message)],
+        status.get("observedGeneration"),
+        now,
+    )
+    order = {c["type"]: i for i, c in enumerate(status.get("conditions", []))}
+    conditions.sort(key=lambda c: order.get(c["type"], len(order)))
+    return {**status, "conditions": conditions}

@@ -219,3 +219,21 @@ def test_revision_label_matches_the_manifest_hash() -> None:
     p, a = pool(), artifact()
     deployment = next(o for o in _run(p, a, Observed()).apply if o["kind"] == "Deployment")
     assert deployment["metadata"]["labels"][naming.REVISION_LABEL] == manifest_hash(a.spec)[:12]
+
+
+def test_a_refused_object_shows_as_degraded_apply_failed() -> None:
+    from kvfleet.operator.servingpool import with_apply_failure
+
+    plan = _run(pool(), artifact(), Observed())
+    refused = "Service chat: HTTP 500: failed to allocate a serviceIP: range is full"
+    status = with_apply_failure(plan.status, refused, now=NOW)
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == (
+        "True",
+        "ApplyFailed",
+        refused,
+    )
+    assert [c["type"] for c in status["conditions"]] == [
+        c["type"] for c in plan.status["conditions"]
+    ]
+    ServingPool.model_validate({**pool().to_wire(), "status": status})
