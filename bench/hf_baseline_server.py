@@ -27,7 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from kvfleet.engine.model.loader import default_model_path
@@ -47,6 +47,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     num_out: int = 0
+    cancelled: bool = False  # the client went away: skip it, or stop its batch early
 
     def emit(self, token: int | None) -> None:
         self.loop.call_soon_threadsafe(self.tokens.put_nowait, token)
@@ -78,6 +79,14 @@ class _Fanout(BaseStreamer):
                 job.emit(None)
 
 
+class _AllCancelled(StoppingCriteria):
+    def __init__(self, jobs: list[Job]) -> None:
+        self.jobs = jobs
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> bool:
+        return all(job.cancelled for job in self.jobs)
+
+
 def worker(model: Any, jobs: queue.Queue[Job], mode: str, batch_size: int,
            batch_wait: float) -> None:
     torch.set_grad_enabled(False)
@@ -90,6 +99,9 @@ def worker(model: Any, jobs: queue.Queue[Job], mode: str, batch_size: int,
                     batch.append(jobs.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
+        batch = [job for job in batch if not job.cancelled]
+        if not batch:
+            continue
         width = max(len(j.prompt) for j in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -99,7 +111,8 @@ def worker(model: Any, jobs: queue.Queue[Job], mode: str, batch_size: int,
         longest = max(j.max_tokens for j in batch)
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
                        min_new_tokens=longest, do_sample=False, pad_token_id=0,
-                       streamer=_Fanout(batch))
+                       streamer=_Fanout(batch),
+                       stopping_criteria=StoppingCriteriaList([_AllCancelled(batch)]))
 
 
 def build_app(model: Any, mode: str, batch_size: int, batch_wait: float) -> FastAPI:
@@ -119,14 +132,18 @@ def build_app(model: Any, mode: str, batch_size: int, batch_wait: float) -> Fast
 
         async def events() -> AsyncIterator[str]:
             seq = 0
-            while (token := await job.tokens.get()) is not None:
-                chunk = {"seq": seq, "choices": [{"text": f"<{token}>", "finish_reason": None}]}
-                seq += 1
-                yield f"data: {json.dumps(chunk)}\n\n"
-            final = {"seq": seq, "choices": [{"text": "", "finish_reason": "length"}],
-                     "usage": {"prompt_tokens": len(job.prompt),
-                               "completion_tokens": job.num_out}}
-            yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n"
+            try:
+                while (token := await job.tokens.get()) is not None:
+                    chunk = {"seq": seq,
+                             "choices": [{"text": f"<{token}>", "finish_reason": None}]}
+                    seq += 1
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                final = {"seq": seq, "choices": [{"text": "", "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": len(job.prompt),
+                                   "completion_tokens": job.num_out}}
+                yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n"
+            finally:
+                job.cancelled = job.num_out < job.max_tokens
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -169,13 +169,18 @@ def percentiles(values: Sequence[float]) -> dict[str, float]:
 def summarize(results: list[Result], duration: float, args: argparse.Namespace
               ) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
-    good = [r for r in ok if r.ttft <= args.slo_ttft
-            and (math.isnan(r.tpot) or r.tpot <= args.slo_tpot)]
-    return {
+
+    def goodput(slo_ttft: float, slo_tpot: float) -> float:
+        good = [r for r in ok if r.ttft <= slo_ttft
+                and (math.isnan(r.tpot) or r.tpot <= slo_tpot)]
+        return len(good) / duration
+
+    extra = {f"goodput_at_{t}s_{p}s": goodput(t, p) for t, p in args.extra_slo}
+    return {**extra,
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_throughput": sum(r.output_tokens for r in ok) / duration,
-        "goodput": len(good) / duration,
+        "goodput": goodput(args.slo_ttft, args.slo_tpot),
         "ttft": percentiles([r.ttft for r in ok]), "tpot": percentiles([r.tpot for r in ok]),
         "itl": percentiles([x for r in ok for x in r.itls]),
         "e2e": percentiles([r.e2e for r in ok]),
@@ -194,13 +199,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(argv: list[str], name: str) -> Iterator[str]:
+def server(argv: list[str], name: str, threads: int) -> Iterator[str]:
     port = free_port()
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - kept for the reader after exit
         prefix=f"serve-bench-{name}-", suffix=".log", delete=False)
+    # Same torch thread count for both servers (OMP_NUM_THREADS): on a shared or small CPU,
+    # OpenMP spin-waiting across more threads than free cores makes every step erratic.
     proc = subprocess.Popen([sys.executable, *argv, "--port", str(port)], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT),
+                                 "OMP_NUM_THREADS": str(threads)})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -252,7 +260,7 @@ def run_mixed(args: argparse.Namespace) -> dict[str, Any]:
                                      args.baseline_mode, "--batch-size",
                                      str(args.baseline_batch_size)]))
     for name, argv in targets:
-        with server(argv, name) as url:
+        with server(argv, name, args.threads) as url:
             for rate in args.rates:
                 jobs = mixed_workload(args.num_requests, rate, args)
                 results, duration = asyncio.run(run_jobs(url, jobs, grace_s=args.grace))
@@ -268,7 +276,7 @@ def run_shared_prefix(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for name, flag in (("cache_on", "--enable-prefix-caching"),
                        ("cache_off", "--no-enable-prefix-caching")):
-        with server(kvfleet_argv(args, flag), f"kvfleet-{name}") as url:
+        with server(kvfleet_argv(args, flag), f"kvfleet-{name}", args.threads) as url:
             results, duration = asyncio.run(run_jobs(url, jobs, sequential=True))
             report[name] = summarize(results, duration, args)
             print(f"[shared-prefix {name}] {fmt(report[name])}", flush=True)
@@ -333,6 +341,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "abandoned (counted as failed)")
     p.add_argument("--slo-ttft", type=float, default=1.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--extra-slo", type=lambda v: [tuple(float(x) for x in pair.split(","))
+                                                  for pair in v.split(";")], default=[],
+                   help="also report goodput at these SLOs: 'TTFT,TPOT;TTFT,TPOT' (seconds)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--baseline-mode", choices=["static", "sequential"], default="static")
     p.add_argument("--baseline-batch-size", type=int, default=8)
@@ -341,6 +352,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-prompt-len", type=int, default=1024)
     p.add_argument("--prefix-shared", type=float, default=0.9)
     p.add_argument("--skip-prefix", action="store_true")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of each server (OMP_NUM_THREADS)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_bench")
     return p.parse_args(argv)
 
@@ -362,6 +375,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"goodput at {rate} req/s: kvfleet {k:.2f} baseline {b:.2f} "
                   f"ratio {k / b if b else math.inf:.2f}")
         print(f"GOODPUT RATIO (best over rates) kvfleet/baseline = {ratio:.2f} (target >= 4)")
+        for slo_ttft, slo_tpot in args.extra_slo:
+            key = f"goodput_at_{slo_ttft}s_{slo_tpot}s"
+            k, b = (max(s[key] for s in report["mixed"][n].values())
+                    for n in ("kvfleet", "baseline"))
+            report[f"goodput_ratio_at_{slo_ttft}s_{slo_tpot}s"] = k / b if b else math.inf
+            print(f"goodput at TTFT<={slo_ttft}s TPOT<={slo_tpot}s (best over rates): "
+                  f"kvfleet {k:.3f} baseline {b:.3f} ratio {k / b if b else math.inf:.2f}")
     if not args.skip_prefix:
         report["shared_prefix"] = run_shared_prefix(args)
         print(f"SHARED-PREFIX TTFT p50 cache on / off = "
