@@ -306,11 +306,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     cdf.set_ylabel("fraction of requests")
     cdf.set_title(f"latency CDF at {top} req/s")
     cdf.legend()
+    extra = [key for key in mixed["kvfleet"][top] if key.startswith("goodput_at_")]
     for name, style in (("kvfleet", "o-"), ("baseline", "s--")):
         rates = sorted(mixed.get(name, {}), key=float)
-        if rates:
-            good.plot([float(r) for r in rates], [mixed[name][r]["goodput"] for r in rates],
-                      style, label=name)
+        for key in ["goodput", *extra]:
+            if rates:
+                label = name if key == "goodput" else f"{name} {key[len('goodput_at_'):]}"
+                good.plot([float(r) for r in rates], [mixed[name][r][key] for r in rates],
+                          style, label=label, alpha=1.0 if key == "goodput" else 0.6)
     good.set_xlabel("offered request rate (req/s)")
     good.set_ylabel("goodput (req/s meeting the SLO)")
     good.set_title(f"goodput at TTFT<= {report['slo']['ttft']}s, "
