@@ -357,7 +357,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-prefix", action="store_true")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of each server (OMP_NUM_THREADS)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_bench")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "serve_bench")
     return p.parse_args(argv)
 
 
