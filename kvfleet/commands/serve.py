@@ -11,7 +11,7 @@ import asyncio
 import logging
 from typing import Any
 
-from kvfleet.engine.async_engine import AdmissionLimits
+from kvfleet.engine.admission import AdmissionLimits
 from kvfleet.engine.config import MIB, SchedulingPolicy
 from kvfleet.engine.request_log import configure_json_logging
 from kvfleet.engine.runtime import RuntimeOptions, run_server

@@ -10,15 +10,7 @@ A `RequestStream` keeps every event it ever published (a few per token, bounded 
 max_tokens), so any number of readers can follow it from the start: the HTTP response, and a
 retry that carries the same idempotency key and replays the same sequence numbers.
 
-Serving errors (the HTTP layer maps each `code` to a status):
-
-    ServingError                         .code is stable, .param names the field if any
-    ├── ContextLengthError               prompt + max_tokens beyond the model's context
-    ├── KVCapacityError                  the request could never fit the KV pool
-    ├── QueueFullError                   too many requests in flight (retry later)
-    ├── TenantConcurrencyError           the tenant has too many requests in flight
-    ├── NotAcceptingError                starting up or draining
-    └── IdempotencyConflictError         key reused with a different body
+Admission (what is refused before queueing, and why) lives in `admission`.
 """
 
 from __future__ import annotations
@@ -31,7 +23,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvfleet.engine.errors import KvfleetEngineError
+from kvfleet.engine.admission import (
+    AdmissionLimits,
+    IdempotencyConflictError,
+    ServedModel,
+    check_admission,
+)
 from kvfleet.engine.idempotency import IdempotencyCache, IdempotencyConflict
 from kvfleet.engine.metrics import EngineMetrics, EngineStats, FinishedRequestTimings
 from kvfleet.engine.request import FinishReason, Request, SamplingParams
@@ -54,59 +51,6 @@ class EngineCoreProtocol(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
-
-
-class ServingError(KvfleetEngineError):
-    code = "invalid_request_error"
-
-    def __init__(self, message: str, param: str | None = None,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.retry_after = retry_after
-
-
-class ContextLengthError(ServingError):
-    code = "context_length_exceeded"
-
-
-class KVCapacityError(ServingError):
-    code = "kv_capacity_exceeded"
-
-
-class QueueFullError(ServingError):
-    code = "queue_full"
-
-
-class TenantConcurrencyError(ServingError):
-    code = "tenant_concurrency_exceeded"
-
-
-class NotAcceptingError(ServingError):
-    code = "not_ready"
-
-
-class IdempotencyConflictError(ServingError):
-    code = "idempotency_key_reused"
-
-
-@dataclass(frozen=True, slots=True)
-class ServedModel:
-    """What the server says about the model and what admission checks against."""
-
-    name: str
-    revision: str
-    max_context: int
-    block_size: int
-    num_kv_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionLimits:
-    max_in_flight: int = 512  # admitted, unfinished requests (running + waiting)
-    max_in_flight_per_tenant: int = 256
-    retry_after_seconds: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,37 +243,10 @@ class AsyncEngine:
         return stream
 
     def _admit(self, spec: GenerationSpec) -> None:
-        if not self.accepting:
-            raise NotAcceptingError("the engine is not accepting requests (starting or "
-                                    "draining); retry on another replica",
-                                    retry_after=self.limits.retry_after_seconds)
-        num_prompt = len(spec.prompt_token_ids)
-        max_tokens = spec.sampling.max_tokens
-        if num_prompt >= self.model.max_context:
-            raise ContextLengthError(
-                f"the prompt has {num_prompt} tokens; this model's context is "
-                f"{self.model.max_context} tokens and at least one must be left to generate. "
-                "Shorten the prompt", "prompt")
-        if num_prompt + max_tokens > self.model.max_context:
-            raise ContextLengthError(
-                f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
-                f"model's context of {self.model.max_context} tokens; set max_tokens <= "
-                f"{self.model.max_context - num_prompt}", "max_tokens")
-        kv_tokens = self.model.num_kv_blocks * self.model.block_size
-        if num_prompt + max_tokens > kv_tokens:
-            raise KVCapacityError(
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs more "
-                f"KV cache than this engine has in total ({kv_tokens} tokens), so it could "
-                "never run; lower max_tokens or send it to a larger pool", "max_tokens")
-        if len(self._in_flight) >= self.limits.max_in_flight:
-            raise QueueFullError(f"the engine queue is full ({self.limits.max_in_flight} "
-                                 "requests in flight); retry after the delay given",
-                                 retry_after=self.limits.retry_after_seconds)
-        if self._per_tenant.get(spec.tenant, 0) >= self.limits.max_in_flight_per_tenant:
-            raise TenantConcurrencyError(
-                f"tenant {spec.tenant!r} already has {self.limits.max_in_flight_per_tenant} "
-                "requests in flight, its limit on this engine; retry after the delay given",
-                retry_after=self.limits.retry_after_seconds)
+        check_admission(len(spec.prompt_token_ids), spec.sampling.max_tokens, spec.tenant,
+                        self.model, self.limits, accepting=self.accepting,
+                        num_in_flight=len(self._in_flight),
+                        num_tenant_in_flight=self._per_tenant.get(spec.tenant, 0))
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         """End a request at the next step boundary; harmless if it already finished."""

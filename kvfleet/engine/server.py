@@ -24,13 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvfleet.engine.async_engine import (
-    AsyncEngine,
-    GenerationSpec,
-    RequestStream,
-    ServingError,
-    StreamEvent,
-)
+from kvfleet.engine.admission import ServingError
+from kvfleet.engine.async_engine import AsyncEngine, GenerationSpec, RequestStream, StreamEvent
 from kvfleet.engine.chat_template import ChatTemplate
 from kvfleet.engine.errors import InvalidRequestError
 from kvfleet.engine.idempotency import fingerprint

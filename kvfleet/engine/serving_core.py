@@ -10,7 +10,8 @@ import argparse
 import logging
 from collections.abc import Callable
 
-from kvfleet.engine.async_engine import AdmissionLimits, AsyncEngine, ServedModel
+from kvfleet.engine.admission import AdmissionLimits, ServedModel
+from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import MIB, CacheConfig, SchedulerConfig
 from kvfleet.engine.engine import build_engine_core
 from kvfleet.engine.metrics import EngineMetrics

@@ -19,12 +19,10 @@ from engine_server import EngineServer, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-CANCELLED = 'kvfleet_engine_requests_total'
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[EngineServer]:
-    with running_server("--num-kv-blocks", "256", "--max-in-flight-per-tenant", "3") as s:
+    with running_server("--num-kv-blocks", "256", "--max-in-flight-per-tenant", "3",
+                        "--shared-prefix-tenants", "team-a,team-b") as s:
         yield s
 
 
@@ -183,3 +181,19 @@ def test_admission_errors(server: EngineServer) -> None:
         for t in holders:
             t.join(30)
     assert server.wait_idle()["kvfleet_engine_kv_cache_usage_ratio"] == 0
+
+
+def test_prefix_cache_is_scoped_per_tenant_unless_shared(server: EngineServer) -> None:
+    prompt = "You are a support bot for ACME. " * 12 + "Question: how do I reset it?"
+
+    def cached(tenant: str) -> int:
+        r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                       headers={"x-kvfleet-tenant": tenant},
+                       json={"prompt": prompt, "max_tokens": 1})
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached("acme") == 0
+    assert cached("acme") > 0  # same tenant: the prefix is reused
+    assert cached("globex") == 0  # another tenant never hits acme's blocks
+    assert cached("team-a") == 0
+    assert cached("team-b") > 0  # named tenants share one scope (--shared-prefix-tenants)

@@ -15,7 +15,8 @@ import time
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from kvfleet.engine.async_engine import AdmissionLimits, AsyncEngine, ServedModel
+from kvfleet.engine.admission import AdmissionLimits, ServedModel
+from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.chat_template import ChatTemplate
 from kvfleet.engine.errors import InvalidRequestError
 from kvfleet.engine.metrics import EngineMetrics, EngineStats

@@ -16,7 +16,8 @@ import pytest
 import pytest_asyncio
 from server_fakes import FakeCore, chat_template, make_engine
 
-from kvfleet.engine.async_engine import AdmissionLimits, AsyncEngine
+from kvfleet.engine.admission import AdmissionLimits
+from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.lifecycle import Lifecycle, warm_up
 from kvfleet.engine.server import ServerSettings, Serving, create_app
 
