@@ -185,6 +185,7 @@ def summarize(results: list[Result], duration: float, args: argparse.Namespace
         "itl": percentiles([x for r in ok for x in r.itls]),
         "e2e": percentiles([r.e2e for r in ok]),
         "raw_ttft": [r.ttft for r in ok], "raw_e2e": [r.e2e for r in ok],
+        "raw_tpot": [r.tpot for r in ok],
     }
 
 
