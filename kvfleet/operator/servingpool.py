@@ -172,23 +172,28 @@ def reconcile(
     target: dict[str, Any] | None = None
     if blocker is None and not managed_by_rollout:
         assert artifact is not None and revision is not None and plan is not None  # by _blocker
+        created: list[str] = []
         for desired in _desired(pool, artifact, revision, plan, options):
             current = _observed_for(desired, observed)
             name = f"{desired['kind']} {desired['metadata']['name']}"
             if current is None:
                 apply.append(desired)
-                events.append(
-                    Event(
-                        "Normal",
-                        "Created",
-                        f"{name} for revision {naming.short_revision(revision)}",
-                    )
-                )
+                created.append(name)
             elif (where := has_drifted(desired, current)) is not None:
                 apply.append(desired)
                 events.append(Event("Normal", "Restored", f"{name} drifted at {where}; restored"))
             if desired["kind"] == "Deployment":
                 target = current
+        if created:
+            # One event for the lot: events are apiserver writes too.
+            events.insert(
+                0,
+                Event(
+                    "Normal",
+                    "Created",
+                    f"{', '.join(created)} for revision {naming.short_revision(revision)}",
+                ),
+            )
 
     # Old revisions go only once the new one serves every replica.
     delete: list[dict[str, Any]] = []

@@ -57,7 +57,8 @@ def test_new_pool_creates_its_objects_and_is_progressing() -> None:
     assert (capacity["status"], capacity["reason"]) == ("True", "Fits")
     # Qwen3-8B on a 24 GiB L4 with 3 GiB held back: 5 concurrent 8,192-token sequences.
     assert plan.status["capacity"] == {"kvTokensPerReplica": 44400, "candidateConcurrency": 5}
-    assert {e.reason for e in plan.events} == {"Created"}
+    assert [e.reason for e in plan.events] == ["Created"]
+    assert "Deployment chat-" in plan.events[0].message
     ServingPool.model_validate({**pool().to_wire(), "status": plan.status})  # schema-valid
 
 
