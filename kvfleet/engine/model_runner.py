@@ -182,13 +182,46 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], dtype=torch.long)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        # Gather first, then scatter: a block may be both a source and a destination.
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+
+    def _block_table(
+        self, chunk: ScheduledChunk, context_len: int, padded_blocks: int
+    ) -> torch.Tensor:
+        """The chunk's blocks covering `context_len` positions, padded with block 0 (masked)."""
+        table = torch.zeros(padded_blocks, dtype=torch.long)
+        used = chunk.block_ids[: -(-context_len // self.block_size)]
+        table[: len(used)] = torch.tensor(used, dtype=torch.long)
+        return table
+
+    def _plan_prefill(self, chunk: ScheduledChunk, first_row: int) -> _PrefillChunk:
+        bs, n, start = self.block_size, len(chunk.token_ids), chunk.start_position
+        padded_blocks = padded_context_len(start + n, bs) // bs
+        # Query row (g, i) of the GQA-folded chunk is token i: it sees positions <= start + i.
+        query_pos = torch.arange(start, start + n).repeat(self.config.num_queries_per_kv)
+        mask = torch.arange(padded_blocks * bs)[None, :] <= query_pos[:, None]
+        table = self._block_table(chunk, start + n, padded_blocks)
+        return _PrefillChunk(first_row=first_row, num_tokens=n, block_table=table, mask=mask)
+
+    def _plan_decode(self, chunks: list[ScheduledChunk], rows: list[int]) -> _DecodeBatch:
+        bs = self.block_size
+        context = [c.start_position + 1 for c in chunks]
+        padded_blocks = padded_context_len(max(context), bs) // bs
+        table = torch.stack(
+            [self._block_table(c, n, padded_blocks) for c, n in zip(chunks, context, strict=True)]
+        )
+        mask = torch.arange(padded_blocks * bs)[None, :] < torch.tensor(context)[:, None]
+        return _DecodeBatch(
+            token_index=torch.tensor(rows, dtype=torch.long),
+            block_table=table,
+            mask=mask[:, None, None, :],
+        )
 
     def _plan(
         self, chunks: tuple[ScheduledChunk, ...]
     ) -> tuple[torch.Tensor, torch.Tensor, _PagedAttention, list[int]]:
+        """Flat token batch, positions, attention plan and rows to sample for one step."""
         bs = self.block_size
-        group = self.config.num_queries_per_kv
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -199,43 +232,18 @@ class ModelRunner:
         for chunk in chunks:
             self._check_chunk(chunk)
             first_row = len(token_ids)
-            n = len(chunk.token_ids)
-            start = chunk.start_position
+            n, start = len(chunk.token_ids), chunk.start_position
             token_ids.extend(chunk.token_ids)
-            chunk_positions = range(start, start + n)
-            positions.extend(chunk_positions)
-            slots.extend(chunk.block_ids[p // bs] * bs + p % bs for p in chunk_positions)
+            positions.extend(range(start, start + n))
+            slots.extend(chunk.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
             if chunk.sample:
                 last_rows.append(first_row + n - 1)
             if n == 1:
                 decode_rows.append(first_row)
                 decode_chunks.append(chunk)
-                continue
-            context_len = start + n
-            padded_blocks = padded_context_len(context_len, bs) // bs
-            table = torch.zeros(padded_blocks, dtype=torch.long)
-            used = chunk.block_ids[: -(-context_len // bs)]
-            table[: len(used)] = torch.tensor(used, dtype=torch.long)
-            query_pos = torch.arange(start, start + n).repeat(group)  # row (g, i) -> start + i
-            mask = torch.arange(padded_blocks * bs)[None, :] <= query_pos[:, None]
-            prefills.append(
-                _PrefillChunk(first_row=first_row, num_tokens=n, block_table=table, mask=mask)
-            )
-        decode: _DecodeBatch | None = None
-        if decode_chunks:
-            context = [c.start_position + 1 for c in decode_chunks]
-            padded_blocks = padded_context_len(max(context), bs) // bs
-            table = torch.zeros(len(decode_chunks), padded_blocks, dtype=torch.long)
-            for i, c in enumerate(decode_chunks):
-                used = c.block_ids[: -(-context[i] // bs)]
-                table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-            positions_ = torch.arange(padded_blocks * bs)[None, :]
-            mask = positions_ < torch.tensor(context)[:, None]
-            decode = _DecodeBatch(
-                token_index=torch.tensor(decode_rows, dtype=torch.long),
-                block_table=table,
-                mask=mask[:, None, None, :],
-            )
+            else:
+                prefills.append(self._plan_prefill(chunk, first_row))
+        decode = self._plan_decode(decode_chunks, decode_rows) if decode_chunks else None
         attention = _PagedAttention(self, torch.tensor(slots, dtype=torch.long), decode, prefills)
         return (
             torch.tensor(token_ids, dtype=torch.long),
