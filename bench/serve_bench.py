@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,16 +254,20 @@ def fmt(stats: dict[str, Any]) -> str:
 
 
 def run_mixed(args: argparse.Namespace) -> dict[str, Any]:
-    report: dict[str, Any] = {"kvfleet": {}, "baseline": {}}
-    targets = [("kvfleet", kvfleet_argv(args))]
-    if not args.skip_baseline:
-        targets.append(("baseline", ["bench/hf_baseline_server.py", "--mode",
-                                     args.baseline_mode, "--batch-size",
-                                     str(args.baseline_batch_size)]))
-    for name, argv in targets:
-        with server(argv, name, args.threads) as url:
-            for rate in args.rates:
-                jobs = mixed_workload(args.num_requests, rate, args)
+    """Both servers stay up; each rate runs on kvfleet then on the baseline, back to back, so
+    a paired comparison sees the same machine conditions (the idle one uses no CPU)."""
+    report: dict[str, Any] = {"kvfleet": {}}
+    with ExitStack() as stack:
+        urls = {"kvfleet": stack.enter_context(server(kvfleet_argv(args), "kvfleet",
+                                                      args.threads))}
+        if not args.skip_baseline:
+            report["baseline"] = {}
+            urls["baseline"] = stack.enter_context(server(
+                ["bench/hf_baseline_server.py", "--mode", args.baseline_mode,
+                 "--batch-size", str(args.baseline_batch_size)], "baseline", args.threads))
+        for rate in args.rates:
+            jobs = mixed_workload(args.num_requests, rate, args)
+            for name, url in urls.items():
                 results, duration = asyncio.run(run_jobs(url, jobs, grace_s=args.grace))
                 stats = summarize(results, duration, args)
                 report[name][str(rate)] = stats
