@@ -43,6 +43,11 @@ def step(scheduler: Scheduler, runner: FakeRunner,
     """One engine step; requests in `divergent` sample a different token than the model's
     choice, so a forked child writes other tokens than its parent into shared blocks."""
     output = scheduler.schedule()
+    config = scheduler.config
+    assert output.num_scheduled_tokens == sum(len(c.token_ids) for c in output.chunks)
+    assert output.num_scheduled_tokens <= config.max_num_batched_tokens
+    assert all(len(c.token_ids) <= config.long_prefill_token_threshold for c in output.chunks)
+    assert len(scheduler.running) <= config.max_num_running
     logits = runner.execute(output)
     sampled = {rid: int(row.argmax()) for rid, row in logits.items()}
     for rid in divergent & sampled.keys():
