@@ -110,6 +110,9 @@ class Scheduler:
             raise InvalidRequestError("parent_id", f"request {parent_id!r} is not running")
         if child_id in self.requests:
             raise InvalidRequestError("request_id", f"request {child_id!r} already exists")
+        if len(self.running) >= self.config.max_num_running:
+            raise InvalidRequestError("parent_id", f"cannot fork {parent_id!r}: all "
+                                      f"{self.config.max_num_running} running slots are taken")
         child = replace(parent, request_id=child_id,
                         sampling_params=sampling_params or parent.sampling_params)
         child.output_token_ids = list(parent.output_token_ids)

@@ -341,6 +341,14 @@ def test_fork_shares_the_prefix_and_diverges_by_copy_on_write() -> None:
     assert scheduler.kv.pool.num_free_blocks == 16
 
 
+def test_fork_respects_the_running_cap() -> None:
+    scheduler, runner = make_scheduler(max_num_running=1)
+    scheduler.add_request(make_request("p", 6, max_tokens=6))
+    step(scheduler, runner)
+    with pytest.raises(InvalidRequestError, match="running slots are taken"):
+        scheduler.fork_request("p", "c")
+
+
 def test_prefix_cache_hits_skip_computing_shared_blocks() -> None:
     scheduler, runner = make_scheduler(block_size=4)
     shared = tuple(range(1, 13))
