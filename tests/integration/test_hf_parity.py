@@ -86,21 +86,37 @@ TOKENIZER_STRINGS = [
 ]
 
 
-def hf_greedy(hf_model: Any, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """Greedy decoding with HF's own KV cache; EOS does not stop it (like ignore_eos)."""
+def hf_greedy(hf_model: Any, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """Greedy continuations from HF, all prompts in one left-padded batch with HF's own KV
+    cache (what `generate` does), except that EOS does not stop a row (like `ignore_eos`)."""
     from transformers import DynamicCache
 
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     # transformers renamed `past_key_values` to `cache`; the cache object is updated in place.
     cache_kwarg = (
         "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
     )
     cache = {cache_kwarg: DynamicCache()}
-    logits = hf_model(torch.tensor([prompt_ids]), use_cache=True, **cache).logits
-    generated: list[int] = []
+    logits = hf_model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache
+    ).logits
+    generated: list[list[int]] = [[] for _ in prompts]
     for _ in range(num_tokens):
-        token = int(logits[0, -1].argmax())
-        generated.append(token)
-        logits = hf_model(torch.tensor([[token]]), use_cache=True, **cache).logits
+        tokens = logits[:, -1].argmax(-1)
+        for row, token in zip(generated, tokens.tolist(), strict=True):
+            row.append(token)
+        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+        positions = positions[:, -1:] + 1
+        logits = hf_model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **cache,
+        ).logits
     return generated
 
 
@@ -144,24 +160,42 @@ def test_chat_template_renders_like_hf(smollm: LoadedModel, hf_smollm_tokenizer:
 def test_prompt_logits_match_hf(
     smollm: LoadedModel, hf_smollm: Any, prompt_ids: list[list[int]]
 ) -> None:
-    """Logits at every 7th position (chunked prefill across block boundaries) and the last."""
-    worst = 0.0
+    """All prompts prefilled together in three chunked steps whose boundaries fall inside
+    blocks; logits at each chunk end are compared with HF's at that position."""
+    expected = [hf_smollm(torch.tensor([ids])).logits[0] for ids in prompt_ids]
+    tables = []
+    next_block = 0
     for ids in prompt_ids:
-        expected = hf_smollm(torch.tensor([ids])).logits[0]
-        runner = ModelRunner(smollm, num_blocks=-(-len(ids) // BLOCK_SIZE), block_size=BLOCK_SIZE)
-        blocks = tuple(range(runner.num_blocks))
-        for start in range(0, len(ids), 7):
-            end = min(start + 7, len(ids))
-            chunk = ScheduledChunk(
-                "p", tuple(ids[start:end]), start, blocks[: -(-end // BLOCK_SIZE)], sample=True
-            )
-            logits = runner.execute(
-                SchedulerOutput(chunks=(chunk,), num_scheduled_tokens=end - start)
-            )["p"]
-            diff = (logits - expected[end - 1]).abs().max().item()
+        num_blocks = -(-len(ids) // BLOCK_SIZE)
+        tables.append(tuple(range(next_block, next_block + num_blocks)))
+        next_block += num_blocks
+    runner = ModelRunner(smollm, num_blocks=next_block, block_size=BLOCK_SIZE)
+    worst = 0.0
+    bounds = [(0, 5), (5, 37), (37, None)]
+    for lo, hi in bounds:
+        chunks = []
+        for i, ids in enumerate(prompt_ids):
+            end = len(ids) if hi is None else min(hi, len(ids))
+            if lo < end:
+                chunks.append(
+                    ScheduledChunk(
+                        str(i),
+                        tuple(ids[lo:end]),
+                        lo,
+                        tables[i][: -(-end // BLOCK_SIZE)],
+                        sample=True,
+                    )
+                )
+        step = SchedulerOutput(
+            chunks=tuple(chunks), num_scheduled_tokens=sum(len(c.token_ids) for c in chunks)
+        )
+        logits = runner.execute(step)
+        for c in chunks:
+            reference = expected[int(c.request_id)][c.start_position + len(c.token_ids) - 1]
+            diff = (logits[c.request_id] - reference).abs().max().item()
             worst = max(worst, diff)
-            assert diff <= LOGIT_ATOL, (ids, end)
-            assert int(logits.argmax()) == int(expected[end - 1].argmax())
+            assert diff <= LOGIT_ATOL, (c.request_id, c.start_position)
+            assert int(logits[c.request_id].argmax()) == int(reference.argmax())
     print(f"max |logit - HF logit| = {worst:.2e}")
 
 
@@ -180,10 +214,11 @@ def test_greedy_continuations_match_hf_token_for_token(
     prompts: list[Any] = [*PLAIN_PROMPTS, *CHATS]
     outputs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [list(o.prompt_token_ids) for o in outputs] == prompt_ids
-    mismatches = []
     with torch.inference_mode():
-        for output, ids in zip(outputs, prompt_ids, strict=True):
-            expected = hf_greedy(hf_smollm, ids, NUM_NEW_TOKENS)
-            if list(output.token_ids) != expected:
-                mismatches.append((smollm.tokenizer.decode(ids), output.token_ids, expected))
+        expected = hf_greedy(hf_smollm, prompt_ids, NUM_NEW_TOKENS)
+    mismatches = [
+        (i, smollm.tokenizer.decode(output.token_ids), smollm.tokenizer.decode(reference))
+        for i, (output, reference) in enumerate(zip(outputs, expected, strict=True))
+        if list(output.token_ids) != reference
+    ]
     assert not mismatches
