@@ -204,8 +204,9 @@ def test_examples_become_available_on_matching_gpu_nodes(
     for node in nodes:
         node["metadata"]["labels"]["topology.kubernetes.io/region"] = region
     add_nodes(nodes)
-    for example in ("modelartifact-qwen3-8b.yaml", "servingpool-l4.yaml", "tenantquota.yaml"):
-        kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / example))
+    # Every example (artifacts, pool, quota, rollout; not examples/invalid/). The Rollout names
+    # the pool but only matters once the pool's artifact changes.
+    kubectl("apply", "-n", namespace, "-f", str(EXAMPLES))
     name = example_pool["metadata"]["name"]
     pool = _wait_pool(kube, operator, namespace, name, _available, "Available=True")
 
