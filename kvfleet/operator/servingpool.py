@@ -170,8 +170,14 @@ def reconcile(
     apply: list[dict[str, Any]] = []
     events: list[Event] = []
     target: dict[str, Any] | None = None
-    if blocker is None and not managed_by_rollout:
-        assert artifact is not None and revision is not None and plan is not None  # by _blocker
+    # (artifact is None implies a blocker; the explicit checks narrow the types.)
+    if (
+        blocker is None
+        and not managed_by_rollout
+        and artifact is not None
+        and revision is not None
+        and plan is not None
+    ):
         created: list[str] = []
         for desired in _desired(pool, artifact, revision, plan, options):
             current = _observed_for(desired, observed)

@@ -238,3 +238,14 @@ def test_a_refused_object_shows_as_degraded_apply_failed() -> None:
         c["type"] for c in plan.status["conditions"]
     ]
     ServingPool.model_validate({**pool().to_wire(), "status": status})
+
+
+def test_artifact_deleted_while_serving_keeps_the_replicas() -> None:
+    p, a = pool(), artifact()
+    converged = _converged(p, a)
+    p = _with_status(p, _run(p, a, converged))
+    plan = _run(p, None, converged)
+    assert plan.apply == () and plan.delete == ()
+    assert _cond(plan, "Degraded")["reason"] == "ArtifactNotFound"
+    assert _cond(plan, "Available")["status"] == "True"  # the running revision still serves
+    assert plan.status["servingRevision"] == manifest_hash(a.spec)
