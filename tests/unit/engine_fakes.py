@@ -38,6 +38,8 @@ def make_request(request_id: str, prompt: Sequence[int] | int = 8, max_tokens: i
         prompt = [1 + (hash(request_id) + i * 7) % (VOCAB_SIZE - 1) for i in range(prompt)]
     params = kwargs.pop("sampling_params", None) or SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # The tests' fake clock starts at 1000.0: arrivals on it keep priority aging deterministic.
+    kwargs.setdefault("arrival_time", 1000.0)
     return Request(request_id, prompt, sampling_params=params, **kwargs)  # type: ignore[arg-type]
 
 
