@@ -10,7 +10,12 @@ import torch.nn.functional as F
 from tiny_llama import random_weights, tiny_config
 
 from kvfleet.engine.model.llama import LlamaModel
-from kvfleet.engine.model_runner import ModelRunner, kv_bytes_per_block, num_blocks_for_budget
+from kvfleet.engine.model_runner import (
+    ModelRunner,
+    kv_bytes_per_block,
+    num_blocks_for_budget,
+    padded_context_len,
+)
 from kvfleet.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 BLOCK_SIZE = 4
@@ -171,3 +176,22 @@ def test_kv_sizing(model: LlamaModel) -> None:
     )
     assert runner.num_blocks == 10
     assert runner.kv_cache_bytes == 10 * per_block
+
+
+@pytest.mark.parametrize(
+    ("context_len", "block_size", "padded"),
+    [
+        (1, 16, 16),
+        (16, 16, 16),
+        (17, 16, 32),
+        (256, 16, 256),
+        (257, 16, 512),
+        (512, 16, 512),
+        (513, 16, 528),
+        (780, 16, 1024),
+        (5, 4, 16),
+        (17, 32, 32),
+    ],
+)
+def test_attention_padding_is_canonical(context_len: int, block_size: int, padded: int) -> None:
+    assert padded_context_len(context_len, block_size) == padded
