@@ -112,8 +112,11 @@ TOOLS: tuple[Tool, ...] = (
     Tool(
         "prometheus",
         "github.com/prometheus/prometheus",
-        ("github.com/prometheus/prometheus/cmd/prometheus",),
-        ("prometheus",),
+        (
+            "github.com/prometheus/prometheus/cmd/prometheus",
+            "github.com/prometheus/prometheus/cmd/promtool",
+        ),
+        ("prometheus", "promtool"),
         tags=("remove_all_sd", "enable_kubernetes_sd"),
     ),
 )
@@ -207,9 +210,11 @@ def build(src: Path | None = None, *, log: bool = True) -> ToolPaths:
     )
     for tool in TOOLS:
         folder = tool_dir(src, tool)
-        if folder.is_dir():
+        if all(os.access(folder / "bin" / b, os.X_OK) for b in tool.binaries):
             _say(log, f"[tools] {tool.name}: cached at {folder}")
             continue
+        # A binary added to a tool since its folder was built: rebuild that tool only.
+        shutil.rmtree(folder, ignore_errors=True)
         if go is None:
             raise ToolsMissingError(
                 f"{tool.name} is not cached at {folder} and `go` is not on PATH"

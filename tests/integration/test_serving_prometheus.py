@@ -20,6 +20,7 @@ import httpx
 import pytest
 from engine_server import EngineServer, free_port, running_server
 
+from kvfleet.devcluster import toolchain
 from kvfleet.engine.metrics import LATENCY_BUCKETS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -29,10 +30,23 @@ TTFT_P95 = ("histogram_quantile(0.95, sum by (le) "
 
 
 def binary(name: str) -> str:
-    path = os.environ.get(f"KVFLEET_{name.upper()}") or shutil.which(name)
+    """`$KVFLEET_<NAME>`, else the harness's pinned build (e2e/tools/build.sh), else PATH.
+
+    Debian's package is only a fallback: its prometheus lacks kubernetes_sd_configs, which the
+    e2e tier needs, so the suite builds and pins its own prometheus and promtool.
+    """
+    path = os.environ.get(f"KVFLEET_{name.upper()}")
     if path is None:
-        pytest.skip(f"{name} not installed: `apt-get install -y prometheus` or set "
-                    f"KVFLEET_{name.upper()}")
+        try:
+            path = str(toolchain.locate()[name])
+        except toolchain.ToolsMissingError:
+            path = shutil.which(name)
+    if path is None:
+        message = (f"{name} not found: run e2e/tools/build.sh (or apt-get install -y "
+                   f"prometheus, or set KVFLEET_{name.upper()})")
+        if os.environ.get("KVFLEET_E2E_REQUIRED") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
     return path
 
 
