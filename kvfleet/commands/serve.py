@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from typing import Any
 
 from kvfleet.engine.admission import AdmissionLimits
@@ -43,6 +44,15 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _sha256_list(value: str) -> tuple[str, ...]:
+    digests = tuple(part.strip().lower() for part in value.split(",") if part.strip())
+    for digest in digests:
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise argparse.ArgumentTypeError(
+                f"expected 64 hex characters per sha256, got {digest!r}")
+    return digests
+
+
 def register(subparsers: Any) -> None:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve", help="serve a model over the OpenAI-compatible HTTP API",
@@ -53,8 +63,14 @@ def register(subparsers: Any) -> None:
                    help="a .gguf file or HF Llama checkpoint dir (default: embedded SmolLM2)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the file/dir name)")
-    p.add_argument("--revision", default=None,
-                   help="the model revision to report (default: sha256 of the weights)")
+    p.add_argument("--revision", default=os.environ.get("KVFLEET_MANIFEST_HASH"),
+                   help="the model revision to report (default: $KVFLEET_MANIFEST_HASH, set by "
+                        "the operator to the artifact's manifest hash, else the weights' sha256)")
+    p.add_argument("--expected-sha256", type=_sha256_list,
+                   default=_sha256_list(os.environ.get("KVFLEET_EXPECTED_SHA256", "")),
+                   help="comma-separated sha256 of the weight files (default: "
+                        "$KVFLEET_EXPECTED_SHA256, set by the operator from the ModelArtifact); "
+                        "the server refuses to start on any difference")
     tenancy = p.add_argument_group("tenancy")
     tenancy.add_argument("--tenant-header", default="x-kvfleet-tenant",
                          help="trusted header carrying the tenant (set by the kvfleet router)")

@@ -7,7 +7,8 @@ Errors (see `kvfleet.engine.errors`):
 
     KvfleetEngineError
     ├── ModelLoadError
-    │   └── UnsupportedModelError
+    │   ├── UnsupportedModelError
+    │   └── ModelVerificationError  weights differ from the artifact manifest's sha256
     └── InvalidRequestError        .field names the request field
 """
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
         InvalidRequestError,
         KvfleetEngineError,
         ModelLoadError,
+        ModelVerificationError,
         UnsupportedModelError,
     )
     from kvfleet.engine.kv_cache_manager import KVCacheManager, make_cache_salt
@@ -68,6 +70,7 @@ _EXPORTS: dict[str, str] = {
     "KvfleetEngineError": "errors",
     "ModelLoadError": "errors",
     "UnsupportedModelError": "errors",
+    "ModelVerificationError": "errors",
     "InvalidRequestError": "errors",
 }
 
@@ -83,6 +86,7 @@ __all__ = [
     "KvfleetEngineError",
     "LoadedModel",
     "ModelLoadError",
+    "ModelVerificationError",
     "Request",
     "RequestOutput",
     "RequestStatus",

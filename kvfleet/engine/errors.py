@@ -5,7 +5,8 @@ wrong, where (the file, or the request field), and what to do about it.
 
     KvfleetEngineError                 base of everything the engine raises on purpose
     ├── ModelLoadError                 a model file/dir cannot be used (missing, corrupt, ...)
-    │   └── UnsupportedModelError      readable, but an architecture/tensor type we do not run
+    │   ├── UnsupportedModelError      readable, but an architecture/tensor type we do not run
+    │   └── ModelVerificationError     the weights' sha256 differs from the artifact manifest
     └── InvalidRequestError            a request field is invalid (`.field` names it)
 """
 
@@ -30,6 +31,10 @@ class ModelLoadError(KvfleetEngineError):
 
 class UnsupportedModelError(ModelLoadError):
     """The file is well-formed but describes something this engine does not run."""
+
+
+class ModelVerificationError(ModelLoadError):
+    """The weight files are not the ones the ModelArtifact manifest names (sha256 differs)."""
 
 
 class InvalidRequestError(KvfleetEngineError):

@@ -91,6 +91,7 @@ async def run_server(load: Callable[[], LoadedEngine], options: RuntimeOptions) 
         lambda: loop.create_task(drain())))
     serve_task = asyncio.create_task(server.serve())
     exit_code = 0
+    start_error: Exception | None = None
     try:
         loaded = await asyncio.to_thread(load)
         serving.chat_template = loaded.chat_template
@@ -102,11 +103,15 @@ async def run_server(load: Callable[[], LoadedEngine], options: RuntimeOptions) 
                                                    "model": loaded.engine.model.name,
                                                    "revision": loaded.engine.model.revision}})
     except (KvfleetEngineError, WarmupError, ValueError) as exc:
-        logger.error("engine failed to start: %s", exc,
-                     extra={"fields": {"event": "start_failed"}})
+        start_error = exc
         exit_code = 1
         server.should_exit = True
     await serve_task
+    if start_error is not None:
+        # Logged after the listener's shutdown lines, so the reason is the process's last
+        # line: Kubernetes turns the log tail into the termination message the operator shows.
+        logger.error("engine failed to start: %s", start_error,
+                     extra={"fields": {"event": "start_failed"}})
     if serving.engine is not None:
         await serving.engine.stop()
     if not server.started and exit_code == 0:

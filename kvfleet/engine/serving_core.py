@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 from kvfleet.engine.admission import AdmissionLimits, ServedModel
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import MIB, CacheConfig, SchedulerConfig
 from kvfleet.engine.engine import build_engine_core
 from kvfleet.engine.metrics import EngineMetrics
-from kvfleet.engine.model.loader import load_model
+from kvfleet.engine.model.loader import default_model_path, load_model
+from kvfleet.engine.model.verify import verify_weights
 from kvfleet.engine.runtime import LoadedEngine
 
 logger = logging.getLogger("kvfleet.engine.load")
@@ -44,6 +46,9 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
         priority_aging_seconds=args.priority_aging_seconds)
 
     def load() -> LoadedEngine:
+        # Verify before loading: a pod must never serve weights the manifest did not name.
+        verify_weights(Path(args.model) if args.model else default_model_path(),
+                       args.expected_sha256)
         model = load_model(args.model, progress=_log_progress)
         core = build_engine_core(model, cache_config, scheduler_config)
         max_context = model.config.max_context

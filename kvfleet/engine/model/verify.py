@@ -1,0 +1,44 @@
+"""Refuse weights whose sha256 differs from what the ModelArtifact manifest promised.
+
+The operator passes the manifest's digests (`KVFLEET_EXPECTED_SHA256`, comma-separated, in the
+artifact's file order) to every engine pod. A mismatch means the pod would serve something
+other than what was reviewed and admitted, so the engine does not start: it exits non-zero and
+its last log line names the file, both digests and what to do, which the operator surfaces on
+the ServingPool.
+
+For a checkpoint directory the comparison is by set: every expected digest must belong to a
+weight file there, and every weight file must be expected (the artifact lists them all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvfleet.engine.errors import ModelVerificationError
+from kvfleet.engine.model.loader import file_sha256
+
+WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin")
+
+
+def verify_weights(path: Path, expected: Sequence[str]) -> None:
+    """Raise ModelVerificationError unless `path`'s weight files have exactly these digests."""
+    if not expected:
+        return
+    remedy = ("Point the ModelArtifact at the right file, or publish a new ModelArtifact "
+              "with the file's real sha256")
+    if path.is_file():
+        actual = file_sha256(path)
+        if len(expected) != 1 or actual != expected[0]:
+            raise ModelVerificationError(
+                path, f"sha256 {actual} does not match the manifest's {', '.join(expected)}",
+                remedy)
+        return
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    actual_by_file = {p.name: file_sha256(p) for p in files}
+    unexpected = {n: d for n, d in actual_by_file.items() if d not in expected}
+    missing = [d for d in expected if d not in actual_by_file.values()]
+    if unexpected or missing:
+        parts = [f"{n} has sha256 {d}, not in the manifest" for n, d in unexpected.items()]
+        parts += [f"no weight file has the manifest's sha256 {d}" for d in missing]
+        raise ModelVerificationError(path, "; ".join(parts), remedy)
