@@ -1,8 +1,12 @@
-.PHONY: run test bootstrap lint
+.PHONY: run generate test bootstrap lint
 
-# The main job: the engine on the embedded SmolLM2-135M model.
+# The main job: the engine serving the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000.
 run: bootstrap
-	.venv/bin/kvfleet generate "Write a haiku about Kubernetes."
+	.venv/bin/kvfleet serve
+
+# One offline generation with the same engine, no server.
+generate: bootstrap
+	.venv/bin/kvfleet generate --chat "Write a haiku about Kubernetes."
 
 # The whole test suite (what CI runs).
 test:
