@@ -67,7 +67,8 @@ class EngineServer:
 
 
 @contextmanager
-def running_server(*flags: str, ready_timeout: float = 180.0) -> Iterator[EngineServer]:
+def running_server(*flags: str, ready_timeout: float = 180.0,
+                   torch_threads: int = 2) -> Iterator[EngineServer]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="kvfleet-serve-") as tmp:
         log_path = Path(tmp) / "server.log"
@@ -75,7 +76,7 @@ def running_server(*flags: str, ready_timeout: float = 180.0) -> Iterator[Engine
             process = subprocess.Popen(
                 [sys.executable, "-m", "kvfleet", "serve", "--port", str(port), *flags],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"})
+                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch_threads)})
         server = EngineServer(f"http://127.0.0.1:{port}", process, log_path)
         try:
             deadline = time.monotonic() + ready_timeout
