@@ -10,6 +10,7 @@ the output just as it would with a real model.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,7 +36,9 @@ def make_request(request_id: str, prompt: Sequence[int] | int = 8, max_tokens: i
                  **kwargs: object) -> Request:
     """A request with `prompt` token ids (or that many deterministic ones), greedy."""
     if isinstance(prompt, int):
-        prompt = [1 + (hash(request_id) + i * 7) % (VOCAB_SIZE - 1) for i in range(prompt)]
+        # crc32, not hash(): str hashes change per process, and so would the tests' prompts.
+        seed = zlib.crc32(request_id.encode())
+        prompt = [1 + (seed + i * 7) % (VOCAB_SIZE - 1) for i in range(prompt)]
     params = kwargs.pop("sampling_params", None) or SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     # The tests' fake clock starts at 1000.0: arrivals on it keep priority aging deterministic.

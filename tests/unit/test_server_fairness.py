@@ -41,7 +41,8 @@ def admissions(scheduler: Scheduler, runner: FakeRunner, clock: Clock,
         output = scheduler.schedule()
         logits = runner.execute(output)
         scheduler.update_from_output(output, {r: int(x.argmax()) for r, x in logits.items()})
-        admitted.extend(c.request_id for c in output.chunks if c.start_position == 0)
+        # First scheduled chunk = admission (a prefix-cache hit starts past position 0).
+        admitted.extend(c.request_id for c in output.chunks if c.request_id not in admitted)
         clock.now += 0.1
     return admitted
 
