@@ -11,7 +11,9 @@
    tokens/s of each and their ratio.
 2. Batched decode vs the CPU compute roof. With B requests running (B = 8, 32, 64), the
    tokens/s of pure decode steps, against roof = peak matmul FLOP/s (measured here, fp32) /
-   FLOPs per token (the weight matmuls incl. the LM head).
+   FLOPs per token (the weight matmuls incl. the LM head), and against the same step's
+   weight matmuls alone (the same weights and GEMM calls, nothing else): what fp32 GEMMs on
+   this machine reach at B rows, streaming the weights from memory every step.
 3. Engine RSS after the kvfleet run, before HF is loaded (current and peak).
 """
 
@@ -33,6 +35,7 @@ import torch
 from kvfleet.engine.config import CacheConfig, SchedulerConfig
 from kvfleet.engine.engine import EngineCore, build_engine_core
 from kvfleet.engine.llm import LLM
+from kvfleet.engine.model.llama import invariant_linear
 from kvfleet.engine.model.loader import LoadedModel, default_model_path, load_model
 from kvfleet.engine.request import Request, SamplingParams
 
@@ -153,6 +156,33 @@ def decode_tokens_per_second(core: EngineCore, batch: int, steps: int, vocab: in
     return batch * steps / elapsed
 
 
+def gemm_only_tokens_per_second(model: LoadedModel, batch: int, repeats: int = 5) -> float:
+    """Tokens/s of a decode step that did nothing but its weight matmuls: the same weight
+    tensors (so the same trips to memory: 540 MB of fp32 weights do not fit in any cache),
+    the same batch-invariant GEMM calls, B rows each; no attention, norms, RoPE or sampling.
+    The ceiling any engine computing this model in fp32 with torch's GEMMs can reach here."""
+    m = model.model
+    hidden = m.config.hidden_size
+    x = torch.randn(batch, hidden)
+    act = torch.randn(batch, m.config.intermediate_size)
+    attn = torch.randn(batch, m.config.num_heads * m.config.head_dim)
+
+    def one_pass() -> None:
+        for layer in range(m.config.num_layers):
+            invariant_linear(x, m.qkv_proj[layer])
+            invariant_linear(attn, m.o_proj[layer])
+            invariant_linear(x, m.gate_up_proj[layer])
+            invariant_linear(act, m.down_proj[layer])
+        invariant_linear(x, m.lm_head)
+
+    with torch.inference_mode():
+        one_pass()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            one_pass()
+    return batch * repeats / (time.perf_counter() - start)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,11 +225,14 @@ def main() -> int:
     flops_per_token = model.config.matmul_flops_per_token()
     roof = peak / flops_per_token
     decode = {}
+    gemm_only = {}
     core = build_engine_core(model, CacheConfig(), SchedulerConfig(max_num_running=64))
     for batch in (int(b) for b in args.decode_batches.split(",")):
         decode[batch] = decode_tokens_per_second(core, batch, args.decode_steps,
                                                  model.config.vocab_size)
-        log(f"decode B={batch}: {decode[batch]:.0f} tok/s")
+        gemm_only[batch] = gemm_only_tokens_per_second(model, batch)
+        log(f"decode B={batch}: {decode[batch]:.0f} tok/s (GEMMs alone: "
+            f"{gemm_only[batch]:.0f} tok/s)")
 
     hf_tps = None if args.skip_hf else run_hf(workload, args)
 
@@ -213,7 +246,9 @@ def main() -> int:
           f" -> compute roof {roof:.0f} tok/s")
     for batch, tps in decode.items():
         print(f"batched decode, {batch:3d} running: {tps:8.1f} tok/s = {tps / roof:6.1%} of "
-              "roof   (target >= 75%)")
+              f"roof (target >= 75%); GEMMs alone {gemm_only[batch]:6.0f} tok/s = "
+              f"{gemm_only[batch] / roof:6.1%} of roof; engine = {tps / gemm_only[batch]:6.1%} "
+              "of its GEMMs")
     print(f"engine RSS after the kvfleet run: {rss / 2**20:.0f} MiB, of which anonymous "
           f"{rss_anon / 2**20:.0f} MiB (the rest is mapped shared libraries); peak "
           f"{peak_rss / 2**20:.0f} MiB   (target <= 1536 MiB)")

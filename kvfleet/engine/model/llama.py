@@ -88,7 +88,7 @@ def check_weights(
             )
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T with a result per row that does not depend on the other rows."""
     rows = x.shape[0]
     if rows < MIN_GEMM_ROWS:
@@ -192,7 +192,7 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens.index_select(0, token_ids)
         for layer in range(cfg.num_layers):
             x = _rms_norm(hidden, self.input_layernorm[layer], cfg.rms_norm_eps)
-            qkv = _linear(x, self.qkv_proj[layer])
+            qkv = invariant_linear(x, self.qkv_proj[layer])
             q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + cfg.kv_dim].view(
                 num_tokens, cfg.num_kv_heads, cfg.head_dim
@@ -201,13 +201,13 @@ class LlamaModel(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             attn = attention(layer, q, k, v)
-            hidden = hidden + _linear(attn, self.o_proj[layer])
+            hidden = hidden + invariant_linear(attn, self.o_proj[layer])
             x = _rms_norm(hidden, self.post_attention_layernorm[layer], cfg.rms_norm_eps)
-            gate, up = _linear(x, self.gate_up_proj[layer]).chunk(2, dim=-1)
-            hidden = hidden + _linear(F.silu(gate) * up, self.down_proj[layer])
+            gate, up = invariant_linear(x, self.gate_up_proj[layer]).chunk(2, dim=-1)
+            hidden = hidden + invariant_linear(F.silu(gate) * up, self.down_proj[layer])
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for pre-norm hidden states [N, hidden]."""
         x = _rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return _linear(x, self.lm_head)
+        return invariant_linear(x, self.lm_head)
