@@ -7,8 +7,12 @@ binds to, and the runner reports phase, podIP, container states and the Ready co
 the pod's own readiness probe. Containers restart per restartPolicy; deleting a pod sends
 SIGTERM, waits the grace period, then removes the pod object.
 
+A container that fails under `terminationMessagePolicy: FallbackToLogsOnError` gets the tail of
+its output as `state.terminated.message` (and `lastState` once restarted), as a kubelet does.
+
 What a real kubelet does that this one does not: images, volumes, resource isolation,
-startup probes, `kubectl logs/exec` (container output goes to files under the pod's folder).
+startup probes, `kubectl logs/exec` (container output goes to files under the pod's folder),
+termination-message files (`terminationMessagePath`: there is no per-container filesystem).
 Init containers run in order before the containers, as in Kubernetes.
 
 The loop and process handling live here; the pure status (`podstate`), the process environment
@@ -34,13 +38,16 @@ from kvfleet.devcluster.errors import DevClusterError, KubeApiError
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.podenv import container_env, resolve_program
 from kvfleet.devcluster.podstate import (
+    TERMINATION_LOG_BYTES,
     Container,
     LocalPod,
     expand,
+    falls_back_to_logs,
     node_status,
     now_iso,
     pod_status,
     terminated_state,
+    termination_message,
 )
 from kvfleet.devcluster.probes import run_probe
 from kvfleet.devcluster.processes import ManagedProcess
@@ -60,6 +67,21 @@ def _micro_now() -> str:
 def container_exit_code(returncode: int | None) -> int | None:
     """Popen reports death by signal N as -N; container runtimes report 128 + N."""
     return 128 - returncode if returncode is not None and returncode < 0 else returncode
+
+
+def read_output_tail(path: Path, start: int, num_bytes: int = TERMINATION_LOG_BYTES) -> bytes:
+    """The last `num_bytes` a run wrote to its log, which begins at offset `start`.
+
+    The log file is shared by a container's restarts (appended to), so a run's output is
+    what lies past the size the file had when it started.
+    """
+    try:
+        with path.open("rb") as log_file:
+            size = log_file.seek(0, 2)
+            log_file.seek(max(start, size - num_bytes))
+            return log_file.read(num_bytes)
+    except FileNotFoundError:
+        return b""
 
 
 class IpPool:
@@ -257,6 +279,11 @@ class LocalPodRunner:
         if c.process is not None and not c.process.running():
             c.exit_code = container_exit_code(c.process.stop())
             c.finished_at, c.process, c.ready = now_iso(), None, False
+            if falls_back_to_logs(c.spec, c.exit_code):
+                log_path = self.log_path(pod.namespace, pod.name, c.name)
+                c.termination_message = termination_message(
+                    read_output_tail(log_path, c.log_offset)
+                )
             c.last_terminated = terminated_state(c)
             if policy == "Always" or (policy == "OnFailure" and c.exit_code != 0):
                 backoff = min(BACKOFF_MAX_S, 2.0 ** min(c.restart_count, 4))
@@ -285,14 +312,11 @@ class LocalPodRunner:
             )
         argv[0] = resolve_program(argv[0], self.project_root)
         workdir = Path(c.spec.get("workingDir") or pod.folder)
-        c.process = ManagedProcess(
-            f"{pod.name}/{c.name}",
-            argv,
-            self.log_path(pod.namespace, pod.name, c.name),
-            env=env,
-            cwd=workdir,
-        )
+        log_path = self.log_path(pod.namespace, pod.name, c.name)
+        c.log_offset = log_path.stat().st_size if log_path.exists() else 0
+        c.process = ManagedProcess(f"{pod.name}/{c.name}", argv, log_path, env=env, cwd=workdir)
         c.started_at, c.exit_code, c.finished_at, c.ready = now_iso(), None, None, False
+        c.termination_message = None
         c.probe_failures = c.live_failures = 0
         c.kill_at = None
         delay = float(c.spec.get("readinessProbe", {}).get("initialDelaySeconds", 0))

@@ -1,7 +1,8 @@
 """What the local pod runner knows about its pods, and the status it writes for them.
 
 Pure: `pod_status` and `node_status` turn the runner's bookkeeping into the Pod and Node status
-a kubelet would write; nothing here starts processes or talks to the API server.
+a kubelet would write, and `termination_message` decides a finished container's message;
+nothing here starts processes, reads files or talks to the API server.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from kvfleet.devcluster.processes import ManagedProcess
 def now_iso() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
+
+# A kubelet's cap on the log fallback of a termination message (kubecontainer's
+# MaxContainerTerminationMessageLogLines / ...LogLength): the last 80 lines, at most 2 KiB.
+TERMINATION_LOG_LINES = 80
+TERMINATION_LOG_BYTES = 2048
 
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -39,6 +45,8 @@ class Container:
     started_at: str | None = None
     exit_code: int | None = None
     finished_at: str | None = None
+    termination_message: str | None = None
+    log_offset: int = 0  # where the current run's output starts in the container's log file
     last_terminated: JsonObj | None = None
     next_start: float = 0.0
     ready: bool = False
@@ -70,16 +78,38 @@ class LocalPod:
     last_status: JsonObj | None = None
 
 
+def falls_back_to_logs(spec: JsonObj, exit_code: int | None) -> bool:
+    """Whether a kubelet would take this exit's termination message from the container's log.
+
+    Only under `terminationMessagePolicy: FallbackToLogsOnError` and only for a failure; the
+    local runner has no per-container filesystem, so there is no `/dev/termination-log` file
+    that could take precedence.
+    """
+    failed = exit_code is not None and exit_code != 0
+    return failed and spec.get("terminationMessagePolicy") == "FallbackToLogsOnError"
+
+
+def termination_message(output_tail: bytes) -> str:
+    """A kubelet's log fallback: the last 80 lines of the run's output, then its last 2 KiB.
+
+    `output_tail` may be just the end of the output: any suffix of at least
+    TERMINATION_LOG_BYTES gives the same message.
+    """
+    lines = output_tail.splitlines(keepends=True)[-TERMINATION_LOG_LINES:]
+    return b"".join(lines)[-TERMINATION_LOG_BYTES:].decode(errors="replace")
+
+
 def terminated_state(c: Container) -> JsonObj:
     reason = "Completed" if c.exit_code == 0 else "Error"
-    return {
-        "terminated": {
-            "exitCode": c.exit_code,
-            "reason": reason,
-            "startedAt": c.started_at,
-            "finishedAt": c.finished_at,
-        }
+    terminated: JsonObj = {
+        "exitCode": c.exit_code,
+        "reason": reason,
+        "startedAt": c.started_at,
+        "finishedAt": c.finished_at,
     }
+    if c.termination_message:
+        terminated["message"] = c.termination_message
+    return {"terminated": terminated}
 
 
 def container_status(c: Container) -> JsonObj:

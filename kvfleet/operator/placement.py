@@ -8,6 +8,7 @@ user can act on, naming the GPU product instead of repeating the scheduler's nod
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,17 +87,38 @@ def _condition(pod: dict[str, Any], cond_type: str) -> dict[str, Any] | None:
     return next((c for c in conditions if c.get("type") == cond_type), None)
 
 
+def reason_line(message: str) -> str:
+    """The line of a termination message that says why a container stopped.
+
+    With `FallbackToLogsOnError` the message is the tail of the container's log, and a program
+    that gives up says why last (`kvfleet serve` logs its start failure as its final line, a
+    Python traceback ends with the exception). A structured log line (JSON with a string
+    `msg`) is reduced to that text. Keeping one line also keeps the pool's condition and its
+    event (cut at 1 KiB) from losing the reason behind earlier log lines.
+    """
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    last = lines[-1]
+    try:
+        record = json.loads(last)
+    except ValueError:
+        return last
+    text = record.get("msg") if isinstance(record, dict) else None
+    return text if isinstance(text, str) and text else last
+
+
 def _container_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
     for state in pod.get("status", {}).get("containerStatuses") or []:
         waiting = (state.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in STUCK_WAITING:
             last = (state.get("lastState") or {}).get("terminated") or {}
-            detail = last.get("message") or waiting.get("message") or ""
+            detail = reason_line(last.get("message") or waiting.get("message") or "")
             exit_code = last.get("exitCode")
             text = f"container {state.get('name')} {waiting['reason']}"
             if exit_code is not None:
                 text += f" (last exit code {exit_code})"
-            return waiting["reason"], f"{text}: {detail.strip()}" if detail else text
+            return waiting["reason"], f"{text}: {detail}" if detail else text
     return None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -161,6 +163,29 @@ def test_crash_looping_engine_is_degraded_with_its_last_words() -> None:
     degraded = _cond(plan, "Degraded")
     assert degraded["reason"] == "CrashLoopBackOff"
     assert "sha256 mismatch for model-00001" in degraded["message"]
+
+
+def test_crash_loop_reason_is_the_engines_last_log_line_not_the_whole_tail() -> None:
+    """With FallbackToLogsOnError the termination message is the log's tail: the pool shows
+    the line that says why, not the server's start-up chatter before it."""
+    p, a = pool(), artifact()
+    observed = _converged(p, a, ready=0)
+    labels = observed.deployments[0]["spec"]["template"]["metadata"]["labels"]
+    why = "engine failed to start: sha256 b179 does not match the manifest's aaaa"
+    tail = "\n".join(
+        json.dumps({"level": level, "logger": "kvfleet", "msg": msg})
+        for level, msg in [("info", "Uvicorn running on http://127.64.0.2:8000"),
+                           ("info", "Finished server process [7]"), ("error", why)]
+    ) + "\n"  # fmt: skip
+    bad = pod(labels, waiting=("CrashLoopBackOff", tail))
+    plan = _run(p, a, replace(observed, pods=(bad,)))
+    degraded = _cond(plan, "Degraded")
+    assert degraded["message"] == (
+        f"pod chat-abc-1: container engine CrashLoopBackOff (last exit code 1): {why}"
+    )
+    assert [(e.reason, e.message) for e in plan.events] == [
+        ("CrashLoopBackOff", degraded["message"])
+    ]
 
 
 def _new_artifact() -> ModelArtifact:
