@@ -4,8 +4,12 @@ decisions live in the pure reconcilers and the I/O in kvfleet.operator.runtime.
 Triggers of a ServingPool reconcile: the pool's create/update/resume (kopf progress and
 diff-base kept in `kvfleet.io/` annotations, never in status), any event on a Deployment,
 Service, ConfigMap or PodDisruptionBudget the operator manages (so a deleted Service or a
-Deployment that became ready is acted on at once), its artifact appearing or going away, and a
-drift timer that re-reads everything (level-based, it also catches pod scheduling changes).
+Deployment that became ready is acted on at once), one of its engine pods showing, changing or
+clearing a problem (unschedulable, crash-looping: see `podwatch`), its artifact appearing or
+going away, and a drift timer that re-reads everything (level-based: it closes any gap left).
+
+Watches of core kinds use server-side label selectors, so the operator never receives the
+cluster's other pods, Services or ConfigMaps.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import aiohttp
 import kopf
 
 from kvfleet.compat import Matrix
-from kvfleet.operator import metrics, naming
+from kvfleet.operator import metrics, naming, podwatch
 from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.kube import KubeApi, KubeError, connection_from_kopf
 from kvfleet.operator.runtime import InvalidObjectError, Key, Runtime
@@ -36,6 +40,13 @@ CHILDREN = (
     ("", "v1", "configmaps"),
     ("policy", "v1", "poddisruptionbudgets"),
 )
+MANAGED = {"app.kubernetes.io/managed-by": naming.MANAGED_BY}
+PODS = ("", "v1", "pods")
+# Server-side filters of the watches, per (group, version, plural).
+WATCH_SELECTORS = {
+    **{child: naming.selector_string(MANAGED) for child in CHILDREN},
+    PODS: podwatch.POD_SELECTOR,
+}
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         settings.posting.level = logging.ERROR
         # No cluster-wide CRD/namespace scans: the RBAC stays small.
         settings.scanning.disabled = True
+        for resource, selector in WATCH_SELECTORS.items():
+            settings.watching.label_selectors[resource] = selector
 
     @kopf.on.login(registry=registry)
     async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
@@ -156,13 +169,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     for group, version, plural in CHILDREN:
 
-        @kopf.on.event(
-            group,
-            version,
-            plural,
-            labels={"app.kubernetes.io/managed-by": naming.MANAGED_BY},
-            registry=registry,
-        )
+        @kopf.on.event(group, version, plural, labels=MANAGED, registry=registry)
         async def child_changed(
             body: Any, namespace: str | None, type: str | None, **_: Any
         ) -> None:
@@ -173,6 +180,20 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             pool = _controller_pool(body)
             if pool is not None and state.runtime is not None:
                 in_background(state.runtime.pools.trigger, (namespace or "default", pool))
+
+    pod_problems = podwatch.PodProblems()
+
+    async def reconcile_pools_labelled(key: Key) -> None:
+        namespace, label = key
+        runtime = state.get()
+        for name in await podwatch.pools_of(runtime.api, namespace, label):
+            await runtime.pools.trigger((namespace, name))
+
+    @kopf.on.event(*PODS, labels={naming.POOL_LABEL: kopf.PRESENT}, registry=registry)
+    async def pod_changed(body: Any, namespace: str | None, type: str | None, **_: Any) -> None:
+        label = podwatch.pool_label(body)
+        if label is not None and state.runtime is not None and pod_problems.changed(body, type):
+            in_background(reconcile_pools_labelled, (namespace or "default", label))
 
     # -- ModelArtifact --------------------------------------------------------------------
 

@@ -122,26 +122,35 @@ def _container_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
+    """What keeps one pod from serving that waiting will not fix: (reason, detail), or None.
+
+    A pod being deleted has no problem of its own: its replacement is what matters.
+    """
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return None
+    scheduled = _condition(pod, "PodScheduled")
+    if (
+        scheduled is not None
+        and scheduled.get("status") == "False"
+        and scheduled.get("reason") == "Unschedulable"
+    ):
+        return "Unschedulable", str(scheduled.get("message", "")).strip()
+    return _container_problem(pod)
+
+
 def diagnose(spec: ServingPoolSpec, pods: list[dict[str, Any]]) -> Diagnosis | None:
     """The most important problem among the pods (unschedulable first), or None."""
     live = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
-    unschedulable = [
-        p
-        for p in live
-        if (c := _condition(p, "PodScheduled")) is not None
-        and c.get("status") == "False"
-        and c.get("reason") == "Unschedulable"
-    ]
+    problems = [(p, problem) for p in live if (problem := pod_problem(p)) is not None]
+    unschedulable = [detail for _, (reason, detail) in problems if reason == "Unschedulable"]
     if unschedulable:
-        scheduler = (_condition(unschedulable[0], "PodScheduled") or {}).get("message", "")
         return Diagnosis(
             "Unschedulable",
             f"no node with {placement_text(spec)}: {len(unschedulable)} of {len(live)} pod(s) "
-            f"pending (scheduler: {scheduler.strip()})",
+            f"pending (scheduler: {unschedulable[0]})",
         )
-    for pod in live:
-        problem = _container_problem(pod)
-        if problem is not None:
-            reason, message = problem
-            return Diagnosis(reason, f"pod {pod['metadata']['name']}: {message}")
-    return None
+    if not problems:
+        return None
+    pod, (reason, message) = problems[0]
+    return Diagnosis(reason, f"pod {pod['metadata']['name']}: {message}")

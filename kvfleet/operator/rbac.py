@@ -42,8 +42,8 @@ def cluster_role_rules() -> list[dict[str, Any]]:
             "resources": ["poddisruptionbudgets"],
             "verbs": [*WATCH, "create", "patch", "delete"],
         },
-        # Pod conditions explain why replicas are not ready.
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+        # Pod conditions explain why replicas are not ready; a change there triggers the pool.
+        {"apiGroups": [""], "resources": ["pods"], "verbs": WATCH},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         # kopf resolves `--namespace` globs against the live namespaces.
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": WATCH},
