@@ -9,6 +9,7 @@ adds are deleted by that test.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -41,6 +42,10 @@ H100 = fleet.H100_80GB.product
 L40S = fleet.GpuProduct("NVIDIA-L40S", 46068, "ada-lovelace", 8, 9, "l40s")
 Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]
 JsonObj = dict[str, Any]
+DRIFT_INTERVAL_S = 3.0
+# A drift interval whose first tick (kopf's initial delay: 0.5-1.5 intervals) comes long after
+# any test's deadline: what the operator does meanwhile, watch events made it do.
+NO_DRIFT_INTERVAL_S = 600.0
 
 
 def _free_port() -> int:
@@ -64,6 +69,7 @@ class OperatorProcess:
         self.metrics_port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.drift_interval = DRIFT_INTERVAL_S
 
     def start(self) -> None:
         self.starts += 1
@@ -72,7 +78,7 @@ class OperatorProcess:
         self.proc = subprocess.Popen(
             [*command, "operator", "--all-namespaces", "--standalone",
              "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1",
-             "--drift-interval", "3", "--verbose"],
+             "--drift-interval", str(self.drift_interval), "--verbose"],
             env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONPATH": str(ROOT)},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             preexec_fn=_die_with_parent,
@@ -94,6 +100,17 @@ class OperatorProcess:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    @contextlib.contextmanager
+    def without_drift_timer(self) -> Iterator[None]:
+        """Restarted with a drift timer that does not tick within a test (then restored)."""
+        self.drift_interval = NO_DRIFT_INTERVAL_S
+        self.restart()
+        try:
+            yield
+        finally:
+            self.drift_interval = DRIFT_INTERVAL_S
+            self.restart()
 
     def metrics(self) -> str:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -246,11 +263,21 @@ def test_missing_gpu_product_reports_why_until_a_node_appears(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
     add_nodes: Callable[[list[JsonObj]], None],
 ) -> None:  # fmt: skip
+    """The reason, its update and the recovery arrive through watch events: the drift timer
+    does not tick during the test, and the scheduler's verdict is only on the pod."""
+    with operator.without_drift_timer():
+        _unschedulable_until_a_node_appears(kube, kubectl, operator, namespace, add_nodes)
+
+
+def _unschedulable_until_a_node_appears(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
+    add_nodes: Callable[[list[JsonObj]], None],
+) -> None:  # fmt: skip
     _artifact_and_pool(kube, namespace, "big", spec__gpu__product="NVIDIA-L40S")
     pool = _wait_pool(
         kube, operator, namespace, "big",
         lambda p: _cond(p, "Available").get("reason") == "Unschedulable",
-        "Available=False reason Unschedulable",
+        "Available=False reason Unschedulable", timeout=60,
     )  # fmt: skip
     available = _cond(pool, "Available")
     assert available["status"] == "False"
@@ -269,8 +296,20 @@ def test_missing_gpu_product_reports_why_until_a_node_appears(
     assert events.strip(), "no Unschedulable event on the pool"
     generation, spec = pool["metadata"]["generation"], pool["spec"]
 
-    add_nodes([fleet.build_node(f"gpu-l40s-{namespace}", L40S, 1, "zone-a")])
-    pool = _wait_pool(kube, operator, namespace, "big", _available, "Available after node added")
+    # A cordoned L40S node changes only the scheduler's verdict on the pod (the Deployment
+    # sees nothing), so the pool's message follows through the pod watch alone.
+    node = fleet.build_node(f"gpu-l40s-{namespace}", L40S, 1, "zone-a")
+    node["spec"]["unschedulable"] = True
+    add_nodes([node])
+    _wait_pool(
+        kube, operator, namespace, "big",
+        lambda p: "node(s) were unschedulable" in _cond(p, "Available").get("message", ""),
+        "the scheduler's new verdict (a cordoned L40S node) on the pool", timeout=60,
+    )  # fmt: skip
+    kubectl("uncordon", node["metadata"]["name"])
+    pool = _wait_pool(
+        kube, operator, namespace, "big", _available, "Available after uncordon", timeout=60
+    )
     assert pool["metadata"]["generation"] == generation and pool["spec"] == spec
     assert _cond(pool, "Degraded")["status"] == "False"
 
@@ -381,6 +420,63 @@ def test_real_engine_pod_serves_the_artifact_on_the_local_node(
         ("smollm2-135m-instruct", revision[:12])
     ]
     assert ready["status"]["capacity"]["kvTokensPerReplica"] > 0
+
+
+def test_engine_refusing_weights_whose_sha256_differs_degrades_the_pool_with_its_reason(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
+    local_node: str, fake_nodes: list[str],
+) -> None:  # fmt: skip
+    """An artifact that pins a sha256 the real file does not have is admitted and Verified (the
+    operator never reads weights), but the engine on the local node refuses the file and exits;
+    its last log line becomes the container's termination message, which the pool shows. The
+    drift timer does not tick meanwhile: the crash reaches the pool through the pod watch."""
+    artifact = yaml.safe_load((EXAMPLES / "modelartifact-smollm2.yaml").read_text())
+    real_sha256 = artifact["spec"]["weights"]["files"][0]["sha256"]
+    claimed = "0" * 64
+    artifact["spec"]["weights"]["files"][0]["sha256"] = claimed
+    fake_l4 = [
+        n["metadata"]["name"]
+        for n in kube.list("Node", label_selector=f"{fleet.PRODUCT_LABEL}=NVIDIA-L4,type=kwok")
+    ]
+    pool = make_pool("tampered", artifact["metadata"]["name"], namespace)
+    for path, value in {
+        "spec.gpu.memory": "1Gi",
+        "spec.engine.workspace": "64Mi",
+        "spec.engine.safetyMargin": "64Mi",
+        "spec.engine.maxModelLength": 2048,
+        "spec.engine.maxBatchedTokens": 512,
+    }.items():
+        pool.set(path, value)
+    with operator.without_drift_timer():
+        _create(kube, _namespaced(artifact, namespace))
+        kubectl("cordon", *fake_l4)  # the local node is then the only L4 that takes new pods
+        try:
+            _create(kube, pool.data())
+            degraded = _wait_pool(
+                kube, operator, namespace, "tampered",
+                lambda p: "does not match the manifest" in _cond(p, "Degraded").get("message", ""),
+                "Degraded with the engine's sha256 reason", 180,
+            )  # fmt: skip
+        finally:
+            kubectl("uncordon", *fake_l4)
+    assert _cond(_get(kube, "ModelArtifact", namespace, artifact["metadata"]["name"]),
+                 "Verified")["status"] == "True"  # fmt: skip
+    condition = _cond(degraded, "Degraded")
+    assert condition["status"] == "True" and condition["reason"] == "CrashLoopBackOff"
+    # The engine's own words, both digests, nothing of the log lines before them.
+    message = condition["message"]
+    assert f"sha256 {real_sha256} does not match the manifest's {claimed}" in message
+    assert "(last exit code 1): engine failed to start: cannot load model" in message
+    assert "Uvicorn" not in message
+    assert not _available(degraded)
+    (pod,) = kube.list("Pod", namespace, label_selector=f"{naming.POOL_LABEL}=tampered")
+    assert pod["spec"]["nodeName"] == local_node
+    (state,) = pod["status"]["containerStatuses"]
+    assert state["restartCount"] >= 1 and not state["ready"]
+    # The local kubelet's termination message: the log's tail, whose last line is the reason.
+    last = state["lastState"]["terminated"]
+    assert last["exitCode"] == 1
+    assert "does not match the manifest" in last["message"].rstrip().splitlines()[-1]
 
 
 def test_engine_settings_and_replicas_roll_the_deployment(

@@ -48,8 +48,9 @@ class PodProblems:
     def changed(self, pod: dict[str, Any], event_type: str | None) -> bool:
         """Record the pod's state; True when its pool's diagnosis may differ because of it.
 
-        `event_type` is the watch event's: None for kopf's initial listing (the pools' own
-        resume reconciles those), ADDED, MODIFIED or DELETED.
+        `event_type` is the watch event's: None for kopf's initial listing, ADDED, MODIFIED
+        or DELETED. A listed pod with a problem counts as news: its pool's resume may have
+        read the pods before the problem showed (the watches start independently).
         """
         uid = str(pod.get("metadata", {}).get("uid", ""))
         before = self._problems.get(uid)
@@ -61,7 +62,7 @@ class PodProblems:
             self._problems.pop(uid, None)
         else:
             self._problems[uid] = problem
-        return event_type is not None and problem != before
+        return problem != before
 
     def __len__(self) -> int:
         return len(self._problems)

@@ -75,9 +75,11 @@ def test_a_problem_triggers_when_it_appears_changes_and_clears() -> None:
     assert len(problems) == 0
 
 
-def test_initial_listing_records_without_triggering() -> None:
-    problems, pod = PodProblems(), PodBuilder()
-    assert not problems.changed(pod.unschedulable().obj(), None)  # the pools resume anyway
+def test_initial_listing_triggers_only_for_pods_with_a_problem() -> None:
+    problems = PodProblems()
+    assert not problems.changed(PodBuilder(uid="ok").scheduled().obj(), None)
+    pod = PodBuilder(uid="stuck").unschedulable()
+    assert problems.changed(pod.obj(), None)
     assert not problems.changed(pod.obj(), "MODIFIED")
     assert problems.changed(pod.scheduled().obj(), "MODIFIED")
 
