@@ -94,6 +94,17 @@ def _controller_pool(body: Any) -> str | None:
     return None
 
 
+def configure(settings: kopf.OperatorSettings) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    # The operator posts its own events for decisions; kopf's per-handler ones are noise.
+    settings.posting.level = logging.ERROR
+    # No cluster-wide CRD/namespace scans: the RBAC stays small.
+    settings.scanning.disabled = True
+    for resource, selector in WATCH_SELECTORS.items():
+        settings.watching.label_selectors[resource] = selector
+
+
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     state = _State()
@@ -110,15 +121,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         task.add_done_callback(state.background.discard)
 
     @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
-        # The operator posts its own events for decisions; kopf's per-handler ones are noise.
-        settings.posting.level = logging.ERROR
-        # No cluster-wide CRD/namespace scans: the RBAC stays small.
-        settings.scanning.disabled = True
-        for resource, selector in WATCH_SELECTORS.items():
-            settings.watching.label_selectors[resource] = selector
+    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure(settings)
 
     @kopf.on.login(registry=registry)
     async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import kopf
 import pytest
 
-from kvfleet.operator import naming, podwatch
+from kvfleet.operator import handlers, naming, podwatch
 from kvfleet.operator.podwatch import PodProblems, pool_label, pools_of
 
 
@@ -146,3 +147,20 @@ def test_the_watch_selects_only_the_operators_engine_pods() -> None:
     for term in terms:
         key, _, value = term.partition("=")
         assert key in labels and (not value or labels[key] == value)
+
+
+def test_the_operator_watches_pods_and_children_through_label_selectors() -> None:
+    """Server-side filters: the cluster's other pods, ConfigMaps, ... never reach the operator."""
+    settings = kopf.OperatorSettings()
+    handlers.configure(settings)
+
+    def selectors(group: str, plural: str) -> list[str]:
+        resource = kopf.Resource(group, "v1", plural, preferred=True)
+        return list(settings.watching.label_selectors.collect(resource))
+
+    assert selectors("", "pods") == [podwatch.POD_SELECTOR]
+    managed = f"app.kubernetes.io/managed-by={naming.MANAGED_BY}"
+    for group, plural in [("apps", "deployments"), ("", "services"), ("", "configmaps"),
+                          ("policy", "poddisruptionbudgets")]:  # fmt: skip
+        assert selectors(group, plural) == [managed]
+    assert selectors("", "secrets") == []  # not watched, nothing set
