@@ -422,6 +422,33 @@ def test_real_engine_pod_serves_the_artifact_on_the_local_node(
     assert ready["status"]["capacity"]["kvTokensPerReplica"] > 0
 
 
+def _says_sha256_differs(pool: JsonObj) -> bool:
+    degraded = _cond(pool, "Degraded")
+    return degraded.get("status") == "True" and "does not match the manifest" in degraded.get(
+        "message", ""
+    )
+
+
+def _keeps_saying_through_a_restart(
+    kube: KubeClient, ns: str, name: str, check: Callable[[JsonObj], bool]
+) -> None:
+    """`check` holds for the pool at every look while its pod runs again and fails again
+    (two more failures: at least one whole run and back-off lie between them)."""
+    selector = f"{naming.POOL_LABEL}={name}"
+
+    def restarts() -> int:
+        (pod,) = kube.list("Pod", ns, label_selector=selector)
+        return int(pod["status"]["containerStatuses"][0]["restartCount"])
+
+    first = restarts()
+    deadline = time.monotonic() + 120
+    while restarts() < first + 2:
+        assert time.monotonic() < deadline, f"pod of {ns}/{name} did not crash twice in 120 s"
+        pool = _get(kube, "ServingPool", ns, name)
+        assert check(pool), f"the pool lost its reason between restarts: {pool['status']}"
+        time.sleep(0.3)
+
+
 def test_engine_refusing_weights_whose_sha256_differs_degrades_the_pool_with_its_reason(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
     local_node: str, fake_nodes: list[str],
@@ -453,10 +480,10 @@ def test_engine_refusing_weights_whose_sha256_differs_degrades_the_pool_with_its
         try:
             _create(kube, pool.data())
             degraded = _wait_pool(
-                kube, operator, namespace, "tampered",
-                lambda p: "does not match the manifest" in _cond(p, "Degraded").get("message", ""),
+                kube, operator, namespace, "tampered", _says_sha256_differs,
                 "Degraded with the engine's sha256 reason", 180,
             )  # fmt: skip
+            _keeps_saying_through_a_restart(kube, namespace, "tampered", _says_sha256_differs)
         finally:
             kubectl("uncordon", *fake_l4)
     assert _cond(_get(kube, "ModelArtifact", namespace, artifact["metadata"]["name"]),

@@ -108,17 +108,37 @@ def reason_line(message: str) -> str:
     return text if isinstance(text, str) and text else last
 
 
+def _restarted_after_failure(state: dict[str, Any]) -> bool:
+    """Running again after a failed exit and not ready yet: a crash loop between back-offs.
+
+    The failure that caused the restart is still why the replica does not serve; without this
+    the pool would flip between that reason and none at every restart.
+    """
+    last = (state.get("lastState") or {}).get("terminated") or {}
+    return (
+        "running" in (state.get("state") or {})
+        and not state.get("ready")
+        and int(state.get("restartCount") or 0) > 0
+        and last.get("exitCode") not in (None, 0)
+    )
+
+
 def _container_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
     for state in pod.get("status", {}).get("containerStatuses") or []:
         waiting = (state.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in STUCK_WAITING:
-            last = (state.get("lastState") or {}).get("terminated") or {}
-            detail = reason_line(last.get("message") or waiting.get("message") or "")
-            exit_code = last.get("exitCode")
-            text = f"container {state.get('name')} {waiting['reason']}"
-            if exit_code is not None:
-                text += f" (last exit code {exit_code})"
-            return waiting["reason"], f"{text}: {detail}" if detail else text
+            reason = str(waiting["reason"])
+        elif _restarted_after_failure(state):
+            reason = "CrashLoopBackOff"
+        else:
+            continue
+        last = (state.get("lastState") or {}).get("terminated") or {}
+        detail = reason_line(last.get("message") or waiting.get("message") or "")
+        exit_code = last.get("exitCode")
+        text = f"container {state.get('name')} {reason}"
+        if exit_code is not None:
+            text += f" (last exit code {exit_code})"
+        return reason, f"{text}: {detail}" if detail else text
     return None
 
 

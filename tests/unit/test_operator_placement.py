@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.operator.placement import reason_line
+from kvfleet.operator.placement import pod_problem, reason_line
 
 
 @pytest.mark.parametrize(
@@ -29,3 +29,24 @@ def test_reason_is_the_last_non_empty_line_and_a_json_records_msg(
     message: str, expected: str
 ) -> None:
     assert reason_line(message) == expected
+
+
+def _engine(
+    state: dict[str, object], *, ready: bool, restarts: int, exit_code: int | None
+) -> dict[str, object]:
+    last = {} if exit_code is None else {"terminated": {"exitCode": exit_code, "message": "boom"}}
+    status = {"name": "engine", "state": state, "ready": ready, "restartCount": restarts,
+              "lastState": last}  # fmt: skip
+    return {"metadata": {"name": "p"}, "status": {"containerStatuses": [status]}}
+
+
+def test_a_crash_loop_is_reported_between_back_offs_too() -> None:
+    expected = ("CrashLoopBackOff", "container engine CrashLoopBackOff (last exit code 1): boom")
+    waiting = {"waiting": {"reason": "CrashLoopBackOff"}}
+    assert pod_problem(_engine(waiting, ready=False, restarts=2, exit_code=1)) == expected
+    running = {"running": {"startedAt": "2026-11-29T09:00:00Z"}}
+    assert pod_problem(_engine(running, ready=False, restarts=2, exit_code=1)) == expected
+    # Ready again, never failed, or stopped on purpose (exit 0): nothing to report.
+    assert pod_problem(_engine(running, ready=True, restarts=2, exit_code=1)) is None
+    assert pod_problem(_engine(running, ready=False, restarts=0, exit_code=None)) is None
+    assert pod_problem(_engine(running, ready=False, restarts=1, exit_code=0)) is None

@@ -69,10 +69,21 @@ def test_a_problem_triggers_when_it_appears_changes_and_clears() -> None:
     assert problems.changed(pod.unschedulable("0/4 nodes are available").obj(), "MODIFIED")
     assert problems.changed(pod.scheduled().obj(), "MODIFIED")  # cleared: Degraded may go
     assert problems.changed(pod.container(CRASH, LAST_EXIT).obj(), "MODIFIED")
-    # Each restart of a crash loop runs (no problem) and fails again: both are news.
-    assert problems.changed(pod.container({"running": {}}, LAST_EXIT).obj(), "MODIFIED")
-    assert problems.changed(pod.container(CRASH, LAST_EXIT).obj(), "MODIFIED")
     assert problems.changed(pod.obj(), "DELETED")  # its problem leaves with it
+    assert len(problems) == 0
+
+
+def test_a_crash_loop_is_one_problem_through_its_restarts_until_ready() -> None:
+    problems, pod = PodProblems(), PodBuilder().scheduled()
+    assert problems.changed(pod.container(CRASH, LAST_EXIT).obj(), "MODIFIED")
+    for _ in range(3):  # run again (not ready), fail, back off: nothing new for the pool
+        restarted = pod.container({"running": {}}, LAST_EXIT).obj()
+        restarted["status"]["containerStatuses"][0].update(restartCount=1, ready=False)
+        assert not problems.changed(restarted, "MODIFIED")
+        assert not problems.changed(pod.container(CRASH, LAST_EXIT).obj(), "MODIFIED")
+    recovered = pod.container({"running": {}}, LAST_EXIT).obj()
+    recovered["status"]["containerStatuses"][0].update(restartCount=4, ready=True)
+    assert problems.changed(recovered, "MODIFIED")
     assert len(problems) == 0
 
 
