@@ -9,7 +9,9 @@ clearing a problem (unschedulable, crash-looping: see `podwatch`), its artifact 
 going away, and a drift timer that re-reads everything (level-based: it closes any gap left).
 
 Watches of core kinds use server-side label selectors, so the operator never receives the
-cluster's other pods, Services or ConfigMaps.
+cluster's other pods, Services or ConfigMaps. The same watches feed kopf indices (one per
+kind, see `cache`) that the reconciles read instead of asking the apiserver; kopf starts the
+other handlers only once every index holds its kind's initial listing.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import aiohttp
 import kopf
 
 from kvfleet.compat import Matrix
-from kvfleet.operator import metrics, naming, podwatch
+from kvfleet.operator import cache, metrics, naming, podwatch
 from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.kube import KubeApi, KubeError, connection_from_kopf
 from kvfleet.operator.runtime import InvalidObjectError, Key, Runtime
@@ -33,15 +35,28 @@ from kvfleet.operator.runtime import InvalidObjectError, Key, Runtime
 log = logging.getLogger("kvfleet.operator")
 GROUP, VERSION = "kvfleet.io", "v1alpha1"
 RETRY_DELAY_SECONDS = 5.0
-# Children kinds watched for changes: (group, version, plural).
-CHILDREN = (
-    ("apps", "v1", "deployments"),
-    ("", "v1", "services"),
-    ("", "v1", "configmaps"),
-    ("policy", "v1", "poddisruptionbudgets"),
-)
+# Children kinds watched for changes: (group, version, plural) -> kind.
+CHILD_KINDS = {
+    ("apps", "v1", "deployments"): "Deployment",
+    ("", "v1", "services"): "Service",
+    ("", "v1", "configmaps"): "ConfigMap",
+    ("policy", "v1", "poddisruptionbudgets"): "PodDisruptionBudget",
+}
+CHILDREN = tuple(CHILD_KINDS)
 MANAGED = {"app.kubernetes.io/managed-by": naming.MANAGED_BY}
 PODS = ("", "v1", "pods")
+# Client-side filters of the handlers on core kinds (the server-side ones are below).
+WATCH_LABELS: dict[tuple[str, str, str], dict[str, Any]] = {
+    **{child: MANAGED for child in CHILDREN},
+    PODS: {naming.POOL_LABEL: kopf.PRESENT},
+}
+# Every kind the reconciles read, each cached in its own kopf index (see `cache`).
+INDEXED = {
+    (GROUP, VERSION, "servingpools"): "ServingPool",
+    (GROUP, VERSION, "modelartifacts"): "ModelArtifact",
+    **CHILD_KINDS,
+    PODS: "Pod",
+}
 # Server-side filters of the watches, per (group, version, plural).
 WATCH_SELECTORS = {
     **{child: naming.selector_string(MANAGED) for child in CHILDREN},
@@ -125,7 +140,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         configure(settings)
 
     @kopf.on.login(registry=registry)
-    async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo:
         info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
             settings=settings
         )
@@ -135,8 +150,14 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             )
         if state.runtime is None:
             api = KubeApi(connection_from_kopf(info), metrics.count_request)
+            # kopf hands every handler its indices as keyword arguments named by index id.
+            indices = {index_id: kwargs[index_id] for index_id in cache.INDEX_IDS.values()}
             state.runtime = Runtime(
-                api, config.matrix, config.options, max_concurrent=config.max_concurrent_reconciles
+                api=api,
+                cache=cache.Cache(indices),
+                matrix=config.matrix,
+                options=config.options,
+                max_concurrent=config.max_concurrent_reconciles,
             )
         return info
 
@@ -144,6 +165,22 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def close(**_: Any) -> None:
         if state.runtime is not None:
             await state.runtime.api.close()
+
+    # -- the cache: one kopf index per kind a reconcile reads ------------------------------
+
+    def indexer(kind: str) -> Callable[..., dict[Any, Any]]:
+        def index(body: Any, **_: Any) -> dict[Any, Any]:
+            return cache.index_entry(kind, body)
+
+        return index
+
+    for resource, kind in INDEXED.items():
+        kopf.index(
+            *resource,
+            labels=WATCH_LABELS.get(resource),
+            id=cache.INDEX_IDS[kind],
+            registry=registry,
+        )(indexer(kind))
 
     # -- ServingPool ----------------------------------------------------------------------
 
@@ -171,9 +208,10 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def pool_drift(namespace: str | None, name: str, **_: Any) -> None:
         await _handled(state.get().pools.trigger, (namespace or "default", name))
 
-    for group, version, plural in CHILDREN:
+    for child in CHILDREN:
+        group, version, plural = child
 
-        @kopf.on.event(group, version, plural, labels=MANAGED, registry=registry)
+        @kopf.on.event(group, version, plural, labels=WATCH_LABELS[child], registry=registry)
         async def child_changed(
             body: Any, namespace: str | None, type: str | None, **_: Any
         ) -> None:
@@ -181,6 +219,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             # and ADDED is the operator's own create.
             if type not in ("MODIFIED", "DELETED"):
                 return
+            if type == "DELETED" and state.runtime is not None:
+                state.runtime.cache.seen_deleted(body)
             pool = _controller_pool(body)
             if pool is not None and state.runtime is not None:
                 in_background(state.runtime.pools.trigger, (namespace or "default", pool))
@@ -190,10 +230,10 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def reconcile_pools_labelled(key: Key) -> None:
         namespace, label = key
         runtime = state.get()
-        for name in await podwatch.pools_of(runtime.api, namespace, label):
+        for name in podwatch.pools_of(label, lambda: runtime.cache.names("ServingPool", namespace)):
             await runtime.pools.trigger((namespace, name))
 
-    @kopf.on.event(*PODS, labels={naming.POOL_LABEL: kopf.PRESENT}, registry=registry)
+    @kopf.on.event(*PODS, labels=WATCH_LABELS[PODS], registry=registry)
     async def pod_changed(body: Any, namespace: str | None, type: str | None, **_: Any) -> None:
         label = podwatch.pool_label(body)
         if label is not None and state.runtime is not None and pod_problems.changed(body, type):
@@ -208,13 +248,13 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         runtime = state.get()
         await _handled(runtime.artifacts.trigger, (namespace or "default", name))
         if reason != "resume":  # on resume, every pool resumes by itself
-            for key in await runtime.pools_using(namespace or "default", name):
+            for key in runtime.pools_using(namespace or "default", name):
                 in_background(runtime.pools.trigger, key)
 
     @kopf.on.delete(GROUP, VERSION, "modelartifacts", optional=True, registry=registry)
     async def artifact_deleted(namespace: str | None, name: str, **_: Any) -> None:
         runtime = state.get()
-        for key in await runtime.pools_using(namespace or "default", name):
+        for key in runtime.pools_using(namespace or "default", name):
             in_background(runtime.pools.trigger, key)
 
     return registry

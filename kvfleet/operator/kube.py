@@ -205,13 +205,15 @@ class KubeApi:
             body["preconditions"] = {"uid": uid}
         await self._send("DELETE", path_of(kind, namespace, name), body=body, missing_ok=True)
 
-    async def patch_status(self, kind: str, namespace: str, name: str, status: JsonObj) -> None:
-        await self._send(
+    async def patch_status(self, kind: str, namespace: str, name: str, status: JsonObj) -> JsonObj:
+        """Merge-patch the status subresource; the object as the apiserver stored it."""
+        result = await self._send(
             "PATCH",
             path_of(kind, namespace, name) + "/status",
             body={"status": status},
             content_type="application/merge-patch+json",
         )
+        return result or {}
 
     async def create(self, obj: JsonObj) -> None:
         await self._send("POST", path_of(obj["kind"], obj["metadata"]["namespace"]), body=obj)

@@ -9,16 +9,16 @@ change nothing here: the Deployment's status events already cover them.
 
 Pods carry their pool's name as a label value, which is cut to 63 characters with a digest
 suffix for long names (`naming.label_value`); only such a label needs a look-up of the pools in
-the namespace to find the name.
+the namespace (in the operator's cache) to find the name.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvfleet.operator import naming
-from kvfleet.operator.kube import KubeApi
 from kvfleet.operator.placement import pod_problem
 
 # Server-side filter of the pod watch: the operator's engine pods, nothing else.
@@ -68,16 +68,12 @@ class PodProblems:
         return len(self._problems)
 
 
-async def pools_of(api: KubeApi, namespace: str, label: str) -> list[str]:
-    """The names of the pools in `namespace` whose pool label is `label`.
+def pools_of(label: str, pool_names: Callable[[], Iterable[str]]) -> list[str]:
+    """The names of the pools whose pool label is `label`.
 
-    A label that cannot be a cut name is the pool's name: no request. One that may be cut
-    costs a list of the namespace's pools.
+    A label that cannot be a cut name is the pool's name; only one that may be cut needs the
+    namespace's pool names (`pool_names`, called only then) to find the pool it was cut from.
     """
     if not _MAYBE_CUT.fullmatch(label):
         return [label]
-    return [
-        name
-        for pool in await api.list("ServingPool", namespace)
-        if naming.label_value(name := pool["metadata"]["name"]) == label
-    ]
+    return [name for name in pool_names() if naming.label_value(name) == label]

@@ -1,10 +1,12 @@
 """The I/O edge of the reconcilers: read what exists, call the pure reconciler, carry out its
 plan. kopf handlers (kvfleet.operator.handlers) only decide *when* these run.
 
-Reads per ServingPool reconcile: the pool, its artifact, its Deployments (by label), its
-ConfigMap, Service and PDB; its pods only while the serving Deployment is not fully ready; the
-namespace's Rollouts only while the artifact differs from the serving revision. Writes happen
-only for what drifted and for a status that changed.
+Reads come from `cache.Cache` (what kopf's watches delivered), not from the apiserver: the
+pool, its artifact, its Deployments, ConfigMap, Service, PDB and engine pods. The one read
+left is the namespace's Rollouts, listed only while the artifact differs from the serving
+revision. Writes go out together, in one round trip of latency: the applies of what is
+missing or drifted, deletes of retired revisions, the status if it changed, and the events.
+A reconcile where nothing drifted and nothing changed sends no request at all.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvfleet.api import ModelArtifact, ServingPool, manifest_hash
 from kvfleet.compat import Matrix
 from kvfleet.operator import metrics, naming
 from kvfleet.operator.builders import EngineOptions
+from kvfleet.operator.cache import Cache
 from kvfleet.operator.coalesce import Coalescer
 from kvfleet.operator.kube import JsonObj, KubeApi, KubeError
 from kvfleet.operator.modelartifact import reconcile_artifact
@@ -43,9 +46,10 @@ class InvalidObjectError(ValueError):
 
 @dataclass
 class Runtime:
-    """Everything a reconcile needs besides the object: client, matrix, engine options."""
+    """Everything a reconcile needs besides the object: client, cache, matrix, engine options."""
 
     api: KubeApi
+    cache: Cache
     matrix: Matrix
     options: EngineOptions = field(default_factory=EngineOptions)
     pools: Coalescer[Key] = field(init=False)
@@ -84,18 +88,13 @@ class Runtime:
 
     async def _observe(self, pool: ServingPool, artifact: ModelArtifact | None) -> Observed:
         ns, name = pool.metadata.namespace or "default", pool.metadata.name
-        deployments, config_map, service, pdb = await asyncio.gather(
-            self.api.list("Deployment", ns, naming.selector_string(naming.pool_selector(name))),
-            self.api.get("ConfigMap", ns, naming.config_map_name(name)),
-            self.api.get("Service", ns, naming.service_name(name)),
-            self.api.get("PodDisruptionBudget", ns, naming.pdb_name(name)),
+        uid = pool.metadata.uid or ""
+        deployments = sorted(
+            self.cache.owned("Deployment", ns, uid), key=lambda d: str(d["metadata"]["name"])
         )
-        owned = tuple(d for d in deployments if _owned_by(d, pool))
         pods: list[JsonObj] = []
-        if not owned or not all(deployment_ready(d) for d in owned):
-            pods = await self.api.list(
-                "Pod", ns, naming.selector_string(naming.pool_selector(name))
-            )
+        if not deployments or not all(deployment_ready(d) for d in deployments):
+            pods = self.cache.pods(ns, naming.label_value(name))
         serving = pool.status.serving_revision if pool.status else None
         rollouts: tuple[str, ...] = ()
         if artifact is not None and serving is not None and manifest_hash(artifact.spec) != serving:
@@ -105,12 +104,17 @@ class Runtime:
                 if (r.get("spec", {}).get("poolRef") or {}).get("name") == name
             )
         return Observed(
-            deployments=owned,
-            config_map=config_map if config_map and _owned_by(config_map, pool) else None,
-            service=service if service and _owned_by(service, pool) else None,
-            pdb=pdb if pdb and _owned_by(pdb, pool) else None,
+            deployments=tuple(deployments),
+            config_map=self._owned_named("ConfigMap", ns, uid, naming.config_map_name(name)),
+            service=self._owned_named("Service", ns, uid, naming.service_name(name)),
+            pdb=self._owned_named("PodDisruptionBudget", ns, uid, naming.pdb_name(name)),
             pods=tuple(pods),
             rollouts=rollouts,
+        )
+
+    def _owned_named(self, kind: str, ns: str, uid: str, name: str) -> JsonObj | None:
+        return next(
+            (o for o in self.cache.owned(kind, ns, uid) if o["metadata"]["name"] == name), None
         )
 
     async def reconcile_pool(self, key: Key) -> None:
@@ -123,51 +127,62 @@ class Runtime:
 
     async def _reconcile_pool(self, key: Key) -> None:
         ns, name = key
-        raw = await self.api.get("ServingPool", ns, name)
+        raw = self.cache.get("ServingPool", ns, name)
         if raw is None or raw["metadata"].get("deletionTimestamp"):
             self.pools.forget(key)
             return
         pool = _parse(ServingPool, raw)
-        raw_artifact = await self.api.get("ModelArtifact", ns, pool.spec.artifact_ref.name)
+        raw_artifact = self.cache.get("ModelArtifact", ns, pool.spec.artifact_ref.name)
         artifact = _parse(ModelArtifact, raw_artifact) if raw_artifact else None
         observed = await self._observe(pool, artifact)
         plan = reconcile(
             pool, artifact, observed, matrix=self.matrix, now=_now(), options=self.options
         )
-        # The objects are independent (a pod waits for its ConfigMap), so the writes go out
-        # together: one round trip of latency instead of one per object.
+        # Every write is independent of the others (a pod waits for its ConfigMap by itself;
+        # the status describes what was decided, and is corrected below if an apply fails),
+        # so they go out together: one round trip of latency instead of one per object.
+        applies = [self._apply(obj) for obj in plan.apply]
         outcomes = await asyncio.gather(
-            *(self.api.apply(obj) for obj in plan.apply), return_exceptions=True
+            *applies,
+            *(self._delete(obj) for obj in plan.delete),
+            self._write_status("ServingPool", raw, plan.status),
+            *(self._post_event(raw, event) for event in plan.events),
+            return_exceptions=True,
         )
         failures: list[tuple[str, KubeError]] = []
-        for obj, outcome in zip(plan.apply, outcomes, strict=True):
-            if isinstance(outcome, KubeError) and not outcome.gone:
-                failures.append((f"{obj['kind']} {obj['metadata']['name']}", outcome))
-            elif isinstance(outcome, BaseException):
-                raise outcome
-            else:
-                metrics.OBJECTS_APPLIED.labels(kind=obj["kind"]).inc()
-        await asyncio.gather(
-            *(
-                self.api.delete(
-                    obj["kind"], ns, obj["metadata"]["name"], obj["metadata"].get("uid")
-                )
-                for obj in plan.delete
-            )
-        )
-        status, events = plan.status, list(plan.events)
+        errors: list[BaseException] = []
+        for index, outcome in enumerate(outcomes):
+            if not isinstance(outcome, BaseException):
+                continue
+            if index < len(applies) and isinstance(outcome, KubeError):
+                if not outcome.gone:  # gone: the namespace is being deleted, nothing to do
+                    obj = plan.apply[index]
+                    failures.append((f"{obj['kind']} {obj['metadata']['name']}", outcome))
+                continue
+            errors.append(outcome)
+        if errors:
+            raise errors[0]
         if failures:
             # The pool says what the apiserver refused (e.g. a full Service IP range) instead
             # of keeping a status that hides it; the error also makes kopf retry.
             message = "; ".join(f"{what}: {exc}" for what, exc in failures)
-            status = with_apply_failure(status, message, now=_now())
-            events.append(Event("Warning", "ApplyFailed", message))
-        await asyncio.gather(
-            self._write_status("ServingPool", raw, status),
-            *(self._post_event(raw, event) for event in events),
-        )
-        if failures:
+            current = self.cache.get("ServingPool", ns, name) or raw
+            await asyncio.gather(
+                self._write_status(
+                    "ServingPool", current, with_apply_failure(plan.status, message, now=_now())
+                ),
+                self._post_event(raw, Event("Warning", "ApplyFailed", message)),
+            )
             raise failures[0][1]
+
+    async def _apply(self, obj: JsonObj) -> None:
+        self.cache.wrote(await self.api.apply(obj))
+        metrics.OBJECTS_APPLIED.labels(kind=obj["kind"]).inc()
+
+    async def _delete(self, obj: JsonObj) -> None:
+        meta = obj["metadata"]
+        await self.api.delete(obj["kind"], meta["namespace"], meta["name"], meta.get("uid"))
+        self.cache.deleted(obj)
 
     # -- ModelArtifact --------------------------------------------------------------------
 
@@ -181,29 +196,31 @@ class Runtime:
 
     async def _reconcile_artifact(self, key: Key) -> None:
         ns, name = key
-        raw = await self.api.get("ModelArtifact", ns, name)
+        raw = self.cache.get("ModelArtifact", ns, name)
         if raw is None or raw["metadata"].get("deletionTimestamp"):
             self.artifacts.forget(key)
             return
         artifact = _parse(ModelArtifact, raw)
         status = reconcile_artifact(artifact, matrix=self.matrix, now=_now())
         previous = raw.get("status") or {}
-        await self._write_status("ModelArtifact", raw, status)
+        events: list[Event] = []
         if previous.get("manifestHash") != status["manifestHash"]:
-            await self._post_event(
-                raw, Event("Normal", "Hashed", f"manifest hash {status['manifestHash']}")
-            )
+            events.append(Event("Normal", "Hashed", f"manifest hash {status['manifestHash']}"))
         for cond in status["conditions"]:
             old: JsonObj = next(
                 (c for c in previous.get("conditions", []) if c["type"] == cond["type"]), {}
             )
             if cond["status"] == "False" and old.get("reason") != cond["reason"]:
-                await self._post_event(raw, Event("Warning", cond["reason"], cond["message"]))
+                events.append(Event("Warning", cond["reason"], cond["message"]))
+        await asyncio.gather(
+            self._write_status("ModelArtifact", raw, status),
+            *(self._post_event(raw, event) for event in events),
+        )
 
-    async def pools_using(self, namespace: str, artifact: str) -> list[Key]:
+    def pools_using(self, namespace: str, artifact: str) -> list[Key]:
         return [
             (namespace, p["metadata"]["name"])
-            for p in await self.api.list("ServingPool", namespace)
+            for p in self.cache.objects("ServingPool", namespace)
             if (p.get("spec", {}).get("artifactRef") or {}).get("name") == artifact
         ]
 
@@ -216,7 +233,7 @@ class Runtime:
         # A merge patch keeps keys it does not mention: clear the ones that went away.
         patch: JsonObj = {**{k: None for k in previous if k not in status}, **status}
         meta = raw["metadata"]
-        await self.api.patch_status(kind, meta["namespace"], meta["name"], patch)
+        self.cache.wrote(await self.api.patch_status(kind, meta["namespace"], meta["name"], patch))
 
     async def _post_event(self, raw: JsonObj, event: Event) -> None:
         meta = raw["metadata"]

@@ -6,7 +6,6 @@ import copy
 from typing import Any
 
 import kopf
-import pytest
 
 from kvfleet.operator import handlers, naming, podwatch
 from kvfleet.operator.podwatch import PodProblems, pool_label, pools_of
@@ -113,37 +112,36 @@ def test_a_pod_being_deleted_has_no_problem_of_its_own() -> None:
     assert len(problems) == 0
 
 
-class FakeApi:
-    def __init__(self, pools: list[str]) -> None:
-        self.pools = pools
-        self.requests: list[tuple[str, str]] = []
+class PoolNames:
+    """The namespace's pool names as the cache has them; counts the look-ups."""
 
-    async def list(self, kind: str, namespace: str, selector: str | None = None) -> list[Any]:
-        self.requests.append((kind, namespace))
-        return [{"metadata": {"name": name}} for name in self.pools]
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.lookups = 0
+
+    def __call__(self) -> list[str]:
+        self.lookups += 1
+        return self.names
 
 
-@pytest.mark.asyncio
-async def test_a_short_pool_name_is_its_label_without_a_request() -> None:
-    api = FakeApi(["chat"])
-    pod = PodBuilder("chat").obj()
-    label = pool_label(pod)
+def test_a_short_pool_name_is_its_label_without_a_look_up() -> None:
+    names = PoolNames(["chat"])
+    label = pool_label(PodBuilder("chat").obj())
     assert label == "chat"
-    assert await pools_of(api, "ns", label) == ["chat"]  # type: ignore[arg-type]
-    assert api.requests == []
+    assert pools_of(label, names) == ["chat"]
+    assert names.lookups == 0
 
 
-@pytest.mark.asyncio
-async def test_a_long_pool_name_is_found_from_its_cut_label() -> None:
+def test_a_long_pool_name_is_found_from_its_cut_label() -> None:
     long_name = "team-a.summariser." + "x" * 80
     other = "team-a.summariser." + "y" * 80
     short_lookalike = "chat-0123abcd"  # the same shape as a cut label, and a real name
-    api = FakeApi([long_name, other, short_lookalike, "chat"])
+    names = PoolNames([long_name, other, short_lookalike, "chat"])
     label = pool_label(PodBuilder(long_name).obj())
     assert label is not None and label != long_name and len(label) <= 63
-    assert await pools_of(api, "ns", label) == [long_name]  # type: ignore[arg-type]
-    assert api.requests == [("ServingPool", "ns")]
-    assert await pools_of(api, "ns", short_lookalike) == [short_lookalike]  # type: ignore[arg-type]
+    assert pools_of(label, names) == [long_name]
+    assert names.lookups == 1
+    assert pools_of(short_lookalike, names) == [short_lookalike]
 
 
 def test_pods_without_the_pool_label_belong_to_no_pool() -> None:

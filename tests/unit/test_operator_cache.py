@@ -1,0 +1,348 @@
+"""Reconciles read the watch-fed cache: apiserver requests per reconcile, and drift still closes.
+
+A fake apiserver holds the truth and a fake watch delivers its changes to kopf-like indices
+only when told to, so each test can put the cache behind the cluster, as a real watch is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+from operator_fakes import artifact, pool
+
+from kvfleet.compat import default_matrix
+from kvfleet.operator import cache, handlers, naming
+from kvfleet.operator.cache import INDEX_IDS, Cache
+from kvfleet.operator.handlers import OperatorConfig, build_registry
+from kvfleet.operator.runtime import Runtime
+
+JsonObj = dict[str, Any]
+Requests = list[tuple[str, str]]  # (verb, what)
+JsonList = list[JsonObj]
+NS = "default"
+
+
+class FakeIndex(Mapping[Any, list[JsonObj]]):
+    """One kopf index: key -> the values filed by each object (by uid) under it."""
+
+    def __init__(self) -> None:
+        self.stores: dict[Any, dict[str, JsonObj]] = {}
+
+    def __getitem__(self, key: Any) -> list[JsonObj]:
+        return list(self.stores[key].values())
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.stores)
+
+    def __len__(self) -> int:
+        return len(self.stores)
+
+
+class FakeCluster:
+    """The apiserver (objects, resourceVersions, the operator's requests) and a lagging watch."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], JsonObj] = {}  # (kind, name) -> object
+        self.indices = {index_id: FakeIndex() for index_id in INDEX_IDS.values()}
+        self.requests: Requests = []
+        self.undelivered: list[tuple[str, JsonObj]] = []  # watch events not yet delivered
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._versions = itertools.count(100)
+        self._uids = itertools.count(1)
+        self.cache: Cache | None = None
+
+    # -- the cluster side -----------------------------------------------------------------
+
+    def store(self, obj: JsonObj, event: str = "MODIFIED") -> JsonObj:
+        obj = copy.deepcopy(obj)
+        meta = obj["metadata"]
+        meta.setdefault("namespace", NS)
+        meta.setdefault("uid", f"uid-{next(self._uids)}")
+        meta["resourceVersion"] = str(next(self._versions))
+        meta["managedFields"] = [{"manager": "kvfleet-operator"}]
+        self.objects[(obj["kind"], meta["name"])] = obj
+        self.undelivered.append((event, copy.deepcopy(obj)))
+        return obj
+
+    def remove(self, kind: str, name: str) -> None:
+        obj = self.objects.pop((kind, name))
+        obj["metadata"]["resourceVersion"] = str(next(self._versions))
+        self.undelivered.append(("DELETED", obj))
+
+    def edit(self, kind: str, name: str, path: list[str], value: Any) -> None:
+        """A hand edit (kubectl), not the operator's."""
+        obj = copy.deepcopy(self.objects[(kind, name)])
+        target = obj
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        self.store(obj)
+
+    def ready(self, name: str) -> None:
+        """The Deployment controller and kubelet caught up: every replica ready."""
+        d = copy.deepcopy(self.objects[("Deployment", name)])
+        want = d["spec"]["replicas"]
+        d["metadata"]["generation"] = 1
+        d["status"] = {"observedGeneration": 1, "replicas": want, "updatedReplicas": want,
+                       "readyReplicas": want, "availableReplicas": want}  # fmt: skip
+        self.store(d)
+
+    def deliver(self) -> None:
+        """The watch catches up, as kopf feeds its indices (and the DELETED handler)."""
+        for event, obj in self.undelivered:
+            index = self.indices[INDEX_IDS[obj["kind"]]]
+            uid = obj["metadata"]["uid"]
+            for stores in index.stores.values():
+                stores.pop(uid, None)
+            if event == "DELETED":
+                if self.cache is not None:
+                    self.cache.seen_deleted(obj)
+                continue
+            for key, value in cache.index_entry(obj["kind"], obj).items():
+                index.stores.setdefault(key, {})[uid] = value
+        for idx in self.indices.values():  # kopf drops a key with no values left
+            idx.stores = {key: values for key, values in idx.stores.items() if values}
+        self.undelivered = []
+
+    # -- the KubeApi verbs the runtime uses -------------------------------------------------
+
+    async def _request(self, verb: str, what: str) -> None:
+        self.requests.append((verb, what))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        await asyncio.sleep(0.01)  # a round trip: concurrent requests overlap here
+        self.in_flight -= 1
+
+    async def apply(self, obj: JsonObj) -> JsonObj:
+        await self._request("PATCH", f"{obj['kind']} {obj['metadata']['name']}")
+        current = self.objects.get((obj["kind"], obj["metadata"]["name"]))
+        merged = copy.deepcopy(obj)
+        if current is not None:
+            merged["metadata"]["uid"] = current["metadata"]["uid"]
+            merged["status"] = current.get("status", {})
+        return self.store(merged, "MODIFIED" if current else "ADDED")
+
+    async def patch_status(self, kind: str, namespace: str, name: str, status: JsonObj) -> JsonObj:
+        await self._request("PATCH", f"{kind} {name}/status")
+        obj = copy.deepcopy(self.objects[(kind, name)])
+        merged = {**obj.get("status", {}), **status}
+        obj["status"] = {k: v for k, v in merged.items() if v is not None}
+        return self.store(obj)
+
+    async def create(self, obj: JsonObj) -> None:
+        await self._request("POST", f"Event {obj['reason']}")
+
+    async def delete(self, kind: str, namespace: str, name: str, uid: str | None) -> None:
+        await self._request("DELETE", f"{kind} {name}")
+        self.remove(kind, name)
+
+    async def list(self, kind: str, namespace: str, selector: str | None = None) -> JsonList:
+        await self._request("GET", f"{kind} list")
+        return [o for (k, _), o in self.objects.items() if k == kind]
+
+    async def get(self, kind: str, namespace: str, name: str) -> JsonObj | None:
+        await self._request("GET", f"{kind} {name}")
+        return self.objects.get((kind, name))
+
+    # -- what the tests look at -------------------------------------------------------------
+
+    def take(self) -> Requests:
+        requests, self.requests = self.requests, []
+        return requests
+
+
+def _runtime(cluster: FakeCluster) -> Runtime:
+    cluster.cache = Cache(cluster.indices)
+    return Runtime(api=cluster, cache=cluster.cache, matrix=default_matrix())  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def cluster() -> FakeCluster:
+    c = FakeCluster()
+    c.store(artifact().to_wire(), "ADDED")
+    c.store(pool().to_wire(), "ADDED")
+    c.deliver()
+    return c
+
+
+async def _converge(cluster: FakeCluster, runtime: Runtime) -> str:
+    """Create the pool's objects, let the watch and the Deployment catch up; the Deployment."""
+    await runtime.reconcile_pool((NS, "chat"))
+    cluster.deliver()
+    (deployment,) = [name for kind, name in cluster.objects if kind == "Deployment"]
+    cluster.ready(deployment)
+    cluster.deliver()
+    await runtime.reconcile_pool((NS, "chat"))
+    cluster.deliver()
+    cluster.take()
+    return deployment
+
+
+def _writes(requests: Requests) -> Requests:
+    return [r for r in requests if r[0] != "POST"]  # events aside
+
+
+@pytest.mark.asyncio
+async def test_a_new_pool_is_written_in_one_round_trip_without_reads(cluster: FakeCluster) -> None:
+    runtime = _runtime(cluster)
+    await runtime.reconcile_pool((NS, "chat"))
+    requests = cluster.take()
+    assert sorted(_writes(requests)) == [
+        ("PATCH", "ConfigMap chat-engine"),
+        ("PATCH", f"Deployment {_deployment_name(cluster)}"),
+        ("PATCH", "PodDisruptionBudget chat"),
+        ("PATCH", "Service chat"),
+        ("PATCH", "ServingPool chat/status"),
+    ]
+    assert ("POST", "Event Created") in requests
+    assert not [r for r in requests if r[0] == "GET"]
+    assert cluster.max_in_flight == len(requests)  # all at once: one round trip of latency
+
+
+@pytest.mark.asyncio
+async def test_a_reconcile_before_the_watch_delivers_its_own_writes_writes_nothing(
+    cluster: FakeCluster,
+) -> None:
+    runtime = _runtime(cluster)
+    await runtime.reconcile_pool((NS, "chat"))
+    cluster.take()
+    # A trigger arrives before the watch has delivered the creates and the status.
+    await runtime.reconcile_pool((NS, "chat"))
+    assert cluster.take() == []
+    cluster.deliver()
+    await runtime.reconcile_pool((NS, "chat"))
+    assert cluster.take() == []
+
+
+@pytest.mark.asyncio
+async def test_a_converged_pool_costs_no_request(cluster: FakeCluster) -> None:
+    runtime = _runtime(cluster)
+    await _converge(cluster, runtime)
+    pool_status = cluster.objects[("ServingPool", "chat")]["status"]
+    assert any(
+        c["type"] == "Available" and c["status"] == "True" for c in pool_status["conditions"]
+    )
+    for _ in range(3):  # drift ticks
+        await runtime.reconcile_pool((NS, "chat"))
+    assert cluster.take() == []
+
+
+@pytest.mark.asyncio
+async def test_hand_edits_are_restored_and_spec_is_never_written(cluster: FakeCluster) -> None:
+    runtime = _runtime(cluster)
+    deployment = await _converge(cluster, runtime)
+    spec = copy.deepcopy(cluster.objects[("ServingPool", "chat")]["spec"])
+    cluster.edit("Deployment", deployment, ["spec", "replicas"], 3)  # kubectl scale
+    cluster.deliver()
+    await runtime.reconcile_pool((NS, "chat"))
+    requests = cluster.take()
+    assert ("PATCH", f"Deployment {deployment}") in requests
+    assert ("POST", "Event Restored") in requests
+    assert cluster.objects[("Deployment", deployment)]["spec"]["replicas"] == 1
+    assert not [r for r in requests if r[1] == "ServingPool chat"]  # only ever /status
+    assert cluster.objects[("ServingPool", "chat")]["spec"] == spec
+
+
+@pytest.mark.asyncio
+async def test_a_deleted_child_is_recreated(cluster: FakeCluster) -> None:
+    runtime = _runtime(cluster)
+    await _converge(cluster, runtime)
+    cluster.remove("Service", "chat")
+    cluster.deliver()
+    await runtime.reconcile_pool((NS, "chat"))
+    assert ("PATCH", "Service chat") in cluster.take()
+    assert ("Service", "chat") in cluster.objects
+
+
+@pytest.mark.asyncio
+async def test_a_child_deleted_before_the_watch_saw_it_created_is_recreated(
+    cluster: FakeCluster,
+) -> None:
+    runtime = _runtime(cluster)
+    await runtime.reconcile_pool((NS, "chat"))  # creates; the watch has not delivered them
+    cluster.take()
+    cluster.remove("Service", "chat")
+    cluster.deliver()  # ADDED, then DELETED
+    await runtime.reconcile_pool((NS, "chat"))
+    assert ("PATCH", "Service chat") in cluster.take()
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_operator_with_a_synced_cache_writes_nothing(
+    cluster: FakeCluster,
+) -> None:
+    await _converge(cluster, _runtime(cluster))
+    restarted = _runtime(cluster)  # a new process: nothing but what the watches list
+    await restarted.reconcile_pool((NS, "chat"))
+    assert cluster.take() == []
+
+
+@pytest.mark.asyncio
+async def test_a_deleted_pool_is_not_brought_back_by_its_last_status_write(
+    cluster: FakeCluster,
+) -> None:
+    runtime = _runtime(cluster)
+    await runtime.reconcile_pool((NS, "chat"))  # status written: a stand-in exists
+    cluster.deliver()
+    cluster.take()
+    cluster.remove("ServingPool", "chat")
+    cluster.deliver()
+    await runtime.reconcile_pool((NS, "chat"))
+    assert cluster.take() == []
+
+
+def test_the_newer_resource_version_wins_and_stand_ins_expire() -> None:
+    index = FakeIndex()
+    indices = {i: FakeIndex() for i in INDEX_IDS.values()} | {INDEX_IDS["ServingPool"]: index}
+    now = [0.0]
+    c = Cache(indices, ttl_seconds=10, clock=lambda: now[0])
+    meta = {"name": "a", "namespace": NS, "uid": "u", "resourceVersion": "5"}
+    watched: JsonObj = {"kind": "ServingPool", "metadata": meta, "status": {"n": 1}}
+    index.stores[(NS, "a")] = {"u": watched}
+    written = copy.deepcopy(watched)
+    written["metadata"]["resourceVersion"], written["status"] = "6", {"n": 2}
+    c.wrote(written)
+    assert c.get("ServingPool", NS, "a") == written
+    now[0] = 11.0
+    assert c.get("ServingPool", NS, "a") == watched  # expired: back to the watch's view
+    c.wrote(written)
+    newer = copy.deepcopy(watched)
+    newer["metadata"]["resourceVersion"], newer["status"] = "7", {"n": 3}
+    index.stores[(NS, "a")] = {"u": newer}
+    assert c.get("ServingPool", NS, "a") == newer
+    assert len(c) == 0  # the stand-in went once the watch passed it
+
+
+def test_cached_objects_drop_managed_fields_and_pods_their_spec() -> None:
+    owner = {"kind": "ServingPool", "controller": True, "uid": "p"}
+    meta: JsonObj = {"name": "d", "namespace": NS, "ownerReferences": [owner]}
+    d: JsonObj = {"kind": "Deployment", "metadata": {**meta, "managedFields": [{}]}, "spec": {}}
+    assert cache.index_entry("Deployment", d) == {
+        (NS, "p"): {"kind": "Deployment", "metadata": meta, "spec": {}}
+    }
+    orphan: JsonObj = {"kind": "Service", "metadata": {"name": "s", "namespace": NS}}
+    assert cache.index_entry("Service", orphan) == {}
+    pod_meta = {"name": "x", "namespace": NS, "labels": {naming.POOL_LABEL: "chat"}}
+    p: JsonObj = {"kind": "Pod", "metadata": pod_meta, "spec": {"containers": []}, "status": {}}
+    assert cache.index_entry("Pod", p) == {
+        (NS, "chat"): {"kind": "Pod", "metadata": pod_meta, "status": {}}
+    }
+
+
+def test_every_cache_index_is_registered_with_kopf() -> None:
+    """The login handler takes each index from kopf's keyword arguments by its id."""
+    registry = build_registry(OperatorConfig(matrix=default_matrix()))
+    ids = {h.id for h in registry._indexing.get_all_handlers()}
+    assert ids == set(INDEX_IDS.values())
+    assert set(handlers.INDEXED.values()) == set(INDEX_IDS)
+
+
+def _deployment_name(cluster: FakeCluster) -> str:
+    (name,) = [n for kind, n in cluster.objects if kind == "Deployment"]
+    return name
