@@ -36,6 +36,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message in the model's chat template")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="output bits independent of the other prompts in the batch")
     p.set_defaults(func=run)
 
 
@@ -50,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         prompts: list[str] = list(args.prompts) or [sys.stdin.read()]
         from kvfleet.engine.llm import LLM
 
-        llm = LLM(args.model, show_progress=not args.no_progress)
+        llm = LLM(args.model, batch_invariant=args.batch_invariant,
+                  show_progress=not args.no_progress)
         inputs: list[Any] = ([[{"role": "user", "content": p}] for p in prompts] if args.chat
                              else prompts)
         outputs = llm.generate(inputs, params, use_tqdm=not args.no_progress)

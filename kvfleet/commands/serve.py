@@ -100,6 +100,9 @@ def register(subparsers: Any) -> None:
                         help="waiting this long raises a request one priority level")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True)
+    engine.add_argument("--batch-invariant", action="store_true",
+                        help="a request's output does not depend on what it is batched with "
+                             "(pads small steps: about 2x the step time with 1-2 running)")
     http = p.add_argument_group("http")
     http.add_argument("--max-body-bytes", type=_positive_int, default=4 * MIB)
     http.add_argument("--default-max-tokens", type=_positive_int, default=1024,

@@ -86,8 +86,12 @@ class EngineCore:
 
 
 def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = None,
-                      scheduler_config: SchedulerConfig | None = None) -> EngineCore:
-    """A core for `model` with a KV pool sized by `cache_config` (default: 512 MiB)."""
+                      scheduler_config: SchedulerConfig | None = None, *,
+                      batch_invariant: bool = False) -> EngineCore:
+    """A core for `model` with a KV pool sized by `cache_config` (default: 512 MiB).
+
+    `batch_invariant`: a request's output bits do not depend on the rest of its batch, at the
+    cost of padding small steps (see `kvfleet.engine.model.llama`)."""
     from kvfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
 
     cache_config = cache_config or CacheConfig()
@@ -96,7 +100,7 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     eos_ids = [] if model.tokenizer.eos_token_id is None else [model.tokenizer.eos_token_id]
     scheduler = Scheduler(scheduler_config, cache_config, num_blocks=num_blocks,
                           max_model_len=model.config.max_context, eos_token_ids=eos_ids)
-    runner = ModelRunner(model, num_blocks, cache_config.block_size)
+    runner = ModelRunner(model, num_blocks, cache_config.block_size, batch_invariant)
     _return_freed_memory()
     template = model.chat_template
     return EngineCore(runner, scheduler, Sampler(eos_ids), model_hash=model.revision,

@@ -72,7 +72,8 @@ class LLM:
                  kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_running: int = 64, long_prefill_token_threshold: int = 512,
-                 policy: str = "fcfs", show_progress: bool = True) -> None:
+                 policy: str = "fcfs", batch_invariant: bool = False,
+                 show_progress: bool = True) -> None:
         from kvfleet.engine.model.loader import load_model
 
         cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
@@ -83,7 +84,8 @@ class LLM:
                                     long_prefill_token_threshold=long_prefill_token_threshold,
                                     policy=SchedulingPolicy(policy))
         self.model = load_model(model, show_progress=show_progress)
-        self.core = build_engine_core(self.model, cache, scheduler)
+        self.core = build_engine_core(self.model, cache, scheduler,
+                                      batch_invariant=batch_invariant)
         self.tokenizer: TokenizerProtocol = self.model.tokenizer
         self.chat_template: ChatTemplateProtocol | None = self.model.chat_template
         self._ids = itertools.count()

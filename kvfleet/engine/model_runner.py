@@ -159,7 +159,8 @@ class _PagedAttention:
 class ModelRunner:
     """Runs scheduled chunks over the paged KV cache and returns next-token logits."""
 
-    def __init__(self, model: LoadedModel | LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LoadedModel | LlamaModel, num_blocks: int, block_size: int,
+                 batch_invariant: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         if block_size <= 0:
@@ -168,6 +169,7 @@ class ModelRunner:
         self.config = self.model.config
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.batch_invariant = batch_invariant
         cfg = self.config
         self.kv_cache = torch.zeros(
             cfg.num_layers,
@@ -297,10 +299,10 @@ class ModelRunner:
         if out.is_empty:
             return {}
         token_ids, positions, attention, last_rows = self._plan(out.chunks)
-        hidden = self.model(token_ids, positions, attention)
+        hidden = self.model(token_ids, positions, attention, self.batch_invariant)
         if not last_rows:
             return {}
         last = hidden.index_select(0, torch.tensor(last_rows, dtype=torch.long))
-        logits = self.model.compute_logits(last)
+        logits = self.model.compute_logits(last, self.batch_invariant)
         sampled = [c.request_id for c in out.chunks if c.sample]
         return dict(zip(sampled, logits.unbind(0), strict=True))

@@ -50,7 +50,8 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
         verify_weights(Path(args.model) if args.model else default_model_path(),
                        args.expected_sha256)
         model = load_model(args.model, progress=_log_progress)
-        core = build_engine_core(model, cache_config, scheduler_config)
+        core = build_engine_core(model, cache_config, scheduler_config,
+                                 batch_invariant=args.batch_invariant)
         max_context = model.config.max_context
         if args.max_model_len is not None:
             max_context = min(max_context, args.max_model_len)

@@ -30,7 +30,8 @@ def make_llm(model: LoadedModel, *, num_blocks: int = 256, prefix: bool = True,
     core = build_engine_core(
         model, CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix),
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                        long_prefill_token_threshold=128))
+                        long_prefill_token_threshold=128),
+        batch_invariant=True)
     return LLM.from_core(core, model.tokenizer, model.chat_template)
 
 
@@ -99,7 +100,8 @@ def test_alone_equals_after_preemption_and_recompute(
     # fillers (28 prompt tokens: 2 blocks, a third one at token 33) must grow while the pool
     # is full, and the targets have the lowest priority: the long target is preempted.
     assert len(targets[1]) + MAX_TOKENS <= 5 * 16
-    core = build_engine_core(model, CacheConfig(num_blocks=8, enable_prefix_caching=False))
+    core = build_engine_core(model, CacheConfig(num_blocks=8, enable_prefix_caching=False),
+                             batch_invariant=True)
     words = model.tokenizer.encode(" ".join(["pod", "node", "cache", "tenant"] * 20))
     fillers = [words[i:i + 28] for i in range(6)]
     requests = [Request(f"r{i}", prompt, sampling_params=GREEDY,
