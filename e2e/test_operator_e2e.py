@@ -355,6 +355,38 @@ def test_drift_is_restored_and_deleted_service_recreated(
     assert "drifted at .spec.replicas" in reasons or "drifted at .spec.template" in reasons
 
 
+def _metric_total(text: str, prefix: str) -> float:
+    """The sum of the samples whose name and labels start with `prefix`."""
+    return sum(
+        float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(prefix)
+    )
+
+
+def test_drift_ticks_of_a_converged_pool_send_no_request(
+    kube: KubeClient, operator: OperatorProcess, namespace: str
+) -> None:
+    """The drift check reads the watch-fed cache: once nothing differs, a tick costs the
+    apiserver nothing (each tick used to GET the pool, its artifact and its four children)."""
+    _artifact_and_pool(kube, namespace, "quiet")
+    _wait_pool(kube, operator, namespace, "quiet", _available, "Available")
+    reconciles = 'kvfleet_operator_reconciles_total{kind="ServingPool"}'
+    requests = "kvfleet_operator_apiserver_requests_total"
+    seen: list[tuple[float, float]] = []
+    deadline = time.monotonic() + 60  # other tests' pools may still be settling
+    while time.monotonic() < deadline:
+        before = operator.metrics()
+        time.sleep(3 * DRIFT_INTERVAL_S)  # every pool ticks at least twice
+        after = operator.metrics()
+        window = (
+            _metric_total(after, reconciles) - _metric_total(before, reconciles),
+            _metric_total(after, requests) - _metric_total(before, requests),
+        )
+        if window[0] >= 2 and window[1] == 0:
+            return
+        seen.append(window)
+    pytest.fail(f"no quiet window of drift ticks; (reconciles, requests) per window: {seen}")
+
+
 def test_operator_restart_converges_without_duplicates(
     kube: KubeClient, operator: OperatorProcess, namespace: str
 ) -> None:
