@@ -31,11 +31,11 @@ from typing import Any
 
 import psutil
 import torch
+import torch.nn.functional as F
 
 from kvfleet.engine.config import CacheConfig, SchedulerConfig
 from kvfleet.engine.engine import EngineCore, build_engine_core
 from kvfleet.engine.llm import LLM
-from kvfleet.engine.model.llama import invariant_linear
 from kvfleet.engine.model.loader import LoadedModel, default_model_path, load_model
 from kvfleet.engine.request import Request, SamplingParams
 
@@ -159,8 +159,9 @@ def decode_tokens_per_second(core: EngineCore, batch: int, steps: int, vocab: in
 def gemm_only_tokens_per_second(model: LoadedModel, batch: int, repeats: int = 5) -> float:
     """Tokens/s of a decode step that did nothing but its weight matmuls: the same weight
     tensors (so the same trips to memory: 540 MB of fp32 weights do not fit in any cache),
-    the same batch-invariant GEMM calls, B rows each; no attention, norms, RoPE or sampling.
-    The ceiling any engine computing this model in fp32 with torch's GEMMs can reach here."""
+    the same GEMM calls as the engine's default (not batch-invariant) mode, B rows each; no
+    attention, norms, RoPE or sampling. The ceiling any engine computing this model in fp32
+    with torch's GEMMs can reach here."""
     m = model.model
     hidden = m.config.hidden_size
     x = torch.randn(batch, hidden)
@@ -169,11 +170,11 @@ def gemm_only_tokens_per_second(model: LoadedModel, batch: int, repeats: int = 5
 
     def one_pass() -> None:
         for layer in range(m.config.num_layers):
-            invariant_linear(x, m.qkv_proj[layer])
-            invariant_linear(attn, m.o_proj[layer])
-            invariant_linear(x, m.gate_up_proj[layer])
-            invariant_linear(act, m.down_proj[layer])
-        invariant_linear(x, m.lm_head)
+            F.linear(x, m.qkv_proj[layer])
+            F.linear(attn, m.o_proj[layer])
+            F.linear(x, m.gate_up_proj[layer])
+            F.linear(act, m.down_proj[layer])
+        F.linear(x, m.lm_head)
 
     with torch.inference_mode():
         one_pass()
