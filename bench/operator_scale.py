@@ -9,7 +9,8 @@ subprocess. Measured per N, side by side:
   operator_done_s       first pool created -> the operator has applied every Deployment (its own
                         part; the rest is controller-manager, scheduler and KWOK)
   reconcile p50/p95     histogram_quantile over the operator's own duration histogram
-  requests/reconcile    operator apiserver requests / reconciles during convergence
+  requests/reconcile    operator apiserver requests / reconciles during convergence (and the
+                        GETs among them: reads come from the watch-fed cache)
   steady req/reconcile  the same over one drift interval after convergence (writes must be 0)
   rss_mb                operator peak resident memory
   the per-pool ratios against the smallest N, which show whether cost grows linearly
@@ -69,7 +70,9 @@ class Result:
     reconciles: int
     reconcile_p50_s: float
     reconcile_p95_s: float
+    queue_p95_s: float  # waiting for a reconcile slot, outside the duration above
     requests_per_reconcile: float
+    gets_per_reconcile: float
     requests_per_pool: float
     steady_p50_s: float
     steady_p95_s: float
@@ -102,9 +105,11 @@ def _total(samples: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in samples.items() if k.startswith(prefix))
 
 
-def _quantile(samples: dict[str, float], q: float) -> float:
-    """PromQL histogram_quantile over the ServingPool reconcile duration buckets."""
-    prefix = 'kvfleet_operator_reconcile_duration_seconds_bucket{kind="ServingPool",le="'
+def _quantile(
+    samples: dict[str, float], q: float, metric: str = "reconcile_duration_seconds"
+) -> float:
+    """PromQL histogram_quantile over the ServingPool buckets of an operator histogram."""
+    prefix = f'kvfleet_operator_{metric}_bucket{{kind="ServingPool",le="'
     buckets = sorted(
         (float("inf") if k[len(prefix):-2] == "+Inf" else float(k[len(prefix):-2]), v)
         for k, v in samples.items()
@@ -139,7 +144,9 @@ def _available(kube: KubeClient) -> int:
     )
 
 
-def run_one(num_pools: int, nodes_per_pool: int, drift_s: float, timeout_s: float) -> Result:
+def run_one(
+    num_pools: int, nodes_per_pool: int, drift_s: float, timeout_s: float, max_concurrent: int
+) -> Result:
     num_nodes = nodes_per_pool * num_pools
     options = ClusterOptions(
         node_groups=(fleet.NodeGroup(fleet.L4, count=num_nodes, gpus_per_node=1),),
@@ -158,7 +165,8 @@ def run_one(num_pools: int, nodes_per_pool: int, drift_s: float, timeout_s: floa
             [sys.executable, *_profiler(num_pools), "-m", "kvfleet", "operator", "-A",
              "--standalone", "--quiet", "--metrics-port", str(port),
              "--metrics-address", "127.0.0.1",
-             "--drift-interval", str(drift_s)],
+             "--drift-interval", str(drift_s),
+             "--max-concurrent-reconciles", str(max_concurrent)],
             env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(ROOT)},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             preexec_fn=_die_with_parent,
@@ -245,6 +253,7 @@ def run_one(num_pools: int, nodes_per_pool: int, drift_s: float, timeout_s: floa
     reconciles = _total(window, 'kvfleet_operator_reconciles_total{kind="ServingPool"')
     reconciles += _total(window, 'kvfleet_operator_reconciles_total{kind="ModelArtifact"')
     requests = _total(window, "kvfleet_operator_apiserver_requests_total")
+    gets = _total(window, 'kvfleet_operator_apiserver_requests_total{verb="GET"')
     steady_reconciles = _total(steady, "kvfleet_operator_reconciles_total")
     steady_requests = _total(steady, "kvfleet_operator_apiserver_requests_total")
     writes = steady_requests - _total(
@@ -259,7 +268,9 @@ def run_one(num_pools: int, nodes_per_pool: int, drift_s: float, timeout_s: floa
         reconciles=int(reconciles),
         reconcile_p50_s=round(_quantile(window, 0.50), 4),
         reconcile_p95_s=round(_quantile(window, 0.95), 4),
+        queue_p95_s=round(_quantile(window, 0.95, "reconcile_queue_seconds"), 4),
         requests_per_reconcile=round(requests / max(reconciles, 1), 2),
+        gets_per_reconcile=round(gets / max(reconciles, 1), 2),
         requests_per_pool=round(requests / num_pools, 2),
         steady_p50_s=round(_quantile(steady, 0.50), 4),
         steady_p95_s=round(_quantile(steady, 0.95), 4),
@@ -303,11 +314,20 @@ def main() -> int:
     parser.add_argument("--nodes-per-pool", type=int, default=2)
     parser.add_argument("--drift-interval", type=float, default=20.0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="per N, seconds")
+    parser.add_argument("--max-concurrent-reconciles", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args()
     results: list[Result] = []
     for n in args.pools:
-        results.append(run_one(n, args.nodes_per_pool, args.drift_interval, args.timeout))
+        results.append(
+            run_one(
+                n,
+                args.nodes_per_pool,
+                args.drift_interval,
+                args.timeout,
+                args.max_concurrent_reconciles,
+            )
+        )
         _print_table(results)
         if args.json is not None:
             args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
@@ -319,15 +339,18 @@ def _print_table(results: list[Result]) -> None:
     print()
     print(
         "| pools | nodes | Available | converge s | operator done s | s/pool | reconciles "
-        "| p50 s | p95 s | req/reconcile | req/pool | steady p50 s | steady p95 s "
+        "| p50 s | p95 s | queue p95 s | req/reconcile | GET/reconcile | req/pool "
+        "| steady p50 s | steady p95 s "
         "| steady req/reconcile | steady writes | RSS MB | operator CPU s | s/pool vs first |"
     )
-    print("|" + "---|" * 18)
+    print("|" + "---|" * 20)
     for r in results:
         ratio = (r.converge_s / r.pools) / (base.converge_s / base.pools)
         print(f"| {r.pools} | {r.nodes} | {r.available} | {r.converge_s} | {r.operator_done_s} | "
               f"{r.converge_s / r.pools:.3f} | {r.reconciles} | {r.reconcile_p50_s} | "
-              f"{r.reconcile_p95_s} | {r.requests_per_reconcile} | {r.requests_per_pool} | "
+              f"{r.reconcile_p95_s} | {r.queue_p95_s} | {r.requests_per_reconcile} | "
+              f"{r.gets_per_reconcile} | "
+              f"{r.requests_per_pool} | "
               f"{r.steady_p50_s} | {r.steady_p95_s} | {r.steady_requests_per_reconcile} | "
               f"{r.steady_writes} | {r.rss_mb} | {r.operator_cpu_s} | {ratio:.2f}× |",
               flush=True)  # fmt: skip
