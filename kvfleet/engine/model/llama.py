@@ -112,11 +112,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(variance + eps))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class LlamaModel(nn.Module):
     """Weights plus the math; the K/V storage lives in the `Attention` passed to `forward`."""
 
@@ -169,20 +164,26 @@ class LlamaModel(nn.Module):
         )
         self._rope_cache_len = 0
         self._cos = torch.empty(0)
-        self._sin = torch.empty(0)
+        self._sin_signed = torch.empty(0)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, 1, head_dim] for `positions`, from a table grown on demand."""
+        """cos and signed sin [T, 1, head_dim] for `positions`, from a table grown on demand.
+
+        HF rotates with `x * cos + rotate_half(x) * sin`, rotate_half(x) = (-x2, x1). Here
+        that is `x * cos + roll(x, half) * (-sin1, sin2)`: 4 ops instead of 7, and bit for bit
+        the same (`-x2 * s` and `x2 * -s` round alike)."""
         needed = int(positions.max().item()) + 1 if positions.numel() else 0
         if needed > self._rope_cache_len:
             length = max(needed, 2 * self._rope_cache_len, 1024)
             # Same float32 computation as HF's default rotary embedding.
             freqs = torch.arange(length, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos(), emb.sin()
+            half = self.config.head_dim // 2
+            sin = emb.sin()
+            self._cos, self._sin_signed = emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), 1)
             self._rope_cache_len = length
         cos = self._cos.index_select(0, positions).unsqueeze(1)
-        return cos, self._sin.index_select(0, positions).unsqueeze(1)
+        return cos, self._sin_signed.index_select(0, positions).unsqueeze(1)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
@@ -194,17 +195,16 @@ class LlamaModel(nn.Module):
         num_tokens = token_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         cos, sin = self._rope(positions)
+        half = cfg.head_dim // 2
         hidden = self.embed_tokens.index_select(0, token_ids)
         for layer in range(cfg.num_layers):
             x = _rms_norm(hidden, self.input_layernorm[layer], cfg.rms_norm_eps)
             qkv = linear(x, self.qkv_proj[layer])
-            q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_size : q_size + cfg.kv_dim].view(
-                num_tokens, cfg.num_kv_heads, cfg.head_dim
-            )
+            # RoPE on Q and K together: [T, heads + kv_heads, head_dim].
+            qk = qkv[:, : q_size + cfg.kv_dim].view(num_tokens, -1, cfg.head_dim)
+            qk = qk * cos + qk.roll(half, -1) * sin
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, q_size + cfg.kv_dim :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
             attn = attention(layer, q, k, v)
             hidden = hidden + linear(attn, self.o_proj[layer])
             x = _rms_norm(hidden, self.post_attention_layernorm[layer], cfg.rms_norm_eps)
