@@ -1,18 +1,23 @@
 """A throwaway PKI for one dev cluster: a CA, the API server's serving certificate, client
-certificates per component, and the service-account signing key. Pure apart from writing PEM
-files; ECDSA P-256 keys because they generate in microseconds."""
+certificates per component, and the service-account signing key. The X.509 work is
+kvfleet.pki's; this module decides the names, file layout and kubeconfig."""
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.hazmat.primitives import serialization
+
+from kvfleet.pki import (
+    CertAndKey,
+    Usage,
+    issue,
+    make_ca,
+    new_key,
+    write_cert_and_key,
+    write_private_key,
+)
 
 # In-cluster names of the API server; the service IP is the first of the service CIDR.
 APISERVER_DNS_NAMES = (
@@ -40,93 +45,35 @@ class ClusterPki:
     service_account_key: Path  # private; the API server verifies with the same file
 
 
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _name(common_name: str, organization: str | None = None) -> x509.Name:
-    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
-    if organization:
-        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
-    return x509.Name(attrs)
-
-
-def _write(pair: CertPair, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> CertPair:
-    pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    pair.key.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    pair.key.chmod(0o600)
-    return pair
-
-
-def _builder(
-    subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey, days: int
-) -> x509.CertificateBuilder:
-    now = dt.datetime.now(dt.UTC)
-    return (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=days))
-    )
-
-
 def create_pki(folder: Path, service_ip: str, extra_ips: tuple[str, ...] = ()) -> ClusterPki:
     """Write a fresh CA and every certificate the control plane needs into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    ca_key = _key()
-    ca_name = _name("kvfleet-dev-ca")
-    ca_cert = (
-        _builder(ca_name, ca_name, ca_key, 365)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    ca = _write(CertPair(folder / "ca.crt", folder / "ca.key"), ca_cert, ca_key)
 
-    def issue(stem: str, subject: x509.Name, server: bool) -> CertPair:
-        key = _key()
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        builder = _builder(subject, ca_name, key, 365).add_extension(
-            x509.ExtendedKeyUsage([usage]), critical=False
-        )
-        if server:
-            ips = ("127.0.0.1", service_ip, *extra_ips)
-            sans: list[x509.GeneralName] = [x509.DNSName(n) for n in APISERVER_DNS_NAMES]
-            sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
-            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        cert = builder.sign(ca_key, hashes.SHA256())
-        return _write(CertPair(folder / f"{stem}.crt", folder / f"{stem}.key"), cert, key)
+    def write(stem: str, pair: CertAndKey) -> CertPair:
+        files = CertPair(folder / f"{stem}.crt", folder / f"{stem}.key")
+        write_cert_and_key(pair, files.cert, files.key)
+        return files
 
-    sa_key = _key()
+    ca = make_ca("kvfleet-dev-ca")
+    apiserver_hosts = (*APISERVER_DNS_NAMES, "127.0.0.1", service_ip, *extra_ips)
     sa_path = folder / "service-account.key"
-    sa_path.write_bytes(
-        sa_key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.NoEncryption(),
-        )
-    )
-    sa_path.chmod(0o600)
+    # SEC1 ("EC PRIVATE KEY") rather than the PKCS#8 of the certificate keys: the API server
+    # reads this one file both to sign and to verify tokens, and this is the form the e2e
+    # control plane has been started with.
+    write_private_key(sa_path, new_key(), serialization.PrivateFormat.TraditionalOpenSSL)
     return ClusterPki(
-        ca=ca,
-        apiserver=issue("apiserver", _name("kube-apiserver"), server=True),
-        admin=issue("admin", _name("kubernetes-admin", "system:masters"), server=False),
-        controller_manager=issue(
-            "controller-manager", _name("system:kube-controller-manager"), server=False
+        ca=write("ca", ca),
+        apiserver=write(
+            "apiserver", issue(ca, "kube-apiserver", Usage.SERVER, hosts=apiserver_hosts)
         ),
-        scheduler=issue("scheduler", _name("system:kube-scheduler"), server=False),
+        admin=write(
+            "admin",
+            issue(ca, "kubernetes-admin", Usage.CLIENT, organization="system:masters"),
+        ),
+        controller_manager=write(
+            "controller-manager", issue(ca, "system:kube-controller-manager", Usage.CLIENT)
+        ),
+        scheduler=write("scheduler", issue(ca, "system:kube-scheduler", Usage.CLIENT)),
         service_account_key=sa_path,
     )
 
