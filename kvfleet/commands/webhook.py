@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from kvfleet.compat import MatrixError, default_matrix, load_matrix
+from kvfleet.pki import PkiError
 from kvfleet.webhooks.certs import make_serving_certs
 from kvfleet.webhooks.config import build_validating_webhook_configuration
 from kvfleet.webhooks.kube import ObjectReader, credentials
@@ -93,7 +94,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    files = make_serving_certs(args.dir, args.host, days=args.days)
+    try:
+        files = make_serving_certs(args.dir, args.host, days=args.days)
+    except (PkiError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(f"{files.ca_cert}\n{files.cert}\n{files.key}")
     return 0
 

@@ -286,3 +286,10 @@ def test_webhook_certs_and_config(tmp_path: Path, capsys: pytest.CaptureFixture[
     vwc = yaml.safe_load(capsys.readouterr().out)
     assert vwc["webhooks"][0]["clientConfig"]["service"]["name"] == "kvfleet-webhook"
     assert vwc["webhooks"][0]["failurePolicy"] == "Fail"
+
+
+def test_webhook_certs_refuses_a_zero_day_certificate(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("webhook", "certs", "--dir", str(tmp_path), "--host", "a", "--days", "0") == 1
+    assert "days=0" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing half-written
