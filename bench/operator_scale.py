@@ -297,7 +297,7 @@ def _apply_crds(kube: KubeClient) -> None:
 
     def established(name: str) -> bool | None:
         crd = kube.request("GET", f"{crd_path}/{name}")
-        conditions = (crd.get("status") or {}).get("conditions", [])
+        conditions = (crd.get("status") or {}).get("conditions") or []
         ok = any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
         return True if ok else None
 
