@@ -314,7 +314,7 @@ def main() -> int:
     parser.add_argument("--nodes-per-pool", type=int, default=2)
     parser.add_argument("--drift-interval", type=float, default=20.0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="per N, seconds")
-    parser.add_argument("--max-concurrent-reconciles", type=int, default=10)
+    parser.add_argument("--max-concurrent-reconciles", type=int, default=4)
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args()
     results: list[Result] = []

@@ -68,7 +68,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--max-concurrent-reconciles",
         type=int,
-        default=10,
+        default=4,
         metavar="N",
         help="reconciles running at once; a burst of changes queues beyond that",
     )

@@ -69,7 +69,7 @@ class OperatorConfig:
     matrix: Matrix
     options: EngineOptions = field(default_factory=EngineOptions)
     drift_interval_seconds: float = 30.0
-    max_concurrent_reconciles: int = 10
+    max_concurrent_reconciles: int = 4
 
 
 class _State:
