@@ -415,19 +415,25 @@ def test_operator_restart_converges_without_duplicates(
     assert len(pods) == 4
 
 
-def test_real_engine_pod_serves_the_artifact_on_the_local_node(
-    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
-    local_node: str, fake_nodes: list[str],
-) -> None:  # fmt: skip
-    """One pool whose pod really runs `kvfleet serve` (the harness's local L4 node): the args,
-    ConfigMap settings and readiness the operator builds are those the real engine accepts."""
+@contextlib.contextmanager
+def _only_the_local_l4_node(kube: KubeClient, kubectl: Kubectl) -> Iterator[None]:
+    """Cordon the KWOK L4 nodes, so the harness's local node (whose pods really run the
+    engine) is the only L4 that takes new pods; uncordon them afterwards."""
     fake_l4 = [
         n["metadata"]["name"]
         for n in kube.list("Node", label_selector=f"{fleet.PRODUCT_LABEL}=NVIDIA-L4,type=kwok")
     ]
-    kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "modelartifact-smollm2.yaml"))
-    # A 1 GiB "GPU" keeps the planned KV cache small: the local engine allocates it in RAM.
-    pool = make_pool("smol", "smollm2-135m-instruct", namespace)
+    kubectl("cordon", *fake_l4)
+    try:
+        yield
+    finally:
+        kubectl("uncordon", *fake_l4)
+
+
+def _local_engine_pool(name: str, artifact: str, ns: str) -> JsonObj:
+    """A one-replica L4 pool sized for a local engine process: a 1 GiB "GPU" keeps the planned
+    KV cache small, since the local engine allocates it in RAM."""
+    pool = make_pool(name, artifact, ns)
     for path, value in {
         "spec.gpu.memory": "1Gi",
         "spec.engine.workspace": "64Mi",
@@ -436,12 +442,19 @@ def test_real_engine_pod_serves_the_artifact_on_the_local_node(
         "spec.engine.maxBatchedTokens": 512,
     }.items():
         pool.set(path, value)
-    kubectl("cordon", *fake_l4)  # the local node is then the only L4 that takes new pods
-    try:
-        _create(kube, pool.data())
+    return pool.data()
+
+
+def test_real_engine_pod_serves_the_artifact_on_the_local_node(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
+    local_node: str, fake_nodes: list[str],
+) -> None:  # fmt: skip
+    """One pool whose pod really runs `kvfleet serve` (the harness's local L4 node): the args,
+    ConfigMap settings and readiness the operator builds are those the real engine accepts."""
+    kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "modelartifact-smollm2.yaml"))
+    with _only_the_local_l4_node(kube, kubectl):
+        _create(kube, _local_engine_pool("smol", "smollm2-135m-instruct", namespace))
         ready = _wait_pool(kube, operator, namespace, "smol", _available, "real pod Ready", 300)
-    finally:
-        kubectl("uncordon", *fake_l4)
     (pod,) = kube.list("Pod", namespace, label_selector=f"{naming.POOL_LABEL}=smol")
     assert pod["spec"]["nodeName"] == local_node
     revision = ready["status"]["servingRevision"]
@@ -493,31 +506,14 @@ def test_engine_refusing_weights_whose_sha256_differs_degrades_the_pool_with_its
     real_sha256 = artifact["spec"]["weights"]["files"][0]["sha256"]
     claimed = "0" * 64
     artifact["spec"]["weights"]["files"][0]["sha256"] = claimed
-    fake_l4 = [
-        n["metadata"]["name"]
-        for n in kube.list("Node", label_selector=f"{fleet.PRODUCT_LABEL}=NVIDIA-L4,type=kwok")
-    ]
-    pool = make_pool("tampered", artifact["metadata"]["name"], namespace)
-    for path, value in {
-        "spec.gpu.memory": "1Gi",
-        "spec.engine.workspace": "64Mi",
-        "spec.engine.safetyMargin": "64Mi",
-        "spec.engine.maxModelLength": 2048,
-        "spec.engine.maxBatchedTokens": 512,
-    }.items():
-        pool.set(path, value)
-    with operator.without_drift_timer():
+    with operator.without_drift_timer(), _only_the_local_l4_node(kube, kubectl):
         _create(kube, _namespaced(artifact, namespace))
-        kubectl("cordon", *fake_l4)  # the local node is then the only L4 that takes new pods
-        try:
-            _create(kube, pool.data())
-            degraded = _wait_pool(
-                kube, operator, namespace, "tampered", _says_sha256_differs,
-                "Degraded with the engine's sha256 reason", 180,
-            )  # fmt: skip
-            _keeps_saying_through_a_restart(kube, namespace, "tampered", _says_sha256_differs)
-        finally:
-            kubectl("uncordon", *fake_l4)
+        _create(kube, _local_engine_pool("tampered", artifact["metadata"]["name"], namespace))
+        degraded = _wait_pool(
+            kube, operator, namespace, "tampered", _says_sha256_differs,
+            "Degraded with the engine's sha256 reason", 180,
+        )  # fmt: skip
+        _keeps_saying_through_a_restart(kube, namespace, "tampered", _says_sha256_differs)
     assert _cond(_get(kube, "ModelArtifact", namespace, artifact["metadata"]["name"]),
                  "Verified")["status"] == "True"  # fmt: skip
     condition = _cond(degraded, "Degraded")

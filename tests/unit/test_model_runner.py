@@ -11,7 +11,9 @@ from tiny_llama import random_weights, tiny_config
 
 from kvfleet.engine.model.llama import LlamaModel
 from kvfleet.engine.model_runner import (
+    DECODE_GROUP_COST,
     ModelRunner,
+    decode_groups,
     kv_bytes_per_block,
     num_blocks_for_budget,
     padded_context_len,
@@ -197,3 +199,17 @@ def test_kv_sizing(model: LlamaModel) -> None:
 )
 def test_attention_padding_is_canonical(context_len: int, block_size: int, padded: int) -> None:
     assert padded_context_len(context_len, block_size) == padded
+
+
+def test_decode_groups_partition_rows_and_keep_short_contexts_short() -> None:
+    assert decode_groups([]) == []
+    assert decode_groups([64] * 20) == [range(0, 20)]  # one length: one batch
+    groups = decode_groups([48] * 10 + [512] * 10)
+    assert groups == [range(0, 10), range(10, 20)]  # short rows not padded to 512
+    # A lone long row is not worth an extra batch (DECODE_GROUP_COST): it pads the rest.
+    assert decode_groups([48, 48, 48, 96]) == [range(0, 4)]
+    mixed = sorted(16 * (3 + (7 * i) % 40) for i in range(64))
+    groups = decode_groups(mixed)
+    assert [r for g in groups for r in g] == list(range(64))  # every row once, in order
+    cost = sum(len(g) * mixed[g[-1]] + DECODE_GROUP_COST for g in groups)
+    assert cost < len(mixed) * mixed[-1] + DECODE_GROUP_COST  # cheaper than one batch
