@@ -5,6 +5,7 @@ Pure core (no I/O):
   modelartifact.reconcile_artifact(artifact) -> status       manifest hash, Verified, Compatible
   builders.build_deployment/_config_map/_service/_pdb        the manifests
   placement                                                  node selection, scheduling reasons
+  podwatch                                                   which pod events concern a pool
   drift.has_drifted(desired, observed)                       what counts as drift
 Edges:
   runtime.Runtime     reads what exists, runs the reconcilers, carries out plans
