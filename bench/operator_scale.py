@@ -45,7 +45,11 @@ sys.path.insert(0, str(ROOT))
 from kvfleet.api.builders import make_artifact, make_pool  # noqa: E402
 from kvfleet.devcluster import cluster as devcluster_module  # noqa: E402
 from kvfleet.devcluster import fleet  # noqa: E402
-from kvfleet.devcluster.cluster import ClusterOptions, DevCluster  # noqa: E402
+from kvfleet.devcluster.cluster import (  # noqa: E402
+    ClusterOptions,
+    DevCluster,
+    node_lease_seconds_for,
+)
 from kvfleet.devcluster.kube import KubeClient  # noqa: E402
 from kvfleet.operator.kube import path_of  # noqa: E402
 
@@ -153,8 +157,16 @@ def run_one(
         local_nodes=0,
         prometheus=False,
         startup_timeout=max(90.0, num_nodes * 0.2),
+        # 2,000 nodes renewing Kubernetes' 40 s leases (200 renewals/s) fell behind on the
+        # shared 2 cores and the node controller marked nodes NotReady mid-run; longer leases
+        # (and, with them, a longer node-monitor grace period) keep ~20 renewals/s at any N.
+        node_lease_seconds=node_lease_seconds_for(num_nodes),
     )
-    print(f"[{num_pools} pools] starting cluster with {num_nodes} KWOK L4 nodes", flush=True)
+    print(
+        f"[{num_pools} pools] starting cluster with {num_nodes} KWOK L4 nodes "
+        f"(node lease {options.node_lease_seconds} s)",
+        flush=True,
+    )
     with DevCluster(options) as cluster:
         kube = cluster.api
         _apply_crds(kube)
@@ -162,7 +174,7 @@ def run_one(
         port = _free_port()
         log = (cluster.workdir / "operator.log").open("wb")
         operator = subprocess.Popen(
-            [sys.executable, *_profiler(num_pools), "-m", "kvfleet", "operator", "-A",
+            [sys.executable, *_profiler(num_pools), *_module(), "operator", "-A",
              "--standalone", "--quiet", "--metrics-port", str(port),
              "--metrics-address", "127.0.0.1",
              "--drift-interval", str(drift_s),
@@ -282,9 +294,54 @@ def run_one(
 
 
 def _profiler(num_pools: int) -> list[str]:
-    """`-m cProfile -o FILE` when KVFLEET_BENCH_PROFILE names a folder (to see where CPU goes)."""
+    """`-m cProfile -o FILE` when KVFLEET_BENCH_PROFILE names a folder (to see where CPU goes);
+    the tracemalloc wrapper below when KVFLEET_BENCH_TRACEMALLOC does (where memory goes)."""
     folder = os.environ.get("KVFLEET_BENCH_PROFILE")
-    return ["-m", "cProfile", "-o", f"{folder}/operator-{num_pools}.prof"] if folder else []
+    if folder:
+        return ["-m", "cProfile", "-o", f"{folder}/operator-{num_pools}.prof"]
+    folder = os.environ.get("KVFLEET_BENCH_TRACEMALLOC")
+    if folder:
+        return ["-c", _TRACEMALLOC_WRAPPER, f"{folder}/operator-{num_pools}", "--"]
+    return []
+
+
+def _module() -> list[str]:
+    """How the operator's command line starts: the tracemalloc wrapper takes the arguments."""
+    traced = os.environ.get("KVFLEET_BENCH_TRACEMALLOC") and not os.environ.get(
+        "KVFLEET_BENCH_PROFILE"
+    )
+    return [] if traced else ["-m", "kvfleet"]
+
+
+# Runs `python -m kvfleet ARGS` under tracemalloc and, every 15 s, records the traced and
+# resident memory; whenever the traced memory reached a new high it dumps a snapshot
+# (PREFIX-peak.snap), and one more at exit (PREFIX-end.snap). Snapshots pause the operator
+# for a moment: the timings of such a run are not comparable with a plain one.
+_TRACEMALLOC_WRAPPER = """
+import atexit, json, runpy, sys, threading, time, tracemalloc
+import psutil
+prefix = sys.argv[1]
+sys.argv = ["kvfleet", *sys.argv[3:]]
+tracemalloc.start(8)
+high = [0]
+log = open(prefix + "-memory.jsonl", "a")
+def record(tag):
+    current, peak = tracemalloc.get_traced_memory()
+    rss = psutil.Process().memory_info().rss
+    log.write(json.dumps({"t": time.time(), "tag": tag, "traced": current, "traced_peak": peak,
+                          "rss": rss, "threads": threading.active_count()}) + "\\n")
+    log.flush()
+    if tag == "end" or current > high[0]:
+        high[0] = current
+        tracemalloc.take_snapshot().dump(prefix + ("-end" if tag == "end" else "-peak") + ".snap")
+def watch():
+    while True:
+        time.sleep(15)
+        record("tick")
+threading.Thread(target=watch, daemon=True).start()
+atexit.register(record, "end")
+runpy.run_module("kvfleet", run_name="__main__", alter_sys=True)
+"""
 
 
 def _apply_crds(kube: KubeClient) -> None:

@@ -44,6 +44,11 @@ ADMISSION_PLUGINS = (
     "MutatingAdmissionWebhook,ValidatingAdmissionPolicy,"
     "ValidatingAdmissionWebhook"
 )
+# Kubernetes' defaults: a kubelet's lease lasts 40 s and is renewed every quarter of that
+# (KWOK does the same: renewInterval = duration / 4), and the controller-manager's node
+# lifecycle controller marks a node NotReady 50 s after its last renewal. Both scale together.
+DEFAULT_NODE_LEASE_SECONDS = 40
+NODE_GRACE_PER_LEASE = 50 / 40
 
 
 WORKDIR_PREFIX = "kvfleet-devcluster-"
@@ -81,7 +86,34 @@ class ClusterOptions:
     local_gpus_per_node: int = 1
     prometheus: bool = True
     startup_timeout: float = 90.0
+    # How long a fake node's lease lasts; KWOK renews it every quarter of this, and the node
+    # lifecycle controller waits 1.25x this for a renewal (`node_monitor_grace_seconds`).
+    # Kubernetes' 40 s means 2,000 fake nodes renew 200 leases a second, which a busy 2-core
+    # machine cannot serve: renewals fall behind, nodes go NotReady and their pods not Ready
+    # (and KWOK's stock stages never make an existing pod Ready again). A fleet of thousands
+    # on a small machine needs longer leases; see `node_lease_seconds_for`.
+    node_lease_seconds: int = DEFAULT_NODE_LEASE_SECONDS
     project_root: Path = field(default_factory=lambda: Path(__file__).resolve().parents[2])
+
+    def __post_init__(self) -> None:
+        if self.node_lease_seconds < 4:  # KWOK renews every quarter: at least once a second
+            raise ValueError(
+                f"ClusterOptions.node_lease_seconds must be >= 4, got {self.node_lease_seconds}"
+            )
+
+
+def node_lease_seconds_for(num_nodes: int, renewals_per_second: float = 20.0) -> int:
+    """A lease long enough that `num_nodes` fake nodes renew about `renewals_per_second`
+    leases a second (never shorter than Kubernetes' 40 s). 20/s is what 200 nodes renew with
+    the default lease, which the shared 2-core machine serves next to a burst of pods; 2,000
+    nodes at the default (200/s) fell behind there."""
+    if num_nodes < 0 or renewals_per_second <= 0:
+        raise ValueError(
+            f"num_nodes must be >= 0 and renewals_per_second > 0, got {num_nodes}, "
+            f"{renewals_per_second}"
+        )
+    renew_interval = num_nodes / renewals_per_second  # KWOK renews every lease / 4
+    return max(DEFAULT_NODE_LEASE_SECONDS, round(4 * renew_interval))
 
 
 class DevCluster:
@@ -137,6 +169,12 @@ class DevCluster:
             raise
         self.startup_seconds = time.monotonic() - started
         return self
+
+    @property
+    def node_monitor_grace_seconds(self) -> int:
+        """The controller-manager's `--node-monitor-grace-period` for these leases (50 s for
+        the default 40 s lease, as in Kubernetes)."""
+        return round(self.options.node_lease_seconds * NODE_GRACE_PER_LEASE)
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
         proc = ManagedProcess(name, argv, self.workdir / "logs" / f"{name}.log")
@@ -224,6 +262,7 @@ class DevCluster:
                     f"--cluster-signing-cert-file={pki.ca.cert}",
                     f"--cluster-signing-key-file={pki.ca.cert.with_suffix('.key')}",
                     "--controllers=*,-nodeipam",
+                    f"--node-monitor-grace-period={self.node_monitor_grace_seconds}s",
                 ]
             )
             self._spawn(name, [str(tools[name]), *common, *extra])
@@ -236,7 +275,7 @@ class DevCluster:
                 f"--config={tools.kwok_stages}",
                 f"--manage-nodes-with-annotation-selector={fleet.KWOK_ANNOTATION}="
                 f"{fleet.KWOK_ANNOTATION_VALUE}",
-                "--node-lease-duration-seconds=40",
+                f"--node-lease-duration-seconds={self.options.node_lease_seconds}",
                 f"--cidr={KWOK_POD_CIDR}",
                 "--node-ip=127.0.0.1",
                 f"--server-address=127.0.0.1:{kwok_port}",

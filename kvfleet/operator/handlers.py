@@ -168,8 +168,10 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     # -- the cache: one kopf index per kind a reconcile reads ------------------------------
 
-    def indexer(kind: str) -> Callable[..., dict[Any, Any]]:
-        def index(body: Any, **_: Any) -> dict[Any, Any]:
+    def indexer(kind: str) -> Callable[..., Awaitable[dict[Any, Any]]]:
+        # async although it awaits nothing: kopf runs a sync handler in its thread pool, a
+        # thread hop (and a per-thread malloc arena) for every watch event of 6 objects per pool.
+        async def index(body: Any, **_: Any) -> dict[Any, Any]:
             return cache.index_entry(kind, body)
 
         return index
