@@ -9,7 +9,8 @@ Pure core (no I/O):
   drift.has_drifted(desired, observed)                       what counts as drift
 Edges:
   runtime.Runtime     reads what exists, runs the reconcilers, carries out plans
-  cache.Cache         what exists, as kopf's watches delivered it (no GETs per reconcile)
+  cache.Cache         what exists, as the watches delivered it (no GETs per reconcile)
+  informer.Informer   list-and-watch of the child kinds and engine pods (re-lists after 410)
   handlers            kopf wiring (when reconciles run)
   kube.KubeApi        the operator's apiserver client (server-side apply, status, events)
   metrics, rbac       Prometheus metrics; the ClusterRole as data

@@ -1,15 +1,15 @@
 """The operator's read side: every object a reconcile reads, as the watches last delivered it.
 
-kopf already streams each kind a ServingPool reconcile reads: the ServingPools and
-ModelArtifacts, and, through server-side label selectors, the operator's own Deployments,
-Services, ConfigMaps, PodDisruptionBudgets and engine pods. kopf index handlers
-(`handlers.py`, one per kind, values from `slim`/`slim_pod`) keep the latest body of each, so
-a reconcile reads memory instead of sending GETs — controller-runtime's informer cache. kopf
-runs no other handler until every indexed kind's initial listing is in the indices (as
-controller-runtime waits for its caches to sync), so after a restart the first reconciles see
-what exists and create nothing twice.
+Watches already stream each kind a ServingPool reconcile reads: kopf streams the ServingPools
+and ModelArtifacts (a kopf index handler each, in `handlers.py`), and `informer.Informer`s,
+through server-side label selectors, the operator's own Deployments, Services, ConfigMaps,
+PodDisruptionBudgets and engine pods. Each keeps the latest body of every object (values from
+`slim`/`slim_pod`), so a reconcile reads memory instead of sending GETs — controller-runtime's
+informer cache. Pool handlers run only once kopf's indices and every informer hold their
+initial listing (as controller-runtime waits for its caches to sync), so after a restart the
+first reconciles see what exists and create nothing twice.
 
-Indices (kopf's read-only views), by id:
+Indices (read-only views: kopf's, or an informer's store), by id:
   pool_index, artifact_index      (namespace, name) -> the object
   <child>_index                   (namespace, uid of the controlling ServingPool) -> children
   pod_index                       (namespace, pool label value) -> engine pods (no spec)
@@ -180,6 +180,10 @@ class Cache:
 
     def pods(self, namespace: str, pool_label: str) -> list[JsonObj]:
         return list(self._index("Pod").get((namespace, pool_label), ()))
+
+    def keys(self, kind: str) -> list[tuple[str, str]]:
+        """(namespace, name) of every cached pool or artifact."""
+        return list(self._index(kind))
 
     def names(self, kind: str, namespace: str) -> list[str]:
         """The names of every cached pool or artifact in the namespace."""

@@ -6,18 +6,23 @@ diff-base kept in `kvfleet.io/` annotations, never in status), any event on a De
 Service, ConfigMap or PodDisruptionBudget the operator manages (so a deleted Service or a
 Deployment that became ready is acted on at once), one of its engine pods showing, changing or
 clearing a problem (unschedulable, crash-looping: see `podwatch`), its artifact appearing or
-going away, and a drift timer that re-reads everything (level-based: it closes any gap left).
+going away, and a drift loop that re-reads everything (level-based: it closes any gap left).
 
-Watches of core kinds use server-side label selectors, so the operator never receives the
-cluster's other pods, Services or ConfigMaps. The same watches feed kopf indices (one per
-kind, see `cache`) that the reconciles read instead of asking the apiserver; kopf starts the
-other handlers only once every index holds its kind's initial listing.
+ServingPools and ModelArtifacts are watched by kopf (their create/update/resume handlers, and a
+kopf index of each). The child kinds and engine pods are listed and watched by `informer`s
+(server-side label selectors: only the operator's own objects), which feed the other indices
+of `cache` and trigger the pools; pool handlers wait until every informer holds its first
+listing, so a restarted operator creates nothing twice. The drift check is one loop over the
+cached pools (controller-runtime's resync), not a kopf timer per pool.
+
+The informers watch cluster-wide (the ClusterRole of `kvfleet operator --print-rbac` allows
+it) also when the operator serves only some namespaces: children of pools it does not serve
+are cached but never read.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,7 +34,8 @@ import kopf
 from kvfleet.compat import Matrix
 from kvfleet.operator import cache, metrics, naming, podwatch
 from kvfleet.operator.builders import EngineOptions
-from kvfleet.operator.kube import KubeApi, KubeError, connection_from_kopf
+from kvfleet.operator.informer import Informer
+from kvfleet.operator.kube import JsonObj, KubeApi, KubeError, connection_from_kopf
 from kvfleet.operator.runtime import InvalidObjectError, Key, Runtime
 
 log = logging.getLogger("kvfleet.operator")
@@ -42,25 +48,17 @@ CHILD_KINDS = {
     ("", "v1", "configmaps"): "ConfigMap",
     ("policy", "v1", "poddisruptionbudgets"): "PodDisruptionBudget",
 }
-CHILDREN = tuple(CHILD_KINDS)
 MANAGED = {"app.kubernetes.io/managed-by": naming.MANAGED_BY}
 PODS = ("", "v1", "pods")
-# Client-side filters of the handlers on core kinds (the server-side ones are below).
-WATCH_LABELS: dict[tuple[str, str, str], dict[str, Any]] = {
-    **{child: MANAGED for child in CHILDREN},
-    PODS: {naming.POOL_LABEL: kopf.PRESENT},
-}
-# Every kind the reconciles read, each cached in its own kopf index (see `cache`).
-INDEXED = {
+# The kinds kopf watches and caches in its own indices (see `cache`).
+KOPF_INDEXED = {
     (GROUP, VERSION, "servingpools"): "ServingPool",
     (GROUP, VERSION, "modelartifacts"): "ModelArtifact",
-    **CHILD_KINDS,
-    PODS: "Pod",
 }
-# Server-side filters of the watches, per (group, version, plural).
-WATCH_SELECTORS = {
-    **{child: naming.selector_string(MANAGED) for child in CHILDREN},
-    PODS: podwatch.POD_SELECTOR,
+# The kinds `informer`s list and watch, with their server-side label selectors.
+INFORMED = {
+    **{kind: naming.selector_string(MANAGED) for kind in CHILD_KINDS.values()},
+    "Pod": podwatch.POD_SELECTOR,
 }
 
 
@@ -77,12 +75,21 @@ class _State:
 
     def __init__(self) -> None:
         self.runtime: Runtime | None = None
+        self.informers: list[Informer] = []
         self.background: set[asyncio.Task[None]] = set()
+        self.loops: list[asyncio.Task[None]] = []  # informers and the drift loop
 
     def get(self) -> Runtime:
         if self.runtime is None:
             raise kopf.TemporaryError("not logged in yet", delay=RETRY_DELAY_SECONDS)
         return self.runtime
+
+    async def synced(self) -> Runtime:
+        """The runtime, once every informer holds its first listing."""
+        runtime = self.get()
+        for informer in self.informers:
+            await informer.synced.wait()
+        return runtime
 
 
 async def _handled(trigger: Callable[[Key], Awaitable[None]], key: Key) -> None:
@@ -116,8 +123,25 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.level = logging.ERROR
     # No cluster-wide CRD/namespace scans: the RBAC stays small.
     settings.scanning.disabled = True
-    for resource, selector in WATCH_SELECTORS.items():
-        settings.watching.label_selectors[resource] = selector
+
+
+async def drift_forever(
+    runtime: Runtime,
+    interval: float,
+    spawn: Callable[[Callable[[Key], Awaitable[None]], Key], None],
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> None:
+    """Re-check every cached pool once per `interval`, spread evenly over it (level-based: a
+    reconcile closes any gap the events left). A converged pool's check sends no request."""
+    while True:
+        keys = runtime.cache.keys("ServingPool")
+        if not keys:
+            await sleep(interval)
+            continue
+        gap = interval / len(keys)
+        for key in keys:
+            await sleep(gap)
+            spawn(runtime.pools.trigger, key)
 
 
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
@@ -128,7 +152,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         async def run() -> None:
             try:
                 await trigger(key)
-            except Exception as exc:  # the drift timer retries; say why meanwhile
+            except Exception as exc:  # the drift loop retries; say why meanwhile
                 log.warning("reconcile of %s/%s failed: %s", key[0], key[1], exc)
 
         task = asyncio.get_running_loop().create_task(run())
@@ -138,6 +162,43 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure(settings)
+
+    pod_problems = podwatch.PodProblems()
+
+    async def reconcile_pools_labelled(key: Key) -> None:
+        namespace, label = key
+        runtime = state.get()
+        for name in podwatch.pools_of(label, lambda: runtime.cache.names("ServingPool", namespace)):
+            await runtime.pools.trigger((namespace, name))
+
+    def child_changed(type: str | None, body: JsonObj) -> None:
+        # Only changes matter: the first listing (None) is covered by the pools' resume, and
+        # ADDED is the operator's own create.
+        if type not in ("MODIFIED", "DELETED") or state.runtime is None:
+            return
+        if type == "DELETED":
+            state.runtime.cache.seen_deleted(body)
+        pool = _controller_pool(body)
+        if pool is not None:
+            namespace = str(body["metadata"].get("namespace") or "default")
+            in_background(state.runtime.pools.trigger, (namespace, pool))
+
+    def pod_changed(type: str | None, body: JsonObj) -> None:
+        label = podwatch.pool_label(body)
+        if label is not None and state.runtime is not None and pod_problems.changed(body, type):
+            namespace = str(body["metadata"].get("namespace") or "default")
+            in_background(reconcile_pools_labelled, (namespace, label))
+
+    def start(runtime: Runtime) -> None:
+        loop = asyncio.get_running_loop()
+        for informer in state.informers:
+            state.loops.append(loop.create_task(informer.run(), name=f"informer {informer.kind}"))
+
+        async def drift() -> None:
+            await state.synced()
+            await drift_forever(runtime, config.drift_interval_seconds, in_background)
+
+        state.loops.append(loop.create_task(drift(), name="drift"))
 
     @kopf.on.login(registry=registry)
     async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo:
@@ -150,8 +211,16 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             )
         if state.runtime is None:
             api = KubeApi(connection_from_kopf(info), metrics.count_request)
+            state.informers = [
+                Informer(api, kind, selector, pod_changed if kind == "Pod" else child_changed)
+                for kind, selector in INFORMED.items()
+            ]
             # kopf hands every handler its indices as keyword arguments named by index id.
-            indices = {index_id: kwargs[index_id] for index_id in cache.INDEX_IDS.values()}
+            indices: dict[str, cache.IndexView] = {
+                cache.INDEX_IDS[kind]: kwargs[cache.INDEX_IDS[kind]]
+                for kind in KOPF_INDEXED.values()
+            }
+            indices.update({cache.INDEX_IDS[i.kind]: i.store for i in state.informers})
             state.runtime = Runtime(
                 api=api,
                 cache=cache.Cache(indices),
@@ -159,30 +228,29 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 options=config.options,
                 max_concurrent=config.max_concurrent_reconciles,
             )
+            start(state.runtime)
         return info
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        for task in state.loops:
+            task.cancel()
+        await asyncio.gather(*state.loops, return_exceptions=True)
         if state.runtime is not None:
             await state.runtime.api.close()
 
-    # -- the cache: one kopf index per kind a reconcile reads ------------------------------
+    # -- the cache: kopf indices of pools and artifacts (the rest: informers) --------------
 
     def indexer(kind: str) -> Callable[..., Awaitable[dict[Any, Any]]]:
         # async although it awaits nothing: kopf runs a sync handler in its thread pool, a
-        # thread hop (and a per-thread malloc arena) for every watch event of 6 objects per pool.
+        # thread hop (and a per-thread malloc arena) for every watch event.
         async def index(body: Any, **_: Any) -> dict[Any, Any]:
             return cache.index_entry(kind, body)
 
         return index
 
-    for resource, kind in INDEXED.items():
-        kopf.index(
-            *resource,
-            labels=WATCH_LABELS.get(resource),
-            id=cache.INDEX_IDS[kind],
-            registry=registry,
-        )(indexer(kind))
+    for resource, kind in KOPF_INDEXED.items():
+        kopf.index(*resource, id=cache.INDEX_IDS[kind], registry=registry)(indexer(kind))
 
     # -- ServingPool ----------------------------------------------------------------------
 
@@ -190,56 +258,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     @kopf.on.update(GROUP, VERSION, "servingpools", registry=registry)
     @kopf.on.resume(GROUP, VERSION, "servingpools", registry=registry)
     async def pool_changed(namespace: str | None, name: str, **_: Any) -> None:
-        await _handled(state.get().pools.trigger, (namespace or "default", name))
-
-    def spread(**kwargs: Any) -> float:
-        # Pools created together would otherwise tick together forever: offset each pool's
-        # first tick by a stable fraction (from its uid) of the interval.
-        uid = str(kwargs["body"].get("metadata", {}).get("uid", ""))
-        fraction = int(hashlib.sha256(uid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-        return config.drift_interval_seconds * (0.5 + fraction)
-
-    @kopf.timer(
-        GROUP,
-        VERSION,
-        "servingpools",
-        interval=config.drift_interval_seconds,
-        initial_delay=spread,
-        registry=registry,
-    )
-    async def pool_drift(namespace: str | None, name: str, **_: Any) -> None:
-        await _handled(state.get().pools.trigger, (namespace or "default", name))
-
-    for child in CHILDREN:
-        group, version, plural = child
-
-        @kopf.on.event(group, version, plural, labels=WATCH_LABELS[child], registry=registry)
-        async def child_changed(
-            body: Any, namespace: str | None, type: str | None, **_: Any
-        ) -> None:
-            # Only changes matter: the initial listing (None) is covered by the pools' resume,
-            # and ADDED is the operator's own create.
-            if type not in ("MODIFIED", "DELETED"):
-                return
-            if type == "DELETED" and state.runtime is not None:
-                state.runtime.cache.seen_deleted(body)
-            pool = _controller_pool(body)
-            if pool is not None and state.runtime is not None:
-                in_background(state.runtime.pools.trigger, (namespace or "default", pool))
-
-    pod_problems = podwatch.PodProblems()
-
-    async def reconcile_pools_labelled(key: Key) -> None:
-        namespace, label = key
-        runtime = state.get()
-        for name in podwatch.pools_of(label, lambda: runtime.cache.names("ServingPool", namespace)):
-            await runtime.pools.trigger((namespace, name))
-
-    @kopf.on.event(*PODS, labels=WATCH_LABELS[PODS], registry=registry)
-    async def pod_changed(body: Any, namespace: str | None, type: str | None, **_: Any) -> None:
-        label = podwatch.pool_label(body)
-        if label is not None and state.runtime is not None and pod_problems.changed(body, type):
-            in_background(reconcile_pools_labelled, (namespace or "default", label))
+        runtime = await state.synced()
+        await _handled(runtime.pools.trigger, (namespace or "default", name))
 
     # -- ModelArtifact --------------------------------------------------------------------
 

@@ -11,11 +11,12 @@ KubeError            a request failed (status code, the server's message, the pa
 from __future__ import annotations
 
 import base64
+import codecs
 import json
 import os
 import ssl
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,12 @@ class KubeError(RuntimeError):
     @property
     def retryable(self) -> bool:
         return self.status in (409, 429) or self.status >= 500
+
+
+def cluster_path_of(kind: str) -> str:
+    """The collection of a namespaced kind across all namespaces."""
+    prefix, plural = RESOURCES[kind]
+    return f"{prefix}/{plural}"
 
 
 def path_of(kind: str, namespace: str, name: str | None = None) -> str:
@@ -102,6 +109,15 @@ def connection_from_kopf(info: Any) -> Connection:
         headers["Authorization"] = f"Bearer {info.token}"
     auth = aiohttp.BasicAuth(info.username, info.password or "") if info.username else None
     return Connection(info.server.rstrip("/"), context, headers, auth)
+
+
+def _error(method: str, path: str, status: int, raw: bytes) -> KubeError:
+    text = raw.decode(errors="replace")
+    try:
+        message = str(json.loads(text).get("message", text))
+    except (ValueError, AttributeError):
+        message = text
+    return KubeError(method, path, status, message[:2000])
 
 
 class KubeApi:
@@ -164,12 +180,7 @@ class KubeApi:
         if status == 404 and missing_ok:
             return None
         if status >= 400:
-            text = raw.decode(errors="replace")
-            try:
-                message = str(json.loads(text).get("message", text))
-            except ValueError:
-                message = text
-            raise KubeError(method, path, status, message[:2000])
+            raise _error(method, path, status, raw)
         result: JsonObj = json.loads(raw) if raw else {}
         return result
 
@@ -181,6 +192,34 @@ class KubeApi:
         found = await self._send("GET", path_of(kind, namespace), params=params)
         items: list[JsonObj] = (found or {}).get("items", [])
         return items
+
+    async def list_page(self, kind: str, params: dict[str, str]) -> JsonObj:
+        """One page of a cluster-wide list (an informer's; not counted as a reconcile's)."""
+        async with self._client().get(cluster_path_of(kind), params=params) as response:
+            status, raw = response.status, await response.read()
+        if status >= 400:
+            raise _error("GET", cluster_path_of(kind), status, raw)
+        page: JsonObj = json.loads(raw)
+        return page
+
+    async def watch(self, kind: str, params: dict[str, str]) -> AsyncIterator[JsonObj]:
+        """The events of a cluster-wide watch, one JSON object per line, until the server ends
+        it (`timeoutSeconds`); no total timeout, but a silent connection is dropped."""
+        path = cluster_path_of(kind)
+        idle = float(params.get("timeoutSeconds", "300")) + 60
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=idle)
+        async with self._client().get(path, params=params, timeout=timeout) as response:
+            if response.status >= 400:
+                raise _error("GET", path, response.status, await response.read())
+            # Objects can be larger than aiohttp's line limit: split the chunks ourselves.
+            decoder, pending = codecs.getincrementaldecoder("utf-8")(), ""
+            async for chunk in response.content.iter_any():
+                pending += decoder.decode(chunk)
+                *lines, pending = pending.split("\n")
+                for line in lines:
+                    if line.strip():
+                        event: JsonObj = json.loads(line)
+                        yield event
 
     async def apply(self, obj: JsonObj) -> JsonObj:
         """Server-side apply: create or restore the fields the operator owns (force: the

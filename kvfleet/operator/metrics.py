@@ -23,6 +23,12 @@ QUEUE_SECONDS = Histogram(
 API_REQUESTS = Counter(
     "kvfleet_operator_apiserver_requests_total", "Requests the operator sent, by verb.", ["verb"]
 )
+INFORMER_LISTS = Counter(
+    "kvfleet_operator_informer_lists_total",
+    "Full listings by the informers of child kinds (the first, then one after each expired "
+    "watch or failure), by kind.",
+    ["kind"],
+)
 OBJECTS_APPLIED = Counter(
     "kvfleet_operator_objects_applied_total",
     "Owned objects created or restored by server-side apply, by kind.",

@@ -335,12 +335,14 @@ def test_cached_objects_drop_managed_fields_and_pods_their_spec() -> None:
     }
 
 
-def test_every_cache_index_is_registered_with_kopf() -> None:
-    """The login handler takes each index from kopf's keyword arguments by its id."""
+def test_every_cache_index_is_fed_by_kopf_or_an_informer() -> None:
+    """The login handler takes the pool and artifact indices from kopf's keyword arguments by
+    their ids, and the others from the informers' stores."""
     registry = build_registry(OperatorConfig(matrix=default_matrix()))
     ids = {h.id for h in registry._indexing.get_all_handlers()}
-    assert ids == set(INDEX_IDS.values())
-    assert set(handlers.INDEXED.values()) == set(INDEX_IDS)
+    assert ids == {INDEX_IDS[kind] for kind in handlers.KOPF_INDEXED.values()}
+    assert set(handlers.KOPF_INDEXED.values()) | set(handlers.INFORMED) == set(INDEX_IDS)
+    assert not set(handlers.KOPF_INDEXED.values()) & set(handlers.INFORMED)
 
 
 def _deployment_name(cluster: FakeCluster) -> str:

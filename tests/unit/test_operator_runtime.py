@@ -16,7 +16,7 @@ import yaml
 from kvfleet.cli import build_parser
 from kvfleet.devcluster.pki import create_pki
 from kvfleet.operator.coalesce import Coalescer
-from kvfleet.operator.handlers import WATCH_SELECTORS
+from kvfleet.operator.handlers import CHILD_KINDS, PODS
 from kvfleet.operator.kube import connection_from_kopf
 from kvfleet.operator.rbac import build_rbac
 
@@ -86,7 +86,7 @@ def test_rbac_allows_what_the_operator_writes() -> None:
         assert allowed(group, resource, "patch") and allowed(group, resource, "delete")
     assert allowed("kvfleet.io", "servingpools/status", "patch")
     assert not allowed("kvfleet.io", "servingpools", "update")  # never writes spec
-    for group, _, plural in WATCH_SELECTORS:  # kopf lists, then watches
+    for group, _, plural in [*CHILD_KINDS, PODS]:  # informers list, then watch
         assert allowed(group, plural, "list") and allowed(group, plural, "watch"), plural
 
 

@@ -1,0 +1,213 @@
+"""List-and-watch of the operator's child kinds into a store: client-go's reflector, small.
+
+The operator reads its Deployments, Services, ConfigMaps, PodDisruptionBudgets and engine pods
+from memory (see `cache`). These kinds need no kopf handler machinery: nothing is ever
+persisted on them, no handler retries. Watching them through kopf cost a per-object memory,
+worker task and event queue for five objects per pool (most of the operator's memory at 1,000
+pools); an `Informer` keeps only the slimmed object (`cache.index_entry`) and calls
+`on_event` inline.
+
+It also gives the guarantee controller-runtime users expect: after a watch expires (`410
+Gone`) it lists again and replaces the store, and every object that vanished meanwhile is
+reported as DELETED — a child deleted while the watch was away is seen and recreated
+(kopf re-lists without reporting such deletions).
+
+Protocol: LIST (paged, by label selector, cluster-wide) → `synced` is set → WATCH from the
+list's resourceVersion with bookmarks; a watch that ends is resumed from the last version
+seen; `410 Gone` (as an HTTP status or an ERROR event) → LIST again; any other failure →
+LIST again after a back-off.
+
+Store views are what `cache.Cache` reads: key -> the objects filed under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+import aiohttp
+
+from kvfleet.operator import metrics
+from kvfleet.operator.cache import index_entry
+from kvfleet.operator.kube import JsonObj, KubeError
+
+log = logging.getLogger("kvfleet.operator")
+# Events as the watch names them; None for an object of the first listing (as kopf does).
+OnEvent = Callable[[str | None, JsonObj], None]
+PAGE_SIZE = 500
+WATCH_TIMEOUT_SECONDS = 300  # the apiserver ends the watch; it is resumed from its version
+BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class WatchApi(Protocol):
+    """The two reads an informer needs (kube.KubeApi has them)."""
+
+    def list_page(self, kind: str, params: dict[str, str]) -> Awaitable[JsonObj]: ...
+
+    def watch(self, kind: str, params: dict[str, str]) -> AsyncIterator[JsonObj]: ...
+
+
+class WatchExpiredError(Exception):
+    """The watch's resourceVersion is too old (410 Gone): list again."""
+
+
+class Store(Mapping[Any, list[JsonObj]]):
+    """Key -> the objects filed under it (`cache.index_entry`), plus each object by uid."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._by_uid: dict[str, tuple[Any, JsonObj]] = {}
+        self._by_key: dict[Any, dict[str, JsonObj]] = {}
+
+    def put(self, obj: JsonObj) -> None:
+        uid = _uid(obj)
+        self.discard(uid)
+        for key, value in index_entry(self.kind, obj).items():
+            self._by_uid[uid] = (key, value)
+            self._by_key.setdefault(key, {})[uid] = value
+
+    def discard(self, uid: str) -> JsonObj | None:
+        found = self._by_uid.pop(uid, None)
+        if found is None:
+            return None
+        key, value = found
+        filed = self._by_key.get(key, {})
+        filed.pop(uid, None)
+        if not filed:
+            self._by_key.pop(key, None)
+        return value
+
+    def uids(self) -> set[str]:
+        return set(self._by_uid)
+
+    def version_of(self, uid: str) -> str | None:
+        found = self._by_uid.get(uid)
+        return None if found is None else found[1]["metadata"].get("resourceVersion")
+
+    def __getitem__(self, key: Any) -> list[JsonObj]:
+        return list(self._by_key[key].values())
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._by_key)
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+
+class Informer:
+    """One kind, cluster-wide, filtered by a server-side label selector; see the module doc."""
+
+    def __init__(
+        self,
+        api: WatchApi,
+        kind: str,
+        selector: str,
+        on_event: OnEvent,
+        *,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.kind = kind
+        self.store = Store(kind)
+        self.synced = asyncio.Event()
+        self.num_lists = 0
+        self._api = api
+        self._selector = selector
+        self._on_event = on_event
+        self._sleep = sleep
+
+    async def run(self) -> None:
+        """List and watch until cancelled."""
+        failures = 0
+        while True:
+            try:
+                version = await self._list()
+                failures = 0
+                while True:
+                    version = await self._watch(version)
+            except WatchExpiredError:
+                log.debug("%s watch expired; listing again", self.kind)
+            except (KubeError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                delay = BACKOFF_SECONDS[min(failures, len(BACKOFF_SECONDS) - 1)]
+                failures += 1
+                log.warning("%s watch failed (%s); listing again in %.0f s", self.kind, exc, delay)
+                await self._sleep(delay)
+
+    async def _list(self) -> str:
+        items: list[JsonObj] = []
+        params = {"labelSelector": self._selector, "limit": str(PAGE_SIZE)}
+        while True:
+            page = await self._api.list_page(self.kind, params)
+            items.extend(page.get("items") or [])
+            meta = page.get("metadata") or {}
+            if not meta.get("continue"):
+                break
+            params = {**params, "continue": str(meta["continue"])}
+        self._replace(items)
+        self.num_lists += 1
+        metrics.INFORMER_LISTS.labels(kind=self.kind).inc()
+        self.synced.set()
+        return str(meta.get("resourceVersion") or "")
+
+    def _replace(self, items: list[JsonObj]) -> None:
+        """The listing becomes the store; after the first one, differences become events."""
+        first = not self.synced.is_set()
+        listed: set[str] = set()
+        for obj in items:
+            obj.setdefault("kind", self.kind)  # list items carry no kind
+            uid = _uid(obj)
+            listed.add(uid)
+            before = self.store.version_of(uid)
+            self.store.put(obj)
+            if first:
+                self._on_event(None, obj)
+            elif before is None:
+                self._on_event("ADDED", obj)
+            elif before != obj["metadata"].get("resourceVersion"):
+                self._on_event("MODIFIED", obj)
+        for uid in self.store.uids() - listed:
+            gone = self.store.discard(uid)
+            if gone is not None:
+                self._on_event("DELETED", gone)
+
+    async def _watch(self, version: str) -> str:
+        params = {
+            "labelSelector": self._selector,
+            "watch": "true",
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(WATCH_TIMEOUT_SECONDS),
+            "resourceVersion": version,
+        }
+        try:
+            async for event in self._api.watch(self.kind, params):
+                version = self._apply(event) or version
+        except KubeError as exc:
+            if exc.status == 410:
+                raise WatchExpiredError(str(exc)) from exc
+            raise
+        return version
+
+    def _apply(self, event: JsonObj) -> str | None:
+        """Apply one watch event; the resourceVersion it brings, if any."""
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise WatchExpiredError(str(obj.get("message", "410 Gone")))
+            raise ValueError(f"{self.kind} watch error: {obj.get('message', obj)}")
+        version = (obj.get("metadata") or {}).get("resourceVersion")
+        if kind == "BOOKMARK":
+            return str(version) if version else None
+        obj.setdefault("kind", self.kind)
+        if kind == "DELETED":
+            self.store.discard(_uid(obj))
+        elif kind in ("ADDED", "MODIFIED"):
+            self.store.put(obj)
+        else:
+            raise ValueError(f"{self.kind} watch sent an event of unknown type {kind!r}")
+        self._on_event(kind, obj)
+        return str(version) if version else None
+
+
+def _uid(obj: JsonObj) -> str:
+    return str((obj.get("metadata") or {}).get("uid", ""))
