@@ -3,14 +3,16 @@
 For each N (default 10 and 100; `--pools 10 100 1000` for the full run) a fresh harness cluster
 (etcd, kube-apiserver, controller-manager, scheduler, KWOK) gets 2N single-GPU L4 KWOK nodes,
 one ModelArtifact and N one-replica ServingPools, with `kvfleet operator` running as a
-subprocess. Measured per N, side by side:
+subprocess. KWOK's node leases are longer at large N (`node_lease_seconds_for`: ~20
+renewals/s), with a matching controller-manager node-monitor grace period. Measured per N:
 
   converge_s            first pool created -> every pool Available=True
   operator_done_s       first pool created -> the operator has applied every Deployment (its own
                         part; the rest is controller-manager, scheduler and KWOK)
   reconcile p50/p95     histogram_quantile over the operator's own duration histogram
   requests/reconcile    operator apiserver requests / reconciles during convergence (and the
-                        GETs among them: reads come from the watch-fed cache)
+                        GETs among them: reads come from the watch-fed cache); the watches'
+                        own lists and streams (kopf's and the informers') are not counted
   steady req/reconcile  the same over one drift interval after convergence (writes must be 0)
   rss_mb                operator peak resident memory
   the per-pool ratios against the smallest N, which show whether cost grows linearly

@@ -1,7 +1,7 @@
 """Per-key coalescing of reconciles.
 
 Many triggers for one pool (its own create, four child objects appearing, Deployment status
-updates, the drift timer) must not become many concurrent or queued reconciles: at most one
+updates, the drift loop) must not become many concurrent or queued reconciles: at most one
 runs per key, and every trigger that arrives while one runs is served by a single follow-up run
 that starts after it — which is what a level-based reconcile needs to see the latest state.
 """
