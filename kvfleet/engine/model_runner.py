@@ -13,6 +13,12 @@ MLP is one matmul over all tokens. Attention is the only per-sequence part:
   offset by `start_position`, so chunked prefill across block boundaries is exact.
 Grouped-query attention is folded into the query length ([kv_heads, group * L, head_dim]) so
 K/V are never repeated per query head.
+
+By default decode attention instead runs the compiled kernel of `paged_attention.py`: one
+call per layer for every decode row, reading K/V straight from the blocks (no gather, no
+padding, no groups). Batch-invariant mode keeps SDPA for decode too: a request recomputed
+after preemption redoes its decoded positions as prefill, and only the SDPA padding rule below
+makes the two paths agree bit for bit.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 from kvfleet.engine.model.config import ModelConfig
 from kvfleet.engine.model.llama import LlamaModel
 from kvfleet.engine.model.loader import LoadedModel
+from kvfleet.engine.paged_attention import Kernel, load_kernel
 from kvfleet.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 KV_DTYPE = torch.float32
@@ -91,6 +98,13 @@ class _DecodeBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class _KernelDecode:
+    token_index: torch.Tensor  # [B] rows of the flat batch
+    block_table: torch.Tensor  # [B, max blocks], padded with block 0 (never read)
+    context_lens: torch.Tensor  # [B]
+
+
+@dataclass(frozen=True, slots=True)
 class _PrefillChunk:
     first_row: int
     num_tokens: int
@@ -111,13 +125,14 @@ class _PagedAttention:
         self,
         runner: ModelRunner,
         slots: torch.Tensor,
-        decode: list[_DecodeBatch],
+        decode: list[_DecodeBatch] | _KernelDecode,
         prefills: list[_PrefillChunk],
     ) -> None:
         self._runner = runner
         self._slots = slots
         self._decode = decode
         self._prefills = prefills
+        self._scale = runner.config.head_dim**-0.5
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -130,13 +145,16 @@ class _PagedAttention:
         k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, self._slots, k)
         v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, self._slots, v)
         out = q.new_empty(q.shape[0], cfg.num_heads * cfg.head_dim)
-        for d in self._decode:
-            batch = d.token_index.shape[0]
-            qd = q.index_select(0, d.token_index).view(batch, cfg.num_kv_heads, group, -1)
-            kd = _gather(k_cache, d.block_table).transpose(1, 2)
-            vd = _gather(v_cache, d.block_table).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask)
-            out.index_copy_(0, d.token_index, od.reshape(batch, -1))
+        if isinstance(self._decode, _KernelDecode):
+            self._kernel_attention(q, k_cache, v_cache, out)
+        else:
+            for d in self._decode:
+                batch = d.token_index.shape[0]
+                qd = q.index_select(0, d.token_index).view(batch, cfg.num_kv_heads, group, -1)
+                kd = _gather(k_cache, d.block_table).transpose(1, 2)
+                vd = _gather(v_cache, d.block_table).transpose(1, 2)
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask)
+                out.index_copy_(0, d.token_index, od.reshape(batch, -1))
         for p in self._prefills:
             rows = slice(p.first_row, p.first_row + p.num_tokens)
             qp = (
@@ -156,11 +174,21 @@ class _PagedAttention:
         return out
 
 
+    def _kernel_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          out: torch.Tensor) -> None:
+        plan, kernel = self._decode, self._runner.kernel
+        assert isinstance(plan, _KernelDecode) and kernel is not None  # planned only with one
+        attended = kernel.paged_decode_attention(
+            q.index_select(0, plan.token_index), k_cache, v_cache, plan.block_table,
+            plan.context_lens, self._scale)
+        out.index_copy_(0, plan.token_index, attended.view(attended.shape[0], -1))
+
+
 class ModelRunner:
     """Runs scheduled chunks over the paged KV cache and returns next-token logits."""
 
     def __init__(self, model: LoadedModel | LlamaModel, num_blocks: int, block_size: int,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, decode_kernel: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         if block_size <= 0:
@@ -171,6 +199,9 @@ class ModelRunner:
         self.block_size = block_size
         self.batch_invariant = batch_invariant
         cfg = self.config
+        # The kernel vectorizes over 16-float lanes of a head.
+        use_kernel = decode_kernel and not batch_invariant and cfg.head_dim % 16 == 0
+        self.kernel: Kernel | None = load_kernel() if use_kernel else None
         self.kv_cache = torch.zeros(
             cfg.num_layers,
             2,
@@ -243,6 +274,16 @@ class ModelRunner:
                                    [rows[order[k]] for k in group])
                 for group in decode_groups(padded)]
 
+    def _kernel_decode(self, chunks: list[ScheduledChunk], rows: list[int]) -> _KernelDecode:
+        context = [c.start_position + 1 for c in chunks]
+        width = -(-max(context) // self.block_size)
+        table = torch.zeros(len(chunks), width, dtype=torch.long)
+        for i, (c, n) in enumerate(zip(chunks, context, strict=True)):
+            used = c.block_ids[: -(-n // self.block_size)]
+            table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
+        return _KernelDecode(torch.tensor(rows, dtype=torch.long), table,
+                             torch.tensor(context, dtype=torch.long))
+
     def _decode_batch(self, chunks: list[ScheduledChunk], rows: list[int]) -> _DecodeBatch:
         bs = self.block_size
         context = [c.start_position + 1 for c in chunks]
@@ -283,7 +324,11 @@ class ModelRunner:
                 decode_chunks.append(chunk)
             else:
                 prefills.append(self._plan_prefill(chunk, first_row))
-        decode = self._plan_decode(decode_chunks, decode_rows) if decode_chunks else []
+        decode: list[_DecodeBatch] | _KernelDecode = []
+        if decode_chunks and self.kernel is not None:
+            decode = self._kernel_decode(decode_chunks, decode_rows)
+        elif decode_chunks:
+            decode = self._plan_decode(decode_chunks, decode_rows)
         attention = _PagedAttention(self, torch.tensor(slots, dtype=torch.long), decode, prefills)
         return (
             torch.tensor(token_ids, dtype=torch.long),

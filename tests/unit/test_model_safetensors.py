@@ -103,7 +103,7 @@ def test_checkpoint_dir_loads_weights_tokenizer_and_template(tmp_path: Path) -> 
     model = loaded.model
     assert torch.equal(model.lm_head, weights["lm_head"])
     q, k, v = (weights[f"layers.1.{n}"] for n in ("q_proj", "k_proj", "v_proj"))
-    assert torch.equal(model.qkv_proj[1], torch.cat([q, k, v]))  # no RoPE permutation here
+    assert torch.equal(model.qkv_t[1], torch.cat([q, k, v]).t())  # no RoPE permutation here
     assert (loaded.tokenizer.bos_token_id, loaded.tokenizer.eos_token_id) == (1, 2)
     assert loaded.tokenizer.encode("<|im_start|>hello") == [
         1,

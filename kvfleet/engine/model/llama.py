@@ -91,19 +91,34 @@ def check_weights(
             )
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T with a result per row that does not depend on the other rows."""
+def matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """x @ weight_t for a weight stored transposed ([in, out], contiguous).
+
+    MKL's sgemm is faster on this layout than on `F.linear`'s [out, in] one for the row
+    counts decode runs at: the weight matmuls of a SmolLM2 step took 69 vs 80 ms at 64 rows,
+    50 vs 55 at 32, 18 vs 21 at 1 (2 threads, measured side by side)."""
+    return torch.mm(x, weight_t)
+
+
+def invariant_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """x @ weight_t with a result per row that does not depend on the other rows."""
     rows = x.shape[0]
     if rows < MIN_GEMM_ROWS:
         x = torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])])
     k = x.shape[1]
     if k <= MAX_GEMM_K:
-        out = F.linear(x, weight)
+        out = torch.mm(x, weight_t)
     else:
-        out = F.linear(x[:, :MAX_GEMM_K], weight[:, :MAX_GEMM_K])
+        out = torch.mm(x[:, :MAX_GEMM_K], weight_t[:MAX_GEMM_K])
         for start in range(MAX_GEMM_K, k, MAX_GEMM_K):
-            out += F.linear(x[:, start : start + MAX_GEMM_K], weight[:, start : start + MAX_GEMM_K])
+            out += torch.mm(x[:, start : start + MAX_GEMM_K], weight_t[start : start + MAX_GEMM_K])
     return out[:rows] if rows < MIN_GEMM_ROWS else out
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`invariant_matmul` for a weight stored [out, in] (the LM head, which is also the
+    embedding table and so keeps the row layout the token lookup needs)."""
+    return invariant_matmul(x, weight.t())
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -132,11 +147,12 @@ class LlamaModel(nn.Module):
             if lm_head is None
             else nn.Parameter(lm_head.float(), requires_grad=False)
         )
-        # Q/K/V and gate/up are fused so each is one matmul over all tokens of the step.
-        self.qkv_proj = nn.ParameterList()
-        self.o_proj = nn.ParameterList()
-        self.gate_up_proj = nn.ParameterList()
-        self.down_proj = nn.ParameterList()
+        # Q/K/V and gate/up are fused so each is one matmul over all tokens of the step, and
+        # every layer weight is stored transposed, [in, out] (see `matmul`).
+        self.qkv_t = nn.ParameterList()
+        self.o_t = nn.ParameterList()
+        self.gate_up_t = nn.ParameterList()
+        self.down_t = nn.ParameterList()
         self.input_layernorm = nn.ParameterList()
         self.post_attention_layernorm = nn.ParameterList()
         for i in range(config.num_layers):
@@ -144,16 +160,14 @@ class LlamaModel(nn.Module):
             def w(name: str, layer: int = i) -> torch.Tensor:
                 return weights[f"layers.{layer}.{name}"].float()
 
-            self.qkv_proj.append(
-                nn.Parameter(
-                    torch.cat([w("q_proj"), w("k_proj"), w("v_proj")]), requires_grad=False
-                )
-            )
-            self.o_proj.append(nn.Parameter(w("o_proj").contiguous(), requires_grad=False))
-            self.gate_up_proj.append(
-                nn.Parameter(torch.cat([w("gate_proj"), w("up_proj")]), requires_grad=False)
-            )
-            self.down_proj.append(nn.Parameter(w("down_proj").contiguous(), requires_grad=False))
+            def w_t(*names: str, layer: int = i) -> nn.Parameter:
+                fused = torch.cat([w(name, layer) for name in names])
+                return nn.Parameter(fused.t().contiguous(), requires_grad=False)
+
+            self.qkv_t.append(w_t("q_proj", "k_proj", "v_proj"))
+            self.o_t.append(w_t("o_proj"))
+            self.gate_up_t.append(w_t("gate_proj", "up_proj"))
+            self.down_t.append(w_t("down_proj"))
             self.input_layernorm.append(nn.Parameter(w("input_layernorm"), requires_grad=False))
             self.post_attention_layernorm.append(
                 nn.Parameter(w("post_attention_layernorm"), requires_grad=False)
@@ -191,7 +205,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] (before the final norm) for flat `token_ids` [T]."""
         cfg = self.config
-        linear = invariant_linear if batch_invariant else F.linear
+        mm = invariant_matmul if batch_invariant else matmul
         num_tokens = token_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         cos, sin = self._rope(positions)
@@ -199,17 +213,17 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens.index_select(0, token_ids)
         for layer in range(cfg.num_layers):
             x = _rms_norm(hidden, self.input_layernorm[layer], cfg.rms_norm_eps)
-            qkv = linear(x, self.qkv_proj[layer])
+            qkv = mm(x, self.qkv_t[layer])
             # RoPE on Q and K together: [T, heads + kv_heads, head_dim].
             qk = qkv[:, : q_size + cfg.kv_dim].view(num_tokens, -1, cfg.head_dim)
             qk = qk * cos + qk.roll(half, -1) * sin
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, q_size + cfg.kv_dim :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             attn = attention(layer, q, k, v)
-            hidden = hidden + linear(attn, self.o_proj[layer])
+            hidden = hidden + mm(attn, self.o_t[layer])
             x = _rms_norm(hidden, self.post_attention_layernorm[layer], cfg.rms_norm_eps)
-            gate, up = linear(x, self.gate_up_proj[layer]).chunk(2, dim=-1)
-            hidden = hidden + linear(F.silu(gate) * up, self.down_proj[layer])
+            gate, up = mm(x, self.gate_up_t[layer]).chunk(2, dim=-1)
+            hidden = hidden + mm(F.silu(gate) * up, self.down_t[layer])
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False

@@ -1,0 +1,117 @@
+"""The compiled decode-attention kernel against SDPA over a gathered copy of the same blocks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvfleet.engine import paged_attention
+from kvfleet.engine.paged_attention import Kernel, load_kernel
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Kernel:
+    # The test machine has a C++ compiler and ninja: the kernel must build here, or every
+    # other engine test would silently exercise only the SDPA fallback.
+    built = load_kernel()
+    assert built is not None, "the paged attention kernel did not build (see the log)"
+    return built
+
+
+def random_cache(num_blocks: int, kv_heads: int, head_dim: int, seed: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              table: torch.Tensor, context: int) -> torch.Tensor:
+    """[heads, head_dim] attention of one sequence's query over its first `context` slots."""
+    heads, kv_heads = q.shape[0], k_cache.shape[2]
+    k = k_cache.index_select(0, table).flatten(0, 1)[:context]  # [context, kv_heads, dim]
+    v = v_cache.index_select(0, table).flatten(0, 1)[:context]
+    k, v = (t.transpose(0, 1).repeat_interleave(heads // kv_heads, 0) for t in (k, v))
+    return F.scaled_dot_product_attention(q[:, None], k, v)[:, 0]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+def test_matches_sdpa_over_gathered_blocks(
+    kernel: Kernel, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    num_blocks = 64
+    k_cache, v_cache = random_cache(num_blocks, kv_heads, head_dim, seed=heads)
+    gen = torch.Generator().manual_seed(1)
+    contexts = [1, 15, 16, 17, 200, 333, 5]
+    width = -(-max(contexts) // BLOCK_SIZE)
+    # Each sequence's blocks are scattered across the pool; unused table slots are garbage
+    # that the kernel must never read (block ids beyond the context are not checked).
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in contexts])
+    q = torch.randn(len(contexts), heads, head_dim, generator=gen)
+    out = kernel.paged_decode_attention(q, k_cache, v_cache, tables,
+                                        torch.tensor(contexts), head_dim**-0.5)
+    for b, context in enumerate(contexts):
+        expected = reference(q[b], k_cache, v_cache, tables[b], context)
+        torch.testing.assert_close(out[b], expected, atol=2e-6, rtol=1e-5)
+
+
+def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel: Kernel) -> None:
+    k_cache, v_cache = random_cache(96, 3, 64, seed=7)
+    gen = torch.Generator().manual_seed(2)
+    contexts = torch.randint(1, 400, (24,), generator=gen)
+    tables = torch.stack([torch.randperm(96, generator=gen)[:25] for _ in range(24)])
+    q = torch.randn(24, 9, 64, generator=gen)
+    together = kernel.paged_decode_attention(q, k_cache, v_cache, tables, contexts, 0.125)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a different split of tasks across threads changes nothing either
+    try:
+        for b in (0, 7, 23):
+            alone = kernel.paged_decode_attention(
+                q[b : b + 1].clone(), k_cache, v_cache, tables[b : b + 1].clone(),
+                contexts[b : b + 1].clone(), 0.125)
+            assert torch.equal(alone[0], together[b])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rejects_a_context_beyond_the_block_table_or_a_block_outside_the_pool(
+    kernel: Kernel,
+) -> None:
+    k_cache, v_cache = random_cache(4, 1, 16, seed=0)
+    q = torch.randn(1, 1, 16)
+    with pytest.raises(RuntimeError, match="context length 33 of sequence 0 outside"):
+        kernel.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0, 1]]),
+                                      torch.tensor([33]), 0.25)
+    with pytest.raises(RuntimeError, match="block 9 of sequence 0 outside"):
+        kernel.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0, 9]]),
+                                      torch.tensor([20]), 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.paged_decode_attention(q.double(), k_cache, v_cache, torch.tensor([[0]]),
+                                      torch.tensor([3]), 0.25)
+
+
+def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(paged_attention.ENV_SWITCH, "sdpa")
+    assert load_kernel() is None
+
+
+def test_a_failed_build_falls_back_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_compiler(**_: object) -> None:
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    monkeypatch.setattr(paged_attention, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger=paged_attention.__name__):
+        assert load_kernel() is None
+        assert load_kernel() is None  # remembered: no second build attempt, no second line
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "Ninja is required" in warnings[0].getMessage()
+    assert "uses SDPA" in warnings[0].getMessage()
