@@ -199,8 +199,9 @@ class ModelRunner:
         self.block_size = block_size
         self.batch_invariant = batch_invariant
         cfg = self.config
-        # The kernel vectorizes over 16-float lanes of a head.
-        use_kernel = decode_kernel and not batch_invariant and cfg.head_dim % 16 == 0
+        # The kernel vectorizes over 16-float lanes of a head and keeps a head in registers.
+        use_kernel = (decode_kernel and not batch_invariant and cfg.head_dim % 16 == 0
+                      and cfg.head_dim <= 256)
         self.kernel: Kernel | None = load_kernel() if use_kernel else None
         self.kv_cache = torch.zeros(
             cfg.num_layers,
