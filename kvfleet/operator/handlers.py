@@ -151,6 +151,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     def in_background(trigger: Callable[[Key], Awaitable[None]], key: Key) -> None:
         async def run() -> None:
             try:
+                # An informer's first listing can trigger before the others have listed: a
+                # reconcile then would see children missing that merely are not listed yet.
+                await state.synced()
                 await trigger(key)
             except Exception as exc:  # the drift loop retries; say why meanwhile
                 log.warning("reconcile of %s/%s failed: %s", key[0], key[1], exc)

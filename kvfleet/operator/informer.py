@@ -31,7 +31,7 @@ import aiohttp
 
 from kvfleet.operator import metrics
 from kvfleet.operator.cache import index_entry
-from kvfleet.operator.kube import JsonObj, KubeError
+from kvfleet.operator.kube import JsonObj, KubeError, api_version_of
 
 log = logging.getLogger("kvfleet.operator")
 # Events as the watch names them; None for an object of the first listing (as kopf does).
@@ -155,7 +155,8 @@ class Informer:
         first = not self.synced.is_set()
         listed: set[str] = set()
         for obj in items:
-            obj.setdefault("kind", self.kind)  # list items carry no kind
+            obj.setdefault("kind", self.kind)  # list items carry neither, watch events both
+            obj.setdefault("apiVersion", api_version_of(self.kind))
             uid = _uid(obj)
             listed.add(uid)
             before = self.store.version_of(uid)

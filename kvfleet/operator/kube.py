@@ -56,6 +56,12 @@ class KubeError(RuntimeError):
         return self.status in (409, 429) or self.status >= 500
 
 
+def api_version_of(kind: str) -> str:
+    """`apps/v1` for a Deployment, `v1` for a Service: what list items leave out."""
+    prefix, _ = RESOURCES[kind]
+    return prefix.removeprefix("/apis/").removeprefix("/api/")
+
+
 def cluster_path_of(kind: str) -> str:
     """The collection of a namespaced kind across all namespaces."""
     prefix, plural = RESOURCES[kind]

@@ -22,7 +22,7 @@ from kvfleet.operator import naming
 from kvfleet.operator.cache import INDEX_IDS, Cache
 from kvfleet.operator.handlers import drift_forever
 from kvfleet.operator.informer import Informer, Store
-from kvfleet.operator.kube import Connection, JsonObj, KubeApi, KubeError
+from kvfleet.operator.kube import Connection, JsonObj, KubeApi, KubeError, api_version_of
 from kvfleet.operator.runtime import Runtime
 
 NS = "default"
@@ -110,7 +110,8 @@ async def test_lists_every_page_then_watches_from_the_lists_version_with_the_sel
     watch = api.calls[-1][1]
     assert watch["resourceVersion"] == "10" and watch["allowWatchBookmarks"] == "true"
     (stored,) = informer.store[(NS, "uid-chat")][:1]
-    assert stored["kind"] == "Service" and "managedFields" not in stored["metadata"]
+    assert stored["kind"] == "Service" and stored["apiVersion"] == "v1"
+    assert "managedFields" not in stored["metadata"]
 
 
 @pytest.mark.asyncio
@@ -196,6 +197,7 @@ def test_store_files_children_by_controlling_pool_and_pods_by_pool_label() -> No
            "labels": {naming.POOL_LABEL: "chat"}}, "spec": {"containers": []}}  # fmt: skip
     pods.put(pod)
     (stored,) = pods[(NS, "chat")]
+    assert api_version_of("Deployment") == "apps/v1" and api_version_of("Pod") == "v1"
     assert "spec" not in stored
     assert pods.discard("uid-p") is not None and len(pods) == 0
 
