@@ -18,7 +18,10 @@ The watch delivers the operator's own writes a moment after the apiserver answer
 Until it does, the answered object stands in for the cached one (client-go's MutationCache):
 whichever has the higher resourceVersion wins, and a stand-in expires after `ttl_seconds`.
 Deleting hides the object by uid until its DELETED event arrives. A stand-in never brings
-back a pool or artifact the watch no longer has: the operator only writes their status.
+back a pool or artifact the watch no longer has: the operator only writes their status. A
+pool or artifact whose status write is answered 404 reads as absent from then on (`gone`):
+kopf's watch of those kinds re-lists without reporting deletions (the child kinds come from
+informers, which do report them).
 
 Invariant the reconcilers rely on: a read here may be a moment old but is never older than
 the watch, and every change the watch delivers later triggers another reconcile, which
@@ -140,6 +143,7 @@ class Cache:
         # (kind, namespace, pool uid) -> name -> the last written version of that child.
         self._children: dict[tuple[str, str, str], dict[str, _StandIn]] = {}
         self._hidden: dict[str, float] = {}  # uid of an object the operator deleted -> expiry
+        self._gone: set[str] = set()  # uids of pools/artifacts a write found deleted
         self._next_sweep = clock() + ttl_seconds
 
     # -- reads ----------------------------------------------------------------------------
@@ -147,7 +151,7 @@ class Cache:
     def get(self, kind: str, namespace: str, name: str) -> JsonObj | None:
         """A ServingPool or ModelArtifact, or None when the watch does not have it."""
         cached = _latest(self._index(kind).get((namespace, name), ()))
-        if cached is None:
+        if cached is None or _uid(cached) in self._gone:
             return None  # gone: a stand-in never resurrects it
         key = (kind, namespace, name)
         stand_in = self._top.get(key)
@@ -213,6 +217,16 @@ class Cache:
         uid = _uid(obj)
         if uid is not None:
             self._hidden[uid] = self._clock() + self._ttl
+        self._forget_stand_in(obj)
+
+    def gone(self, obj: Mapping[str, Any]) -> None:
+        """A write to this pool or artifact was answered 404: the apiserver no longer has it,
+        though the watch never said so (kopf re-lists after `410 Gone` without reporting what
+        was deleted meanwhile). From now on it reads as absent; the uid is kept (one string
+        per such object) since the watch will never deliver its DELETED."""
+        uid = _uid(obj)
+        if uid is not None:
+            self._gone.add(uid)
         self._forget_stand_in(obj)
 
     def seen_deleted(self, obj: Mapping[str, Any]) -> None:

@@ -233,7 +233,13 @@ class Runtime:
         # A merge patch keeps keys it does not mention: clear the ones that went away.
         patch: JsonObj = {**{k: None for k in previous if k not in status}, **status}
         meta = raw["metadata"]
-        self.cache.wrote(await self.api.patch_status(kind, meta["namespace"], meta["name"], patch))
+        try:
+            written = await self.api.patch_status(kind, meta["namespace"], meta["name"], patch)
+        except KubeError as exc:
+            if exc.status == 404:  # deleted while the watch was away: stop serving it
+                self.cache.gone(raw)
+            raise
+        self.cache.wrote(written)
 
     async def _post_event(self, raw: JsonObj, event: Event) -> None:
         meta = raw["metadata"]

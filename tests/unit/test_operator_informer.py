@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from operator_fakes import artifact, pool
-from test_operator_cache import FakeCluster  # the fake apiserver of the cache tests
+from test_operator_cache import FakeCluster, _converge  # the cache tests' fake apiserver
 
 from kvfleet.compat import default_matrix
 from kvfleet.operator import naming
@@ -321,3 +321,41 @@ async def test_kube_api_watch_splits_lines_across_chunks_and_reports_410() -> No
     finally:
         await api.close()
         await runner.cleanup()
+
+
+class ForgetfulWatchCluster(FakeCluster):
+    """The fake apiserver answering 404 to a status write of an object it no longer has."""
+
+    async def patch_status(self, kind: str, namespace: str, name: str, status: JsonObj) -> JsonObj:
+        if (kind, name) not in self.objects:
+            await self._request("PATCH", f"{kind} {name}/status")
+            raise KubeError("PATCH", f"{kind}/{name}/status", 404, "not found")
+        return await super().patch_status(kind, namespace, name, status)
+
+
+@pytest.mark.asyncio
+async def test_a_pool_deleted_while_kopfs_watch_was_away_stops_being_served_at_its_first_404() -> (
+    None
+):
+    """kopf's re-list never reports the pool's deletion, so the pool stays in its index; the
+    garbage collector removes the children (the informers report that), the reconcile that
+    follows writes the pool's status, the 404 evicts the pool, and nothing is written again."""
+    cluster = ForgetfulWatchCluster()
+    cluster.store(artifact().to_wire(), "ADDED")
+    cluster.store(pool().to_wire(), "ADDED")
+    cluster.deliver()
+    runtime = Runtime(api=cluster, cache=Cache(cluster.indices), matrix=default_matrix())  # type: ignore[arg-type]
+    cluster.cache = runtime.cache
+    await _converge(cluster, runtime)
+    del cluster.objects[("ServingPool", "chat")]
+    cluster.undelivered = []  # the watch was away: its DELETED never comes
+    for kind, name in [key for key in cluster.objects if key[0] != "ModelArtifact"]:
+        cluster.remove(kind, name)  # the garbage collector's cascade, which informers report
+    cluster.deliver()
+    assert runtime.cache.get("ServingPool", NS, "chat") is not None  # still cached
+    with pytest.raises(KubeError):
+        await runtime._reconcile_pool((NS, "chat"))  # (reconcile_pool logs a 404 and returns)
+    assert ("PATCH", "ServingPool chat/status") in cluster.take()
+    assert runtime.cache.get("ServingPool", NS, "chat") is None
+    await runtime.reconcile_pool((NS, "chat"))
+    assert cluster.take() == []
