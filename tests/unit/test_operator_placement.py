@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 
 from kvfleet.operator.placement import pod_problem, reason_line
@@ -32,7 +34,7 @@ def test_reason_is_the_last_non_empty_line_and_a_json_records_msg(
 
 
 def _engine(
-    state: dict[str, object], *, ready: bool, restarts: int, exit_code: int | None
+    state: Mapping[str, object], *, ready: bool, restarts: int, exit_code: int | None
 ) -> dict[str, object]:
     last = {} if exit_code is None else {"terminated": {"exitCode": exit_code, "message": "boom"}}
     status = {"name": "engine", "state": state, "ready": ready, "restartCount": restarts,
