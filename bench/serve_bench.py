@@ -356,6 +356,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-mode", choices=["static", "sequential"], default="static")
     p.add_argument("--baseline-batch-size", type=int, default=8)
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--skip-mixed", action="store_true",
+                   help="only the shared-prefix workload (no plot: it shows the mixed one)")
     p.add_argument("--prefix-requests", type=int, default=10)
     p.add_argument("--prefix-prompt-len", type=int, default=1024)
     p.add_argument("--prefix-shared", type=float, default=0.9)
@@ -371,8 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v)
                                        for k, v in vars(args).items()},
                               "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot}}
-    report["mixed"] = run_mixed(args)
-    if not args.skip_baseline:
+    if not args.skip_mixed:
+        report["mixed"] = run_mixed(args)
+    if not args.skip_mixed and not args.skip_baseline:
         best = {name: max(s["goodput"] for s in report["mixed"][name].values())
                 for name in ("kvfleet", "baseline")}
         ratio = (best["kvfleet"] / best["baseline"] if best["baseline"]
@@ -396,8 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{report['shared_prefix']['ttft_p50_ratio_on_off']:.3f} (target <= 0.15)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=1, default=str))
-    plot(report, Path(f"{args.out}.png"))
-    print(f"wrote {args.out}.json and {args.out}.png")
+    if "mixed" in report:
+        plot(report, Path(f"{args.out}.png"))
+    print(f"wrote {args.out}.json" + (f" and {args.out}.png" if "mixed" in report else ""))
     return 0
 
 
