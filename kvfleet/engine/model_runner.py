@@ -109,7 +109,32 @@ class _PrefillChunk:
     first_row: int
     num_tokens: int
     block_table: torch.Tensor  # [padded_blocks], padded with block 0
-    mask: torch.Tensor  # [group * num_tokens, padded_blocks * block_size], True = attend
+    start: int  # positions before the chunk: cached context every query sees
+    # Either the whole context's mask ([group * num_tokens, padded_blocks * block_size], True
+    # = attend) or, for `_split_attention`, the chunk's own causal part as an additive mask
+    # ([group * num_tokens, num_tokens]).
+    mask: torch.Tensor | None
+    new_mask: torch.Tensor | None
+
+
+# SDPA's CPU kernel, which also returns each query row's log-sum-exp (not in every torch).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, n: int,
+                     new_mask: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a chunk's `n` queries (GQA-folded, [kv_heads, group * n, dim]) over
+    `start` cached positions plus its own, as two parts merged by their log-sum-exp. Every
+    query sees all of the cached part, so it runs without a mask, which the CPU kernel does
+    ~30 % faster than the masked whole (a prefix-cache hit: 112 new tokens after 912 cached)."""
+    assert _FLASH_CPU is not None
+    cached, cached_lse = _FLASH_CPU(q[None], k[None, :, :start], v[None, :, :start])
+    own, own_lse = _FLASH_CPU(q[None], k[None, :, start : start + n], v[None, :, start : start + n],
+                              attn_mask=new_mask)
+    lse = torch.logaddexp(cached_lse, own_lse)
+    merged: torch.Tensor = (cached * (cached_lse - lse).exp().unsqueeze(-1)
+                            + own * (own_lse - lse).exp().unsqueeze(-1))
+    return merged[0]
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -165,7 +190,10 @@ class _PagedAttention:
             )
             kp = _gather(k_cache, p.block_table).transpose(0, 1)
             vp = _gather(v_cache, p.block_table).transpose(0, 1)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask)
+            if p.new_mask is not None:
+                op = _split_attention(qp, kp, vp, p.start, p.num_tokens, p.new_mask)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask)
             out[rows] = (
                 op.view(cfg.num_kv_heads, group, p.num_tokens, cfg.head_dim)
                 .permute(2, 0, 1, 3)
@@ -254,11 +282,19 @@ class ModelRunner:
     def _plan_prefill(self, chunk: ScheduledChunk, first_row: int) -> _PrefillChunk:
         bs, n, start = self.block_size, len(chunk.token_ids), chunk.start_position
         padded_blocks = padded_context_len(start + n, bs) // bs
-        # Query row (g, i) of the GQA-folded chunk is token i: it sees positions <= start + i.
-        query_pos = torch.arange(start, start + n).repeat(self.config.num_queries_per_kv)
-        mask = torch.arange(padded_blocks * bs)[None, :] <= query_pos[:, None]
         table = self._block_table(chunk, start + n, padded_blocks)
-        return _PrefillChunk(first_row=first_row, num_tokens=n, block_table=table, mask=mask)
+        group = self.config.num_queries_per_kv
+        if start > 0 and not self.batch_invariant and _FLASH_CPU is not None:
+            # Query row (g, i) of the GQA-folded chunk is token i: it sees new tokens <= i.
+            own = torch.arange(n).repeat(group)
+            new_mask = torch.zeros(group * n, n).masked_fill_(
+                torch.arange(n)[None, :] > own[:, None], float("-inf"))
+            return _PrefillChunk(first_row, n, table, start, None, new_mask)
+        # Batch-invariant mode keeps one SDPA call over the padded context (see
+        # `padded_context_len`): the split's summation order would depend on the chunking.
+        query_pos = torch.arange(start, start + n).repeat(group)
+        mask = torch.arange(padded_blocks * bs)[None, :] <= query_pos[:, None]
+        return _PrefillChunk(first_row, n, table, start, mask, None)
 
     def _plan_decode(self, chunks: list[ScheduledChunk], rows: list[int]) -> list[_DecodeBatch]:
         """Decode chunks grouped by context length, one attention batch per group.
@@ -345,10 +381,15 @@ class ModelRunner:
         if out.is_empty:
             return {}
         token_ids, positions, attention, last_rows = self._plan(out.chunks)
-        hidden = self.model(token_ids, positions, attention, self.batch_invariant)
+        rows = torch.tensor(last_rows, dtype=torch.long)
+        if self.batch_invariant or len(last_rows) == len(token_ids):
+            # Batch-invariant mode keeps every matmul's row count what it was (see llama.py).
+            hidden = self.model(token_ids, positions, attention, self.batch_invariant)
+            last = hidden if len(last_rows) == len(token_ids) else hidden.index_select(0, rows)
+        else:
+            last = self.model(token_ids, positions, attention, output_rows=rows)
         if not last_rows:
             return {}
-        last = hidden.index_select(0, torch.tensor(last_rows, dtype=torch.long))
         logits = self.model.compute_logits(last, self.batch_invariant)
         sampled = [c.request_id for c in out.chunks if c.sample]
         return dict(zip(sampled, logits.unbind(0), strict=True))

@@ -5,6 +5,7 @@ Budget: ~10 s (one subprocess; no model).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,6 +17,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+from kvfleet.engine.runtime import in_own_thread
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -115,3 +119,27 @@ def test_loading_ready_then_sigterm_drains_and_exits_zero() -> None:
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+def test_loading_runs_on_a_thread_that_ends_with_it() -> None:
+    """Not an executor thread that stays: a thread that ran torch's parallel regions keeps an
+    OpenMP worker team while it lives, which slowed every later engine step (runtime.py)."""
+    seen: list[threading.Thread] = []
+
+    def load() -> str:
+        seen.append(threading.current_thread())
+        return "loaded"
+
+    def broken() -> str:
+        raise ValueError("corrupt GGUF")
+
+    async def main() -> None:
+        assert await in_own_thread(load, "kvfleet-load") == "loaded"
+        with pytest.raises(ValueError, match="corrupt GGUF"):
+            await in_own_thread(broken, "kvfleet-load")
+
+    asyncio.run(main())
+    (thread,) = seen
+    assert thread is not threading.main_thread() and thread.name == "kvfleet-load"
+    thread.join(5)
+    assert not thread.is_alive()

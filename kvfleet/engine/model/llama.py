@@ -201,9 +201,13 @@ class LlamaModel(nn.Module):
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
-        batch_invariant: bool = False,
+        batch_invariant: bool = False, output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] (before the final norm) for flat `token_ids` [T]."""
+        """Hidden states [T, hidden] (before the final norm) for flat `token_ids` [T], or only
+        the rows `output_rows` [N] when given: the last layer then runs its output projection
+        and MLP on those rows alone (no later layer reads the others, and attention has
+        already written their K/V) — in a prefill step that samples one row per chunk, most
+        of a layer's work."""
         cfg = self.config
         mm = invariant_matmul if batch_invariant else matmul
         num_tokens = token_ids.shape[0]
@@ -220,6 +224,9 @@ class LlamaModel(nn.Module):
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, q_size + cfg.kv_dim :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             attn = attention(layer, q, k, v)
+            if output_rows is not None and layer == cfg.num_layers - 1:
+                hidden = hidden.index_select(0, output_rows)
+                attn = attn.index_select(0, output_rows)
             hidden = hidden + mm(attn, self.o_t[layer])
             x = _rms_norm(hidden, self.post_attention_layernorm[layer], cfg.rms_norm_eps)
             gate, up = mm(x, self.gate_up_t[layer]).chunk(2, dim=-1)
