@@ -202,16 +202,22 @@ def test_store_files_children_by_controlling_pool_and_pods_by_pool_label() -> No
     assert pods.discard("uid-p") is not None and len(pods) == 0
 
 
-@pytest.mark.asyncio
-async def test_a_child_deleted_while_the_watch_was_away_is_recreated() -> None:
-    """The gap a kopf re-list left: the Service vanishes during a 410, the re-list reports it
-    DELETED, and the pool's next reconcile applies it again."""
-    cluster = FakeCluster()
+def serving_one_pool(cluster: FakeCluster) -> Runtime:
+    """An artifact and a pool stored and delivered; a runtime reading the cluster's cache."""
     cluster.store(artifact().to_wire(), "ADDED")
     cluster.store(pool().to_wire(), "ADDED")
     cluster.deliver()
     runtime = Runtime(api=cluster, cache=Cache(cluster.indices), matrix=default_matrix())  # type: ignore[arg-type]
     cluster.cache = runtime.cache
+    return runtime
+
+
+@pytest.mark.asyncio
+async def test_a_child_deleted_while_the_watch_was_away_is_recreated() -> None:
+    """The gap a kopf re-list left: the Service vanishes during a 410, the re-list reports it
+    DELETED, and the pool's next reconcile applies it again."""
+    cluster = FakeCluster()
+    runtime = serving_one_pool(cluster)
     await runtime.pools.trigger((NS, "chat"))
     cluster.deliver()
     service = next(o for (kind, _), o in cluster.objects.items() if kind == "Service")
@@ -341,11 +347,7 @@ async def test_a_pool_deleted_while_kopfs_watch_was_away_stops_being_served_at_i
     garbage collector removes the children (the informers report that), the reconcile that
     follows writes the pool's status, the 404 evicts the pool, and nothing is written again."""
     cluster = ForgetfulWatchCluster()
-    cluster.store(artifact().to_wire(), "ADDED")
-    cluster.store(pool().to_wire(), "ADDED")
-    cluster.deliver()
-    runtime = Runtime(api=cluster, cache=Cache(cluster.indices), matrix=default_matrix())  # type: ignore[arg-type]
-    cluster.cache = runtime.cache
+    runtime = serving_one_pool(cluster)
     await _converge(cluster, runtime)
     del cluster.objects[("ServingPool", "chat")]
     cluster.undelivered = []  # the watch was away: its DELETED never comes
