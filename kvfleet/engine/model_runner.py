@@ -202,7 +202,6 @@ class _PagedAttention:
             )
         return out
 
-
     def _kernel_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           out: torch.Tensor) -> None:
         plan, kernel = self._decode, self._runner.kernel
