@@ -10,11 +10,18 @@ adapter, template version), so two requests share a block only if they agree on 
 and on every token before and in that block. SHA-256 rather than Python's `hash`: a collision
 would serve one tenant's KV to another.
 
+A prompt that leaves the cached chain inside a block (it diverges there, or it repeats a
+cached prompt and must still compute its last token) reuses the tokens it shares with a
+cached block after the last matching hash: a fresh block gets a copy of that block, the
+request computes from the first differing token, and the stale slots after it are
+overwritten before anything reads them (attention reads only computed positions).
+
 Invariants:
 - the sum over requests of how often a block appears in their tables equals its ref_count;
 - only the block at position `num_computed_tokens // block_size` can be written by the next
-  step, and it is never shared when written: `allocate` replaces a shared one by a private
-  copy and returns the (src, dst) pair for the runner (copy-on-write after `fork`);
+  step, and it is never shared or hashed when written: `allocate` replaces a shared one by a
+  private copy and returns the (src, dst) pair for the runner (copy-on-write after `fork`),
+  and a partial prefix hit is always a copy;
 - a full prompt hit still leaves the last prompt token to compute, because its logits are
   needed to sample the first output token.
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvfleet.engine.block_pool import BlockHash, BlockPool
 from kvfleet.engine.request import Request
@@ -44,6 +52,20 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     digest = hashlib.sha256(parent)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Cached KV for a request's first `num_tokens` tokens: `full_blocks` in table order, then
+    possibly `partial_block`, a cached block whose first `num_tokens % block_size` tokens are
+    the request's next ones (copied into a block of the request's own)."""
+
+    full_blocks: tuple[int, ...] = ()
+    partial_block: int | None = None
+    num_tokens: int = 0
+
+
+NO_HIT = PrefixHit()
 
 
 class KVCacheManager:
@@ -91,21 +113,29 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, tokens[i * size:(i + 1) * size]))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
-        """Cached blocks holding a prefix of this (not yet scheduled) request's tokens.
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """The longest cached prefix of this (not yet scheduled) request's tokens.
 
         A pure lookup: the query is counted by `allocate`, once the request is admitted."""
         if not self.enable_prefix_caching:
-            return []
-        # Cap below num_tokens: the last token must be computed to sample from its logits.
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in self._block_hashes(request, max_hit_blocks):
+            return NO_HIT
+        # Below num_tokens: the last token must be computed to sample from its logits.
+        max_hit_tokens = request.num_tokens - 1
+        size = self.block_size
+        hashes = self._block_hashes(request, max_hit_tokens // size)
+        full: list[int] = []
+        for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
-            hits.append(block_id)
-        return hits
+            full.append(block_id)
+        start = len(full) * size
+        parent = hashes[len(full) - 1] if full else salt_hash(request.cache_salt)
+        partial, num_partial = self.pool.longest_partial_match(
+            parent, request.all_token_ids[start:min(start + size, max_hit_tokens)])
+        if not full and partial is None:
+            return NO_HIT
+        return PrefixHit(tuple(full), partial, start + num_partial)
 
     def cache_blocks(self, request: Request) -> None:
         """Index the request's full blocks whose KV is now computed."""
@@ -119,52 +149,54 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)
+        tokens, size = request.all_token_ids, self.block_size
         for i in range(start, num_full):
-            self.pool.cache_block(table[i], hashes[i])
+            parent = hashes[i - 1] if i else salt_hash(request.cache_salt)
+            self.pool.cache_block(table[i], hashes[i], parent, tokens[i * size:(i + 1) * size])
         self._num_indexed[request.request_id] = num_full
 
     # -- allocation ----------------------------------------------------------------------
 
-    def _plan(self, request: Request, num_new_tokens: int,
-              computed_blocks: Sequence[int]) -> tuple[int, bool]:
+    def _plan(self, request: Request, num_new_tokens: int, hit: PrefixHit) -> tuple[int, bool]:
         """(fresh blocks needed, whether the block written first must be copied)."""
         table = self._tables.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_computed = request.num_computed_tokens + hit.num_tokens
         num_needed = self.num_blocks_for(num_computed + num_new_tokens)
-        num_fresh = max(0, num_needed - len(table) - len(computed_blocks))
+        # A partial hit's block is one of the fresh ones: it receives the copy.
+        num_fresh = max(0, num_needed - len(table) - len(hit.full_blocks))
         first = num_computed // self.block_size
         cow = first < len(table) and self.pool.blocks[table[first]].ref_count > 1
         return num_fresh + int(cow), cow
 
     def can_allocate(self, request: Request, num_new_tokens: int,
-                     computed_blocks: Sequence[int] = ()) -> bool:
-        num_fresh, _cow = self._plan(request, num_new_tokens, computed_blocks)
+                     hit: PrefixHit = NO_HIT) -> bool:
+        num_fresh, _cow = self._plan(request, num_new_tokens, hit)
         # Hits sitting in the free queue stop being free once we reference them.
-        num_revived = sum(self.pool.blocks[b].ref_count == 0 for b in computed_blocks)
+        num_revived = sum(self.pool.blocks[b].ref_count == 0 for b in hit.full_blocks)
         return num_fresh + num_revived <= self.pool.num_free_blocks
 
     def allocate(self, request: Request, num_new_tokens: int,
-                 computed_blocks: Sequence[int] = ()) -> list[tuple[int, int]]:
-        """Reserve KV for `num_new_tokens` more tokens after the computed ones; adopt
-        `computed_blocks` (prefix hits) first. Returns copy-on-write pairs (src, dst) that
-        the runner must apply before this step's forward pass."""
-        if not self.can_allocate(request, num_new_tokens, computed_blocks):
+                 hit: PrefixHit = NO_HIT) -> list[tuple[int, int]]:
+        """Reserve KV for `num_new_tokens` more tokens after the computed ones; adopt the
+        prefix `hit` first. Returns block copies (src, dst) that the runner must apply before
+        this step's forward pass (copy-on-write, or a partial hit's block)."""
+        if not self.can_allocate(request, num_new_tokens, hit):
             raise RuntimeError(f"request {request.request_id}: not enough free blocks; "
                                "call can_allocate first")
-        num_fresh, cow = self._plan(request, num_new_tokens, computed_blocks)
+        num_fresh, cow = self._plan(request, num_new_tokens, hit)
         table = self._tables.setdefault(request.request_id, [])
         if not table and request.num_computed_tokens == 0 and self.enable_prefix_caching:
             # First allocation of a fresh or preempted request: that is one cache query.
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed_blocks) * self.block_size
-        if computed_blocks:
+            self.prefix_cache_hits += hit.num_tokens
+        if hit.num_tokens:
             if table:
                 raise RuntimeError(f"request {request.request_id}: prefix hits can only "
                                    "start an empty block table")
-            self.pool.touch(computed_blocks)
-            table.extend(computed_blocks)
-            request.num_computed_tokens += len(computed_blocks) * self.block_size
-            self._num_indexed[request.request_id] = len(computed_blocks)
+            self.pool.touch(hit.full_blocks)
+            table.extend(hit.full_blocks)
+            request.num_computed_tokens += hit.num_tokens
+            self._num_indexed[request.request_id] = len(hit.full_blocks)
         copies: list[tuple[int, int]] = []
         if cow:
             first = request.num_computed_tokens // self.block_size
@@ -174,7 +206,13 @@ class KVCacheManager:
             table[first] = dst
             copies.append((src, dst))
             num_fresh -= 1
-        table.extend(self.pool.allocate(num_fresh))
+        fresh = self.pool.allocate(num_fresh)
+        if hit.partial_block is not None:
+            # The source is not referenced: if a later allocation of this step evicts and
+            # reuses it (even as `fresh[0]` itself), that happens after the runner's copies,
+            # which run before the forward pass writes anything.
+            copies.append((hit.partial_block, fresh[0]))
+        table.extend(fresh)
         return copies
 
     def fork(self, parent: Request, child: Request) -> None:

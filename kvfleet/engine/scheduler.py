@@ -33,7 +33,7 @@ from dataclasses import replace
 
 from kvfleet.engine.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from kvfleet.engine.errors import InvalidRequestError
-from kvfleet.engine.kv_cache_manager import KVCacheManager
+from kvfleet.engine.kv_cache_manager import NO_HIT, KVCacheManager
 from kvfleet.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from kvfleet.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
@@ -170,13 +170,12 @@ class Scheduler:
             if not candidates:
                 break
             request = self._pick_waiting(now, candidates)
-            computed = (self.kv.get_computed_blocks(request)
-                        if request.num_computed_tokens == 0 else [])
-            num_new = min(request.num_tokens - len(computed) * self.kv.block_size,
+            hit = self.kv.find_prefix_hit(request) if request.num_computed_tokens == 0 else NO_HIT
+            num_new = min(request.num_tokens - hit.num_tokens,
                           self.config.long_prefill_token_threshold, budget)
-            if not self.kv.can_allocate(request, num_new, computed):
+            if not self.kv.can_allocate(request, num_new, hit):
                 break  # no skipping ahead: a large request must not starve behind small ones
-            copies[request.request_id] = self.kv.allocate(request, num_new, computed)
+            copies[request.request_id] = self.kv.allocate(request, num_new, hit)
             self.waiting.remove(request)
             self.running.append(request)
             if request.timings.first_scheduled_time is None:
@@ -283,12 +282,12 @@ class Scheduler:
         preempted: list[str] = []
         while self.waiting:
             candidate = self._pick_waiting(now, self.waiting)
-            computed = (self.kv.get_computed_blocks(candidate)
-                        if candidate.num_computed_tokens == 0 else [])
-            num_new = min(candidate.num_tokens - len(computed) * self.kv.block_size,
+            hit = (self.kv.find_prefix_hit(candidate) if candidate.num_computed_tokens == 0
+                   else NO_HIT)
+            num_new = min(candidate.num_tokens - hit.num_tokens,
                           self.config.long_prefill_token_threshold)
             if (len(self.running) < self.config.max_num_running
-                    and self.kv.can_allocate(candidate, num_new, computed)):
+                    and self.kv.can_allocate(candidate, num_new, hit)):
                 break
             victim = self._fairness_victim(candidate)
             if victim is None:

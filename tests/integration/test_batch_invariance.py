@@ -94,6 +94,19 @@ def test_alone_equals_after_a_prefix_cache_hit(model: LoadedModel, targets: list
     assert again == alone
 
 
+def test_alone_equals_after_a_hit_that_leaves_the_cache_inside_a_block(
+        model: LoadedModel, targets: list[list[int]], alone: list[tuple[int, ...]]) -> None:
+    llm = make_llm(model, prefix=True)
+    long = targets[1]
+    # Shares 40 tokens with the long target: blocks 0-1 whole, then 8 of block 2's 16.
+    other = [*long[:40], *model.tokenizer.encode(" node pod replica cache" * 5)]
+    llm.generate(prompt_token_ids=[other], sampling_params=GREEDY, use_tqdm=False)
+    hits_before = llm.stats().num_prefix_cache_hits
+    (again,) = llm.generate(prompt_token_ids=[long], sampling_params=GREEDY, use_tqdm=False)
+    assert llm.stats().num_prefix_cache_hits - hits_before == 40
+    assert again.token_ids == alone[1]
+
+
 def test_alone_equals_after_preemption_and_recompute(
         model: LoadedModel, targets: list[list[int]], alone: list[tuple[int, ...]]) -> None:
     # 8 blocks of 16 tokens. The targets take 1 + 5 blocks and are admitted first; the

@@ -3,20 +3,19 @@ from __future__ import annotations
 import pytest
 from engine_fakes import make_request
 
-from kvfleet.engine.kv_cache_manager import KVCacheManager, make_cache_salt
+from kvfleet.engine.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit, make_cache_salt
 from kvfleet.engine.request import Request
 
 
 def admit(kv: KVCacheManager, request_id: str, prompt: list[int],
-          salt: str = "t") -> tuple[Request, list[int]]:
+          salt: str = "t") -> tuple[Request, PrefixHit]:
     """Admit a fresh request through the prefix cache, compute its prompt, index it."""
     request = make_request(request_id, prompt, cache_salt=salt)
-    hits = kv.get_computed_blocks(request)
-    num_hit_tokens = len(hits) * kv.block_size
-    kv.allocate(request, request.num_tokens - num_hit_tokens, hits)
+    hit = kv.find_prefix_hit(request)
+    kv.allocate(request, request.num_tokens - hit.num_tokens, hit)
     request.num_computed_tokens = request.num_tokens
     kv.cache_blocks(request)
-    return request, hits
+    return request, hit
 
 
 def test_block_table_grows_block_by_block() -> None:
@@ -38,33 +37,59 @@ def test_block_table_grows_block_by_block() -> None:
 def test_prefix_hit_reuses_full_blocks_and_counts_tokens() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
     prompt = list(range(1, 11))  # 2 full blocks + 2 tokens
-    _first, hits = admit(kv, "a", prompt)
-    assert hits == []
-    second, hits = admit(kv, "b", [*prompt[:8], 50, 51, 52])
-    assert hits == kv.block_ids("a")[:2]
-    assert kv.block_ids("b")[:2] == hits and second.num_cached_tokens == 0
+    _first, hit = admit(kv, "a", prompt)
+    assert hit == NO_HIT
+    second, hit = admit(kv, "b", [*prompt[:8], 50, 51, 52])
+    # a's third block holds 2 tokens: not full, so not cached.
+    assert hit == PrefixHit(tuple(kv.block_ids("a")[:2]), None, 8)
+    assert tuple(kv.block_ids("b")[:2]) == hit.full_blocks and second.num_cached_tokens == 0
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10 + 11, 8)
     kv.check_invariants()
 
 
-def test_full_prompt_hit_still_computes_the_last_token() -> None:
+def test_prompt_leaving_the_cache_inside_a_block_reuses_its_shared_tokens_by_copy() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
-    admit(kv, "a", list(range(1, 9)))  # exactly two full blocks
+    admit(kv, "a", list(range(1, 13)))  # three full blocks, all cached
+    a_blocks = kv.block_ids("a")
+    request = make_request("b", [*range(1, 10), 60, 61, 62], cache_salt="t")
+    hit = kv.find_prefix_hit(request)
+    assert hit == PrefixHit(tuple(a_blocks[:2]), a_blocks[2], 9)
+    copies = kv.allocate(request, 3, hit)
+    table = kv.block_ids("b")
+    assert table[:2] == a_blocks[:2] and table[2] not in a_blocks
+    assert copies == [(a_blocks[2], table[2])] and request.num_computed_tokens == 9
+    assert kv.prefix_cache_hits == 9
+    kv.check_invariants()
+
+
+def test_repeated_prompt_computes_only_its_last_token() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first, _ = admit(kv, "a", list(range(1, 9)))  # exactly two full blocks
+    kv.free(first)  # its cached blocks wait in the free queue
     request = make_request("b", list(range(1, 9)), cache_salt="t")
-    hits = kv.get_computed_blocks(request)
-    assert len(hits) == 1  # the second block holds the last token: recomputed
+    hit = kv.find_prefix_hit(request)
+    partial = hit.partial_block
+    assert len(hit.full_blocks) == 1 and partial is not None
+    assert hit.num_tokens == 7  # and 3 of the last block's 4 tokens
+    assert kv.can_allocate(request, 1, hit)
+    copies = kv.allocate(request, 1, hit)
+    assert copies == [(partial, kv.block_ids("b")[1])]
+    # The copy's source is not referenced: it stays cached and free until evicted.
+    assert kv.pool.blocks[partial].ref_count == 0 or kv.block_ids("b")[1] == partial
+    assert kv.pool.num_free_blocks == 16 - 2
+    kv.check_invariants()
 
 
 def test_different_salts_never_share_blocks() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
     prompt = list(range(1, 13))
     admit(kv, "a", prompt, salt=make_cache_salt("tenant-a", "model"))
-    _request, hits = admit(kv, "b", prompt, salt=make_cache_salt("tenant-b", "model"))
-    assert hits == []
-    _request, hits = admit(kv, "c", prompt, salt=make_cache_salt("tenant-a", "model2"))
-    assert hits == []
-    _request, hits = admit(kv, "d", prompt, salt=make_cache_salt("tenant-a", "model"))
-    assert len(hits) == 2
+    _request, hit = admit(kv, "b", prompt, salt=make_cache_salt("tenant-b", "model"))
+    assert hit == NO_HIT
+    _request, hit = admit(kv, "c", prompt, salt=make_cache_salt("tenant-a", "model2"))
+    assert hit == NO_HIT
+    _request, hit = admit(kv, "d", prompt, salt=make_cache_salt("tenant-a", "model"))
+    assert len(hit.full_blocks) == 2 and hit.num_tokens == 11
 
 
 def test_freed_cached_blocks_serve_later_hits_until_evicted() -> None:
@@ -73,13 +98,13 @@ def test_freed_cached_blocks_serve_later_hits_until_evicted() -> None:
     first, _ = admit(kv, "a", prompt)
     kv.free(first)
     assert kv.pool.num_free_blocks == 4 and kv.pool.num_cached_blocks == 2
-    second, hits = admit(kv, "b", prompt)
-    assert len(hits) == 2
+    second, hit = admit(kv, "b", prompt)
+    assert len(hit.full_blocks) == 2 and hit.partial_block is None
     kv.free(second)
     filler = make_request("filler", 16)
     kv.allocate(filler, 16)  # takes all 4 blocks: the cached ones are evicted
     assert kv.pool.num_cached_blocks == 0
-    assert kv.get_computed_blocks(make_request("c", prompt, cache_salt="t")) == []
+    assert kv.find_prefix_hit(make_request("c", prompt, cache_salt="t")) == NO_HIT
 
 
 def test_can_allocate_counts_revived_hits_as_no_longer_free() -> None:
@@ -87,10 +112,10 @@ def test_can_allocate_counts_revived_hits_as_no_longer_free() -> None:
     first, _ = admit(kv, "a", list(range(1, 10)))  # 3 blocks, 2 of them cached
     kv.free(first)
     request = make_request("b", list(range(1, 10)), cache_salt="t")
-    hits = kv.get_computed_blocks(request)
-    assert len(hits) == 2
-    assert kv.can_allocate(request, 1, hits)  # 2 revived + 1 fresh == 3 free
-    assert not kv.can_allocate(request, 5, hits)
+    hit = kv.find_prefix_hit(request)
+    assert len(hit.full_blocks) == 2
+    assert kv.can_allocate(request, 1, hit)  # 2 revived + 1 fresh == 3 free
+    assert not kv.can_allocate(request, 5, hit)
 
 
 def test_fork_shares_blocks_and_copies_the_partial_block_on_write() -> None:

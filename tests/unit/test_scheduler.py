@@ -361,6 +361,19 @@ def test_prefix_cache_hits_skip_computing_shared_blocks() -> None:
     assert scheduler.kv.prefix_cache_hits == 12
 
 
+def test_prompt_leaving_the_cache_mid_block_starts_after_the_shared_tokens() -> None:
+    scheduler, runner = make_scheduler(block_size=4)
+    scheduler.add_request(make_request("a", tuple(range(1, 13)), max_tokens=1))
+    run_to_completion(scheduler, runner)
+    second = make_request("b", (*range(1, 11), 50, 51), max_tokens=3)
+    scheduler.add_request(second)
+    output = step(scheduler, runner)  # the fake runner checks every position's KV
+    assert output.chunks[0].start_position == 10 and second.num_cached_tokens == 10
+    assert len(output.block_copies) == 1
+    run_to_completion(scheduler, runner)
+    assert scheduler.kv.pool.num_free_blocks == scheduler.kv.num_blocks
+
+
 # -- property-based: random add / step / cancel / finish / fork --------------------------
 
 add_op = st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24),
