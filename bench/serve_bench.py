@@ -7,7 +7,7 @@ One run, same machine, same arrivals for both servers:
    request generates exactly its output length); against `kvfleet serve` and against
    `bench/hf_baseline_server.py` (HF `generate`, static batches or one at a time);
 2. shared-prefix workload: 1k-token prompts sharing their first 90%, sent one at a time to
-   kvfleet with prefix caching on and then off.
+   two kvfleet servers, prefix caching on and off, which take them in blocks in turns.
 
 Reports TTFT, TPOT, ITL, E2E p50/p95/p99, request and output throughput, and goodput (requests
 meeting TTFT <= --slo-ttft and TPOT <= --slo-tpot, per second of the run); prints the goodput
@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -276,18 +276,50 @@ def run_mixed(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_shared_prefix(args: argparse.Namespace) -> dict[str, Any]:
+    """Both servers stay up; they take the prompts in blocks (on, off, off, on, ... for
+    --prefix-rounds), each server alone while its block runs, so a drift in this CPU's speed
+    (10-20 % within minutes: its cache is shared with other machines) falls on both.
+
+    Each block starts with a short unmeasured request. Why: the other process's copy of the
+    weights has just pushed this one's out of the shared L3, and at ~100 rows a step's
+    weight matmuls wait on memory: with prompts in turns, a hit right after the other server's
+    request took 325 ms instead of 251 (means of 8). One engine per node never sees that."""
     jobs = shared_prefix_workload(args.prefix_requests, args.prefix_prompt_len,
                                   args.prefix_shared, args.seed)
+    flags = {"cache_on": "--enable-prefix-caching", "cache_off": "--no-enable-prefix-caching"}
+    with ExitStack() as stack:
+        urls = {name: stack.enter_context(server(kvfleet_argv(args, flag), f"kvfleet-{name}",
+                                                 args.threads))
+                for name, flag in flags.items()}
+        results, durations = asyncio.run(in_blocks(urls, jobs, args.prefix_rounds))
     report: dict[str, Any] = {}
-    for name, flag in (("cache_on", "--enable-prefix-caching"),
-                       ("cache_off", "--no-enable-prefix-caching")):
-        with server(kvfleet_argv(args, flag), f"kvfleet-{name}", args.threads) as url:
-            results, duration = asyncio.run(run_jobs(url, jobs, sequential=True))
-            report[name] = summarize(results, duration, args)
-            print(f"[shared-prefix {name}] {fmt(report[name])}", flush=True)
+    for name in flags:
+        report[name] = summarize(results[name], durations[name], args)
+        print(f"[shared-prefix {name}] {fmt(report[name])}", flush=True)
     report["ttft_p50_ratio_on_off"] = (report["cache_on"]["ttft"]["p50"]
                                       / report["cache_off"]["ttft"]["p50"])
     return report
+
+
+async def in_blocks(urls: dict[str, str], jobs: Sequence[Job], rounds: int
+                    ) -> tuple[dict[str, list[Result]], dict[str, float]]:
+    """The jobs in `rounds` blocks; every block on every server in turn (order flipped per
+    round), one request at a time, after an unmeasured 16-token warm-up request."""
+    results: dict[str, list[Result]] = {name: [] for name in urls}
+    durations = dict.fromkeys(urls, 0.0)
+    size = -(-len(jobs) // rounds)
+    warm_up = Job(0.0, random_tokens(16, random.Random(-1)), 1)
+    async with AsyncExitStack() as stack:
+        clients = {name: await stack.enter_async_context(
+            httpx.AsyncClient(base_url=url, timeout=3600)) for name, url in urls.items()}
+        for r in range(rounds):
+            for name in (list(urls) if r % 2 == 0 else list(reversed(urls))):
+                await send(clients[name], warm_up)
+                started = time.monotonic()
+                for job in jobs[r * size:(r + 1) * size]:
+                    results[name].append(await send(clients[name], job))
+                durations[name] += time.monotonic() - started
+    return results, durations
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -358,14 +390,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--skip-mixed", action="store_true",
                    help="only the shared-prefix workload (no plot: it shows the mixed one)")
-    p.add_argument("--prefix-requests", type=int, default=10)
+    p.add_argument("--prefix-requests", type=int, default=16)
     p.add_argument("--prefix-prompt-len", type=int, default=1024)
     p.add_argument("--prefix-shared", type=float, default=0.9)
+    p.add_argument("--prefix-rounds", type=int, default=2,
+                   help="blocks the shared-prefix prompts are split into, taken in turns")
     p.add_argument("--skip-prefix", action="store_true")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of each server (OMP_NUM_THREADS)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "serve_bench")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 1 <= args.prefix_rounds <= args.prefix_requests:
+        p.error(f"--prefix-rounds must be between 1 and --prefix-requests "
+                f"({args.prefix_requests}), got {args.prefix_rounds}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
