@@ -28,7 +28,7 @@ if TYPE_CHECKING:
         ModelVerificationError,
         UnsupportedModelError,
     )
-    from kvfleet.engine.kv_cache_manager import KVCacheManager, make_cache_salt
+    from kvfleet.engine.kv_cache_manager import KVCacheManager, PrefixHit, make_cache_salt
     from kvfleet.engine.llm import LLM, RequestOutput
     from kvfleet.engine.model.loader import LoadedModel, default_model_path, load_model
     from kvfleet.engine.request import (
@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "SchedulerOutput": "scheduler_output",
     "ScheduledChunk": "scheduler_output",
     "KVCacheManager": "kv_cache_manager",
+    "PrefixHit": "kv_cache_manager",
     "make_cache_salt": "kv_cache_manager",
     "BlockPool": "block_pool",
     "Sampler": "sampler",
@@ -87,6 +88,7 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "ModelVerificationError",
+    "PrefixHit",
     "Request",
     "RequestOutput",
     "RequestStatus",

@@ -17,7 +17,7 @@ CORE_MODULES = ("config", "request", "block_pool", "kv_cache_manager", "schedule
 INTERNAL = {
     "Block", "BlockHash", "hash_block_tokens", "salt_hash", "MIB",
     "DEFAULT_KV_CACHE_MEMORY_BYTES", "ModelRunnerProtocol", "TokenizerProtocol",
-    "ChatTemplateProtocol", "ChatMessages", "PromptInput",
+    "ChatTemplateProtocol", "ChatMessages", "PromptInput", "NO_HIT",
 }
 
 
