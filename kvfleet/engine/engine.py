@@ -11,12 +11,12 @@ so a cached block is never reused across models or templates.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvfleet.engine import native
 from kvfleet.engine.config import CacheConfig, SchedulerConfig
 from kvfleet.engine.kv_cache_manager import make_cache_salt
 from kvfleet.engine.metrics import EngineStats
@@ -91,8 +91,11 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     """A core for `model` with a KV pool sized by `cache_config` (default: 512 MiB).
 
     `batch_invariant`: a request's output bits do not depend on the rest of its batch, at the
-    cost of padding small steps (see `kvfleet.engine.model.llama`)."""
+    cost of padding small steps (see `kvfleet.engine.model.llama`). Without it the model's
+    weights are packed for MKL (see `packed_matmul`), after which the same loaded model
+    cannot serve a batch-invariant engine."""
     from kvfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
+    from kvfleet.engine.packed_matmul import load_packer
 
     cache_config = cache_config or CacheConfig()
     scheduler_config = scheduler_config or SchedulerConfig()
@@ -100,19 +103,12 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     eos_ids = [] if model.tokenizer.eos_token_id is None else [model.tokenizer.eos_token_id]
     scheduler = Scheduler(scheduler_config, cache_config, num_blocks=num_blocks,
                           max_model_len=model.config.max_context, eos_token_ids=eos_ids)
+    if not batch_invariant and not model.model.is_packed:
+        packer = load_packer()
+        if packer is not None:
+            model.model.pack_weights(packer)
     runner = ModelRunner(model, num_blocks, cache_config.block_size, batch_invariant)
-    _return_freed_memory()
+    native.return_freed_memory()
     template = model.chat_template
     return EngineCore(runner, scheduler, Sampler(eos_ids), model_hash=model.revision,
                       template_version=template.sha256 if template is not None else "")
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap that model loading freed (dequantization buffers, a few hundred MiB)
-    back to the OS. glibc keeps freed memory in its arenas, where it would count against the
-    pod's memory limit for the life of the engine; elsewhere this is a no-op."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvfleet.engine import paged_attention
+from kvfleet.engine import native, paged_attention
 from kvfleet.engine.paged_attention import Kernel, load_kernel
 
 BLOCK_SIZE = 16
@@ -107,8 +107,8 @@ def test_a_failed_build_falls_back_with_one_warning(
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    monkeypatch.setattr(paged_attention, "_loaded", {})
-    with caplog.at_level(logging.WARNING, logger=paged_attention.__name__):
+    monkeypatch.setattr(native, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert load_kernel() is None
         assert load_kernel() is None  # remembered: no second build attempt, no second line
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

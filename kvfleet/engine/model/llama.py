@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfleet.engine import native
 from kvfleet.engine.errors import ModelLoadError
 from kvfleet.engine.model.config import ModelConfig
+from kvfleet.engine.packed_matmul import PackedWeight, Packer
 
 MIN_GEMM_ROWS = 16
 MAX_GEMM_K = 768
@@ -127,6 +129,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(variance + eps))
 
 
+# A layer's weights, in the order `LlamaModel.weight_matmul` and `pack_weights` use.
+QKV, O_PROJ, GATE_UP, DOWN = range(4)
+
+
 class LlamaModel(nn.Module):
     """Weights plus the math; the K/V storage lives in the `Attention` passed to `forward`."""
 
@@ -179,6 +185,30 @@ class LlamaModel(nn.Module):
         self._rope_cache_len = 0
         self._cos = torch.empty(0)
         self._sin_signed = torch.empty(0)
+        # Per layer (qkv, o, gate_up, down) once `pack_weights` ran; the [in, out] copies are
+        # then dropped.
+        self._packed: list[tuple[PackedWeight, ...]] | None = None
+
+    @property
+    def is_packed(self) -> bool:
+        return self._packed is not None
+
+    def pack_weights(self, packer: Packer) -> None:
+        """Multiply by MKL-packed layer weights from now on (see `packed_matmul`), and drop the
+        [in, out] copies as each layer is packed, so memory does not double. Batch-invariant
+        forward passes need the unpacked weights: they refuse afterwards."""
+        if self._packed is not None:
+            return
+        packed = []
+        for layer in range(self.config.num_layers):
+            lists = (self.qkv_t, self.o_t, self.gate_up_t, self.down_t)
+            packed.append(tuple(PackedWeight.pack(weights[layer], packer) for weights in lists))
+            for weights in lists:
+                weights[layer] = nn.Parameter(torch.empty(0), requires_grad=False)
+            # The freed layer goes back to the OS now, not after the last one: packing all
+            # layers first would hold both copies at once (peak +400 MiB, measured).
+            native.return_freed_memory()
+        self._packed = packed
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, head_dim] for `positions`, from a table grown on demand.
@@ -209,7 +239,6 @@ class LlamaModel(nn.Module):
         already written their K/V) — in a prefill step that samples one row per chunk, most
         of a layer's work."""
         cfg = self.config
-        mm = invariant_matmul if batch_invariant else matmul
         num_tokens = token_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         cos, sin = self._rope(positions)
@@ -217,7 +246,7 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens.index_select(0, token_ids)
         for layer in range(cfg.num_layers):
             x = _rms_norm(hidden, self.input_layernorm[layer], cfg.rms_norm_eps)
-            qkv = mm(x, self.qkv_t[layer])
+            qkv = self.weight_matmul(layer, QKV, x, batch_invariant)
             # RoPE on Q and K together: [T, heads + kv_heads, head_dim].
             qk = qkv[:, : q_size + cfg.kv_dim].view(num_tokens, -1, cfg.head_dim)
             qk = qk * cos + qk.roll(half, -1) * sin
@@ -227,11 +256,23 @@ class LlamaModel(nn.Module):
             if output_rows is not None and layer == cfg.num_layers - 1:
                 hidden = hidden.index_select(0, output_rows)
                 attn = attn.index_select(0, output_rows)
-            hidden = hidden + mm(attn, self.o_t[layer])
+            hidden = hidden + self.weight_matmul(layer, O_PROJ, attn, batch_invariant)
             x = _rms_norm(hidden, self.post_attention_layernorm[layer], cfg.rms_norm_eps)
-            gate, up = mm(x, self.gate_up_t[layer]).chunk(2, dim=-1)
-            hidden = hidden + mm(F.silu(gate) * up, self.down_t[layer])
+            gate, up = self.weight_matmul(layer, GATE_UP, x, batch_invariant).chunk(2, dim=-1)
+            hidden = hidden + self.weight_matmul(layer, DOWN, F.silu(gate) * up, batch_invariant)
         return hidden
+
+    def weight_matmul(self, layer: int, index: int, x: torch.Tensor,
+                      batch_invariant: bool = False) -> torch.Tensor:
+        """x @ the layer's weight `index` (QKV, O_PROJ, GATE_UP or DOWN), as `forward` does."""
+        if self._packed is not None:
+            if batch_invariant:
+                raise RuntimeError("this model's weights are packed for the default mode (an "
+                                   "engine was built on it without batch invariance); load the "
+                                   "model again for a batch-invariant engine")
+            return self._packed[layer][index].matmul(x)
+        weight = (self.qkv_t, self.o_t, self.gate_up_t, self.down_t)[index][layer]
+        return (invariant_matmul if batch_invariant else matmul)(x, weight)
 
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False
                        ) -> torch.Tensor:
