@@ -3,8 +3,9 @@
 `torch.mm` re-packs the weight into MKL's panel layout on every call, which at the row
 counts of an engine step is a large part of the call. Packing once at start-up and
 multiplying with MKL's packed API made a SmolLM2 step's weight matmuls faster at every row
-count a step has (2 threads, the same weights side by side: 40 vs 59 ms at 8 rows, 75 vs
-102 at 64, 101 vs 130 at 103, 403 vs 444 at 512). The results are float32 like `torch.mm`'s
+count a step has (2 threads, the same shapes side by side: 40 vs 59 ms at 8 rows, 75 vs 102
+at 64, 101 vs 130 at 103, 403 vs 444 at 512; inside engine decode steps, two runs each:
+40-45 vs 53-58 ms at 8 running, 71-86 vs 90-105 at 64). The results are float32 like `torch.mm`'s
 but not always bit for bit (MKL may sum a long row in another order), so batch-invariant
 mode keeps `torch.mm` on the unpacked weights.
 
