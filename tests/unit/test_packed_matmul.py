@@ -3,14 +3,13 @@ and the fallback when the extension cannot be built."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
+from native_helpers import warning_when_every_build_fails
 from test_model_runner import ContiguousAttention
 from tiny_llama import random_weights, tiny_config
 
-from kvfleet.engine import native, packed_matmul
+from kvfleet.engine import packed_matmul
 from kvfleet.engine.model.llama import LlamaModel
 from kvfleet.engine.packed_matmul import PackedWeight, Packer, load_packer
 
@@ -66,14 +65,5 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_failed_build_falls_back_to_torch_mm_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def no_compiler(**_: object) -> None:
-        raise RuntimeError("Ninja is required to load C++ extensions")
-
-    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    monkeypatch.setattr(native, "_loaded", {})
-    with caplog.at_level(logging.WARNING, logger=native.__name__):
-        assert load_packer() is None
-        assert load_packer() is None
-    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert "Ninja is required" in warning.getMessage()
-    assert "weight matmuls use torch.mm" in warning.getMessage()
+    warning = warning_when_every_build_fails(load_packer, monkeypatch, caplog)
+    assert "weight matmuls use torch.mm" in warning

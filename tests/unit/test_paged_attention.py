@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 import torch.nn.functional as F
+from native_helpers import warning_when_every_build_fails
 
-from kvfleet.engine import native, paged_attention
+from kvfleet.engine import paged_attention
 from kvfleet.engine.paged_attention import Kernel, load_kernel
 
 BLOCK_SIZE = 16
@@ -103,15 +102,5 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_failed_build_falls_back_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def no_compiler(**_: object) -> None:
-        raise RuntimeError("Ninja is required to load C++ extensions")
-
-    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    monkeypatch.setattr(native, "_loaded", {})
-    with caplog.at_level(logging.WARNING, logger=native.__name__):
-        assert load_kernel() is None
-        assert load_kernel() is None  # remembered: no second build attempt, no second line
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert "Ninja is required" in warnings[0].getMessage()
-    assert "uses SDPA" in warnings[0].getMessage()
+    warning = warning_when_every_build_fails(load_kernel, monkeypatch, caplog)
+    assert "uses SDPA" in warning
