@@ -14,11 +14,11 @@ MLP is one matmul over all tokens. Attention is the only per-sequence part:
 Grouped-query attention is folded into the query length ([kv_heads, group * L, head_dim]) so
 K/V are never repeated per query head.
 
-By default decode attention instead runs the compiled kernel of `paged_attention.py`: one
-call per layer for every decode row, reading K/V straight from the blocks (no gather, no
-padding, no groups). Batch-invariant mode keeps SDPA for decode too: a request recomputed
-after preemption redoes its decoded positions as prefill, and only the SDPA padding rule below
-makes the two paths agree bit for bit.
+By default attention instead runs the compiled kernels of `paged_attention.py`, reading K/V
+straight from the blocks (no gather, no padding, no groups): one decode call per layer for
+every decode row, one prefill call per layer and chunk. Batch-invariant mode keeps SDPA for
+both: a request recomputed after preemption redoes its decoded positions as prefill, and only
+the SDPA padding rule below makes the two paths agree bit for bit.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class _PrefillChunk:
     start: int  # positions before the chunk: cached context every query sees
     # Either the whole context's mask ([group * num_tokens, padded_blocks * block_size], True
     # = attend) or, for `_split_attention`, the chunk's own causal part as an additive mask
-    # ([group * num_tokens, num_tokens]).
+    # ([group * num_tokens, num_tokens]); neither for the kernel, which masks by position.
     mask: torch.Tensor | None
     new_mask: torch.Tensor | None
 
@@ -184,6 +184,11 @@ class _PagedAttention:
                 out.index_copy_(0, d.token_index, od.reshape(batch, -1))
         for p in self._prefills:
             rows = slice(p.first_row, p.first_row + p.num_tokens)
+            if self._runner.kernel is not None:
+                out[rows] = self._runner.kernel.paged_prefill_attention(
+                    q[rows], k_cache, v_cache, p.block_table, p.start, self._scale
+                ).view(p.num_tokens, -1)
+                continue
             qp = (
                 q[rows]
                 .view(p.num_tokens, cfg.num_kv_heads, group, cfg.head_dim)
@@ -217,7 +222,7 @@ class ModelRunner:
     """Runs scheduled chunks over the paged KV cache and returns next-token logits."""
 
     def __init__(self, model: LoadedModel | LlamaModel, num_blocks: int, block_size: int,
-                 batch_invariant: bool = False, decode_kernel: bool = True) -> None:
+                 batch_invariant: bool = False, attention_kernel: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         if block_size <= 0:
@@ -229,7 +234,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         cfg = self.config
         # The kernel vectorizes over 16-float lanes of a head and keeps a head in registers.
-        use_kernel = (decode_kernel and not batch_invariant and cfg.head_dim % 16 == 0
+        use_kernel = (attention_kernel and not batch_invariant and cfg.head_dim % 16 == 0
                       and cfg.head_dim <= 256)
         self.kernel: Kernel | None = load_kernel() if use_kernel else None
         self.kv_cache = torch.zeros(
@@ -284,6 +289,8 @@ class ModelRunner:
         bs, n, start = self.block_size, len(chunk.token_ids), chunk.start_position
         padded_blocks = padded_context_len(start + n, bs) // bs
         table = self._block_table(chunk, start + n, padded_blocks)
+        if self.kernel is not None:  # reads the table itself, masks by position
+            return _PrefillChunk(first_row, n, table, start, None, None)
         group = self.config.num_queries_per_kv
         if start > 0 and not self.batch_invariant and _FLASH_CPU is not None:
             # Query row (g, i) of the GQA-folded chunk is token i: it sees new tokens <= i.

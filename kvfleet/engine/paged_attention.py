@@ -1,12 +1,15 @@
-"""The compiled decode-attention kernel (`csrc/paged_attention.cpp`), built on first use.
+"""The compiled attention kernels (`csrc/paged_attention.cpp`), built on first use.
 
-Decode attention is most of what a step does besides its weight matmuls, and the SDPA path
-pays for a copy: it gathers each sequence's K/V blocks into one contiguous tensor and then
-reads that copy. The kernel reads every cached position once, straight from the blocks.
+Attention is most of what a step does besides its weight matmuls, and the SDPA path pays for a
+copy: it gathers each sequence's K/V blocks into one contiguous tensor and then reads that
+copy. The kernels read the cached positions straight from the blocks: decode for every decode
+row of a step in one call, prefill for one prompt chunk (causal, after any cached prefix).
+After a prefix-cache hit (103 new tokens over 921 cached, SmolLM2) prefill attention took
+1.2-1.4 vs 1.9-2.1 ms a layer with SDPA's gather, two calls and merge (2 threads).
 
 It is built on first use like every compiled part of the engine (see `native`).
 
-`KVFLEET_ATTENTION=sdpa` turns the kernel off; when it cannot be built the engine logs why
+`KVFLEET_ATTENTION=sdpa` turns the kernels off; when they cannot be built the engine logs why
 once and uses SDPA (same results within float rounding, slower).
 """
 
@@ -30,6 +33,16 @@ class Kernel(Protocol):
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        start: int,
         scale: float,
     ) -> torch.Tensor: ...
 

@@ -79,15 +79,16 @@ def random_tokens(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "sdpa"])
+@pytest.mark.parametrize("attention_kernel", [True, False], ids=["kernel", "sdpa"])
 @pytest.mark.parametrize("chunk_sizes", [[23], [1] * 23, [3, 5, 7, 8], [4, 4, 4, 11], [6, 1, 16]])
 def test_chunked_prefill_matches_full_forward(
-    model: LlamaModel, chunk_sizes: list[int], decode_kernel: bool
+    model: LlamaModel, chunk_sizes: list[int], attention_kernel: bool
 ) -> None:
     tokens = random_tokens(sum(chunk_sizes), seed=7, vocab=model.config.vocab_size)
     expected = reference_logits(model, tokens)
-    runner = ModelRunner(model, num_blocks=16, block_size=BLOCK_SIZE, decode_kernel=decode_kernel)
-    assert (runner.kernel is not None) == decode_kernel
+    runner = ModelRunner(model, num_blocks=16, block_size=BLOCK_SIZE,
+                         attention_kernel=attention_kernel)
+    assert (runner.kernel is not None) == attention_kernel
     blocks = [9, 2, 14, 0, 5, 11, 3]  # non-contiguous on purpose
     start = 0
     for size in chunk_sizes:
@@ -96,14 +97,15 @@ def test_chunked_prefill_matches_full_forward(
         start += size
 
 
-@pytest.mark.parametrize("decode_kernel", [True, False], ids=["kernel", "sdpa"])
+@pytest.mark.parametrize("attention_kernel", [True, False], ids=["kernel", "sdpa"])
 def test_mixed_step_of_prefills_and_decodes_matches_each_sequence_alone(
-    model: LlamaModel, decode_kernel: bool
+    model: LlamaModel, attention_kernel: bool
 ) -> None:
     vocab = model.config.vocab_size
     seqs = {f"r{i}": random_tokens(n, seed=i, vocab=vocab) for i, n in enumerate([9, 17, 5, 30])}
     tables = {"r0": [0, 1, 2], "r1": [3, 4, 5, 6, 7], "r2": [8, 9], "r3": list(range(10, 18))}
-    runner = ModelRunner(model, num_blocks=18, block_size=BLOCK_SIZE, decode_kernel=decode_kernel)
+    runner = ModelRunner(model, num_blocks=18, block_size=BLOCK_SIZE,
+                         attention_kernel=attention_kernel)
     # Step 1: prefill r0, r2 whole and r1, r3 partially.
     done = {"r0": 8, "r1": 10, "r2": 4, "r3": 13}
     runner.execute(

@@ -1,4 +1,5 @@
-"""The compiled decode-attention kernel against SDPA over a gathered copy of the same blocks."""
+"""The compiled attention kernels (decode, prefill) against SDPA over a gathered copy of the
+same blocks."""
 
 from __future__ import annotations
 
@@ -92,6 +93,83 @@ def test_rejects_a_context_beyond_the_block_table_or_a_block_outside_the_pool(
     with pytest.raises(RuntimeError, match="float32"):
         kernel.paged_decode_attention(q.double(), k_cache, v_cache, torch.tensor([[0]]),
                                       torch.tensor([3]), 0.25)
+
+
+def prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      table: torch.Tensor, start: int, block_size: int = BLOCK_SIZE
+                      ) -> torch.Tensor:
+    """[n, heads, head_dim] causal attention of tokens at positions start.. (float64 SDPA)."""
+    n, heads, _ = q.shape
+    kv_heads = k_cache.shape[2]
+    k, v = (c.index_select(0, table).flatten(0, 1)[: start + n].transpose(0, 1)
+            .repeat_interleave(heads // kv_heads, 0).double() for c in (k_cache, v_cache))
+    mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).double(), k, v, attn_mask=mask)
+    return out.transpose(0, 1).float()
+
+
+@pytest.mark.parametrize(
+    ("n", "start", "heads", "kv_heads", "head_dim", "block_size"),
+    [
+        (103, 921, 9, 3, 64, 16),  # a prefix-cache hit of the shared-prefix benchmark
+        (300, 0, 9, 3, 64, 16),  # a cold prompt: causal from position 0, many tiles
+        (1, 0, 9, 3, 64, 16),
+        (5, 3, 4, 4, 16, 4),  # no GQA, a block size other than the 16-lane chunk
+        (37, 100, 8, 1, 128, 16),  # one kv head for 8 query heads
+        (20, 40, 6, 2, 256, 8),  # the widest head the kernel takes
+        (13, 17, 3, 3, 80, 32),  # a head of 5 lanes, positions ending mid-chunk
+    ],
+)
+def test_prefill_matches_causal_sdpa_over_gathered_blocks(
+    kernel: Kernel, n: int, start: int, heads: int, kv_heads: int, head_dim: int,
+    block_size: int,
+) -> None:
+    gen = torch.Generator().manual_seed(n + start)
+    num_blocks = 128
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    # Scattered blocks, plus table entries past the context that must never be read.
+    table = torch.randperm(num_blocks, generator=gen)[: -(-(start + n) // block_size) + 2]
+    # q as the model passes it: rows of a wider projection (Q, then K's heads), not contiguous.
+    qk = torch.randn(n, heads + kv_heads, head_dim, generator=gen)
+    q = qk[:, :heads]
+    out = kernel.paged_prefill_attention(q, k_cache, v_cache, table, start, head_dim**-0.5)
+    expected = prefill_reference(q, k_cache, v_cache, table, start, block_size)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_prefill_gives_a_token_the_same_bits_however_its_prompt_is_chunked(
+    kernel: Kernel,
+) -> None:
+    k_cache, v_cache = random_cache(64, 3, 64, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    table = torch.randperm(64, generator=gen)[:40]
+    q = torch.randn(250, 9, 64, generator=gen)
+    whole = kernel.paged_prefill_attention(q, k_cache, v_cache, table, 30, 0.125)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # another split of tiles across threads changes nothing either
+    try:
+        first = 0
+        for size in (1, 17, 100, 5, 127):  # chunk edges inside tiles and inside 16-position chunks
+            part = kernel.paged_prefill_attention(q[first : first + size].clone(), k_cache,
+                                                  v_cache, table, 30 + first, 0.125)
+            assert torch.equal(part, whole[first : first + size])
+            first += size
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefill_rejects_positions_beyond_the_block_table_or_a_block_outside_the_pool(
+    kernel: Kernel,
+) -> None:
+    k_cache, v_cache = random_cache(4, 1, 16, seed=0)
+    q = torch.randn(3, 1, 16)
+    with pytest.raises(RuntimeError, match=r"positions \[31, 34\) outside the block table's 32"):
+        kernel.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 1]), 31, 0.25)
+    with pytest.raises(RuntimeError, match="block 9 outside"):
+        kernel.paged_prefill_attention(q, k_cache, v_cache, torch.tensor([0, 9]), 20, 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.paged_prefill_attention(q.double(), k_cache, v_cache, torch.tensor([0]), 0, 0.25)
 
 
 def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
