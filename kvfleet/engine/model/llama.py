@@ -29,7 +29,7 @@ from torch import nn
 from kvfleet.engine import native
 from kvfleet.engine.errors import ModelLoadError
 from kvfleet.engine.model.config import ModelConfig
-from kvfleet.engine.packed_matmul import PackedWeight, Packer
+from kvfleet.engine.packed_matmul import PackedWeight, Packer, Q4Kernel, Q4Weight, WeightMatmul
 
 MIN_GEMM_ROWS = 16
 MAX_GEMM_K = 768
@@ -123,14 +123,26 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return invariant_matmul(x, weight.t())
 
 
+class _Float32Weight:
+    """A layer weight neither packing takes: plain `x @ weight_t`."""
+
+    def __init__(self, weight_t: torch.Tensor) -> None:
+        self.weight_t = weight_t
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul(x, self.weight_t)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as HF's LlamaRMSNorm, so the two agree bit for bit on the same input.
     variance = x.pow(2).mean(-1, keepdim=True)
     return weight * (x * torch.rsqrt(variance + eps))
 
 
-# A layer's weights, in the order `LlamaModel.weight_matmul` and `pack_weights` use.
+# A layer's weights, in the order `LlamaModel.weight_matmul` and `pack_weights` use, and the
+# checkpoint matrices each fuses (in order, along the output features).
 QKV, O_PROJ, GATE_UP, DOWN = range(4)
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
 class LlamaModel(nn.Module):
@@ -141,7 +153,10 @@ class LlamaModel(nn.Module):
         config: ModelConfig,
         weights: Mapping[str, torch.Tensor],
         path: str | Path = "<weights>",
+        q4_1_rows: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        """`q4_1_rows`: raw Q4_1 blocks of layer matrices stored so (see `GGUFContents`), kept
+        for `pack_weights` until it runs."""
         super().__init__()
         check_weights(config, weights, path)
         self.config = config
@@ -170,10 +185,9 @@ class LlamaModel(nn.Module):
                 fused = torch.cat([w(name, layer) for name in names])
                 return nn.Parameter(fused.t().contiguous(), requires_grad=False)
 
-            self.qkv_t.append(w_t("q_proj", "k_proj", "v_proj"))
-            self.o_t.append(w_t("o_proj"))
-            self.gate_up_t.append(w_t("gate_proj", "up_proj"))
-            self.down_t.append(w_t("down_proj"))
+            for weights_t, names in zip((self.qkv_t, self.o_t, self.gate_up_t, self.down_t),
+                                        _FUSED, strict=True):
+                weights_t.append(w_t(*names))
             self.input_layernorm.append(nn.Parameter(w("input_layernorm"), requires_grad=False))
             self.post_attention_layernorm.append(
                 nn.Parameter(w("post_attention_layernorm"), requires_grad=False)
@@ -185,30 +199,46 @@ class LlamaModel(nn.Module):
         self._rope_cache_len = 0
         self._cos = torch.empty(0)
         self._sin_signed = torch.empty(0)
+        self._q4_1_rows = dict(q4_1_rows or {})
         # Per layer (qkv, o, gate_up, down) once `pack_weights` ran; the [in, out] copies are
         # then dropped.
-        self._packed: list[tuple[PackedWeight, ...]] | None = None
+        self._packed: list[tuple[WeightMatmul, ...]] | None = None
 
     @property
     def is_packed(self) -> bool:
         return self._packed is not None
 
-    def pack_weights(self, packer: Packer) -> None:
-        """Multiply by MKL-packed layer weights from now on (see `packed_matmul`), and drop the
-        [in, out] copies as each layer is packed, so memory does not double. Batch-invariant
-        forward passes need the unpacked weights: they refuse afterwards."""
+    def pack_weights(self, packer: Packer | None, q4: Q4Kernel | None = None) -> None:
+        """Multiply by packed layer weights from now on (see `packed_matmul`): 4-bit where the
+        file stored a matrix as Q4_1 and `q4` is given, else MKL-packed float32 (`packer`),
+        else plain float32. Drops the [in, out] copies as each layer is packed, so memory does
+        not double. Batch-invariant forward passes need the unpacked weights: they refuse
+        afterwards."""
         if self._packed is not None:
             return
         packed = []
         for layer in range(self.config.num_layers):
             lists = (self.qkv_t, self.o_t, self.gate_up_t, self.down_t)
-            packed.append(tuple(PackedWeight.pack(weights[layer], packer) for weights in lists))
+            packed.append(tuple(self._pack(layer, weights[layer], names, packer, q4)
+                                for weights, names in zip(lists, _FUSED, strict=True)))
             for weights in lists:
                 weights[layer] = nn.Parameter(torch.empty(0), requires_grad=False)
             # The freed layer goes back to the OS now, not after the last one: packing all
             # layers first would hold both copies at once (peak +400 MiB, measured).
             native.return_freed_memory()
         self._packed = packed
+        self._q4_1_rows.clear()
+
+    def _pack(self, layer: int, weight_t: torch.Tensor, names: tuple[str, ...],
+              packer: Packer | None, q4: Q4Kernel | None) -> WeightMatmul:
+        rows = [self._q4_1_rows.get(f"layers.{layer}.{name}") for name in names]
+        if q4 is not None and all(r is not None for r in rows):
+            fused = torch.cat([r for r in rows if r is not None])
+            if Q4Weight.fits(fused, weight_t.shape[0]):
+                return Q4Weight.pack(fused, weight_t.shape[0], q4)
+        if packer is not None:
+            return PackedWeight.pack(weight_t, packer)
+        return _Float32Weight(weight_t.detach().clone())
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, head_dim] for `positions`, from a table grown on demand.

@@ -154,7 +154,8 @@ def load_model(
             contents = read_gguf(model_path, progress)
             tokenizer = Tokenizer.from_gguf(contents.tokenizer_spec, model_path)
             template_source = contents.chat_template
-            model = LlamaModel(contents.config, contents.weights, model_path)
+            model = LlamaModel(contents.config, contents.weights, model_path,
+                               q4_1_rows=contents.q4_1_rows)
     finally:
         close()
     template = (
