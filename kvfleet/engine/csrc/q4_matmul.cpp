@@ -7,10 +7,11 @@
 // dequantizes a panel of 32 output features into a float32 buffer in its L2, which then feeds
 // every row of the step: the memory traffic of a step falls ~5x, the arithmetic is unchanged.
 //
-// Exactness: the panel holds the very float32 values the loader's dequantization gives
-// (d * q rounded, then + m rounded: the product is kept apart from the add so the compiler
-// cannot fuse them into one FMA, which would round once). Only the order in which a row's
-// products are summed differs from another GEMM, as between any two BLAS libraries.
+// Exactness: the panel holds the very float32 values the loader's dequantization gives. d * q
+// is exact in float32 (an 11-bit float16 significand times a 4-bit code), so computed with
+// or without an FMA the one rounding is the add's, as in the loader. Only the order in which
+// a row's products are summed differs from another GEMM, as between any two BLAS libraries;
+// that order is fixed per row, so a row's result does not depend on the other rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -45,7 +46,8 @@ inline IVec widen(const uint8_t* p) {
   std::memcpy(&wide, &v, sizeof(wide));
 #elif defined(__AVX2__)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+  const __m256i lo = _mm256_cvtepu8_epi32(bytes);
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
   std::memcpy(&wide, &lo, sizeof(lo));
   std::memcpy(reinterpret_cast<char*>(&wide) + sizeof(lo), &hi, sizeof(hi));
 #else
@@ -54,13 +56,7 @@ inline IVec widen(const uint8_t* p) {
   return wide;
 }
 
-// Keeps `v` a separately rounded value: no FMA contraction across this point.
-inline Vec rounded(Vec v) {
-  asm("" : "+v"(v));
-  return v;
-}
-
-// Dequantizes 16 output features x `k_len` inputs (from packed group `group`) into
+// Dequantizes 16 output features x all inputs (`blocks` packed groups from `group`) into
 // buf[k * kPanel + lane_offset + n].
 void dequantize_16(const uint8_t* group, int64_t blocks, float* buf, int64_t lane_offset) {
   for (int64_t b = 0; b < blocks; ++b, group += kGroupBytes) {
@@ -72,8 +68,8 @@ void dequantize_16(const uint8_t* group, int64_t blocks, float* buf, int64_t lan
       const IVec wide = widen(codes + j * kLanes);
       const Vec lo = __builtin_convertvector(wide & 15, Vec);
       const Vec hi = __builtin_convertvector(wide >> 4, Vec);
-      store(out + j * kPanel, rounded(d * lo) + m);
-      store(out + (j + kLanes) * kPanel, rounded(d * hi) + m);
+      store(out + j * kPanel, d * lo + m);
+      store(out + (j + kLanes) * kPanel, d * hi + m);
     }
   }
 }
