@@ -3,6 +3,7 @@ on packed weights, and the fallback when an extension cannot be built."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -79,16 +80,6 @@ def test_model_on_packed_weights_matches_unpacked(packer: Packer) -> None:
         packed(ids, positions, ContiguousAttention(packed), batch_invariant=True)
 
 
-def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(packed_matmul.ENV_SWITCH, "torch")
-    assert load_packer() is None
-
-
-def test_a_failed_build_falls_back_to_torch_mm_with_one_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    warning = warning_when_every_build_fails(load_packer, monkeypatch, caplog)
-    assert "weight matmuls use torch.mm" in warning
 
 
 def q4_1_matrix(out_features: int, in_features: int, seed: int
@@ -171,14 +162,21 @@ def test_a_gguf_with_q4_1_layers_runs_on_the_4bit_kernel_as_on_float32(
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
-def test_q4_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for value in ("mkl", "torch"):
+@pytest.mark.parametrize(("load", "off"), [(load_packer, ["torch"]),
+                                           (load_q4_kernel, ["mkl", "torch"])])
+def test_switched_off_by_environment(load: Callable[[], object], off: list[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    for value in off:
         monkeypatch.setenv(packed_matmul.ENV_SWITCH, value)
-        assert load_q4_kernel() is None
+        assert load() is None
 
 
-def test_a_failed_q4_build_falls_back_with_one_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("load", "instead"), [
+    (load_packer, "weight matmuls use torch.mm"),
+    (load_q4_kernel, "Q4_1 weights are multiplied as float32"),
+])
+def test_a_failed_build_falls_back_with_one_warning(
+    load: Callable[[], object], instead: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    warning = warning_when_every_build_fails(load_q4_kernel, monkeypatch, caplog)
-    assert "Q4_1 weights are multiplied as float32" in warning
+    assert instead in warning_when_every_build_fails(load, monkeypatch, caplog)

@@ -238,7 +238,7 @@ class LlamaModel(nn.Module):
                 return Q4Weight.pack(fused, weight_t.shape[0], q4)
         if packer is not None:
             return PackedWeight.pack(weight_t, packer)
-        return _Float32Weight(weight_t.detach().clone())
+        return _Float32Weight(weight_t.detach())
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, 1, head_dim] for `positions`, from a table grown on demand.
