@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -158,18 +159,22 @@ torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& packed) {
   float* op = out.data_ptr<float>();
   const int64_t panels = (n_len + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(k_len * kPanel);
+    // Not zero-filled: dequantization writes every float the products read, except the upper
+    // half of a last panel of 16 features, zeroed below (its products are not stored).
+    std::unique_ptr<float[]> buf(new float[k_len * kPanel]);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanel, valid = std::min(kPanel, n_len - n0);
       for (int64_t half = 0; half * kLanes < valid; ++half)
-        dequantize_16(wp + (n0 / kLanes + half) * blocks * kGroupBytes, blocks, buf.data(),
+        dequantize_16(wp + (n0 / kLanes + half) * blocks * kGroupBytes, blocks, buf.get(),
                       half * kLanes);
+      if (valid < kPanel)
+        for (int64_t k = 0; k < k_len; ++k) store(buf.get() + k * kPanel + kLanes, Vec{});
       int64_t r = 0;
       for (; r + kRows <= m_len; r += kRows)
-        rows_times_panel<kRows>(xp + r * x_stride, x_stride, k_len, buf.data(),
+        rows_times_panel<kRows>(xp + r * x_stride, x_stride, k_len, buf.get(),
                                 op + r * n_len + n0, n_len, valid);
       if (r < m_len)
-        tail<kRows - 1>(xp + r * x_stride, x_stride, k_len, buf.data(), op + r * n_len + n0,
+        tail<kRows - 1>(xp + r * x_stride, x_stride, k_len, buf.get(), op + r * n_len + n0,
                         n_len, valid, m_len - r);
     }
   });
