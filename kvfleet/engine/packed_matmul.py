@@ -8,8 +8,8 @@ row of the step by it. The values are exactly the loader's float32 weights; a st
 for. Each row is summed in one fixed order whatever the other rows are. All 120 weight
 matmuls of a SmolLM2 forward pass, side by side with MKL-packed float32 (2 threads, two
 runs): 14-15 vs 20-21 ms at 1 row, 17-19 vs 31-32 at 8, 57-64 vs 60-67 at 64, 81-88 vs
-94-101 at 103, 372-386 vs 350-373 at 512. Start-up memory falls by the float32 copies
-(~400 MiB for SmolLM2).
+94-101 at 103, 372-386 vs 350-373 at 512. Engine memory falls by the float32 copies
+(RSS 1097 vs 1463 MiB for SmolLM2, `bench/engine_throughput.py`).
 
 MKL (every other weight type):
 
