@@ -71,6 +71,7 @@ def test_model_on_packed_weights_matches_unpacked(packer: Packer) -> None:
     packed.pack_weights(packer)  # a second call changes nothing
     assert packed.is_packed and not plain.is_packed
     assert packed.qkv_t[0].numel() == 0  # the [in, out] copy is gone
+    assert packed._lm_head_packed is not None  # the logits below come from the packed head
     ids = torch.tensor([3, 17, 5, 9, 30, 2, 11])
     positions = torch.arange(len(ids))
     want = plain.compute_logits(plain(ids, positions, ContiguousAttention(plain)))
