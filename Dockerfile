@@ -34,7 +34,7 @@ USER 10001
 # without compiling (another kind compiles its own once, ~2.5 min on 2 cores).
 RUN python -c "from kvfleet.engine.paged_attention import load_kernel; assert load_kernel()" \
  && python -c "from kvfleet.engine.packed_matmul import load_packer; assert load_packer()" \
- && python -c "from kvfleet.engine.packed_matmul import load_q4_kernel; assert load_q4_kernel()"
+ && python -c "from kvfleet.engine.packed_matmul import load_quant_kernel; assert load_quant_kernel()"
 EXPOSE 8000
 ENTRYPOINT ["kvfleet"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

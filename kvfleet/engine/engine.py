@@ -95,7 +95,7 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     layer weights are packed (4-bit or for MKL, see `packed_matmul`), after which the same
     loaded model cannot serve a batch-invariant engine."""
     from kvfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
-    from kvfleet.engine.packed_matmul import load_packer, load_q4_kernel
+    from kvfleet.engine.packed_matmul import load_packer, load_quant_kernel
 
     cache_config = cache_config or CacheConfig()
     scheduler_config = scheduler_config or SchedulerConfig()
@@ -104,9 +104,9 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     scheduler = Scheduler(scheduler_config, cache_config, num_blocks=num_blocks,
                           max_model_len=model.config.max_context, eos_token_ids=eos_ids)
     if not batch_invariant and not model.model.is_packed:
-        packer, q4 = load_packer(), load_q4_kernel()
-        if packer is not None or q4 is not None:
-            model.model.pack_weights(packer, q4)
+        packer, quant = load_packer(), load_quant_kernel()
+        if packer is not None or quant is not None:
+            model.model.pack_weights(packer, quant)
     runner = ModelRunner(model, num_blocks, cache_config.block_size, batch_invariant)
     native.return_freed_memory()
     template = model.chat_template

@@ -1,7 +1,8 @@
-"""Weight matmuls on weights packed once at start-up: 4-bit GGUF blocks (`csrc/q4_matmul.cpp`)
-or MKL's float32 layout (`csrc/packed_matmul.cpp`).
+"""Weight matmuls on weights packed once at start-up: GGUF's 4- and 8-bit blocks
+(`csrc/quant_matmul.cpp`) or MKL's float32 layout (`csrc/packed_matmul.cpp`).
 
-Q4_1 (the embedded SmolLM2 file's layer matrices): the weights stay 4-bit and each thread
+Q4_1 and Q8_0 (the embedded SmolLM2 file's layer matrices and its tied embedding, which is
+also the LM head): the weights stay quantized and each thread
 dequantizes a 32-feature panel into a float32 buffer in its L2 just before multiplying every
 row of the step by it. The values are exactly the loader's float32 weights; a step moves
 ~5x fewer weight bytes, which a float32 step at a few rows spends most of its time waiting
@@ -23,7 +24,7 @@ but not always bit for bit (MKL may sum a long row in another order), so batch-i
 mode keeps `torch.mm` on the unpacked weights.
 
 Both are built on first use like every compiled part of the engine (see `native`).
-`KVFLEET_MATMUL=mkl` keeps Q4_1 files on MKL too, `KVFLEET_MATMUL=torch` turns packing off;
+`KVFLEET_MATMUL=mkl` keeps Q4_1/Q8_0 matrices on MKL too, `KVFLEET_MATMUL=torch` turns packing off;
 when one cannot be built (or torch has no MKL) the engine logs why once and uses the next.
 """
 
@@ -68,10 +69,12 @@ class PackedWeight:
         return self.packer.packed_matmul(x.contiguous(), self.packed, self.out_features)
 
 
-class Q4Kernel(Protocol):
+class QuantKernel(Protocol):
     def q4_1_pack(self, raw: torch.Tensor, in_features: int) -> torch.Tensor: ...
 
-    def q4_matmul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
+    def q8_0_pack(self, raw: torch.Tensor, in_features: int) -> torch.Tensor: ...
+
+    def quant_matmul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
 
 
 class WeightMatmul(Protocol):
@@ -80,45 +83,67 @@ class WeightMatmul(Protocol):
     def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+# Bytes of one 32-weight block of each GGUF type the quantized kernel takes.
+QUANT_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+
+
 @dataclass(frozen=True, slots=True)
-class Q4Weight:
-    """A Q4_1 weight in the 4-bit kernel's layout, and the kernel that multiplies by it."""
+class QuantBlocks:
+    """A matrix [out, in] as a GGUF stores it: raw blocks, uint8 [out, in / 32 * block bytes]."""
+
+    ggml_type: str  # a key of QUANT_BLOCK_BYTES
+    rows: torch.Tensor
+
+    def fits(self, in_features: int) -> bool:
+        """Whether the blocks have the shape the kernel takes (16 outputs per group)."""
+        block = QUANT_BLOCK_BYTES.get(self.ggml_type)
+        rows = self.rows
+        return (block is not None and rows.dim() == 2 and rows.shape[0] % 16 == 0
+                and in_features % 32 == 0 and rows.shape[1] == in_features // 32 * block)
+
+    @staticmethod
+    def concat(parts: list[QuantBlocks]) -> QuantBlocks | None:
+        """Matrices fused along the output features (e.g. Q, K, V), if all have one type."""
+        types = {part.ggml_type for part in parts}
+        if len(types) != 1:
+            return None
+        return QuantBlocks(types.pop(), torch.cat([part.rows for part in parts]))
+
+
+@dataclass(frozen=True, slots=True)
+class QuantWeight:
+    """A Q4_1 or Q8_0 weight in the quantized kernel's layout, and the kernel."""
 
     packed: torch.Tensor
     in_features: int
     out_features: int
-    kernel: Q4Kernel
-
-    @staticmethod
-    def fits(rows: torch.Tensor, in_features: int) -> bool:
-        """Whether raw Q4_1 rows [out, in / 32 * 20] have the shape the kernel takes."""
-        return (rows.dim() == 2 and rows.shape[0] % 16 == 0 and in_features % 32 == 0
-                and rows.shape[1] == in_features // 32 * 20)
+    kernel: QuantKernel
 
     @classmethod
-    def pack(cls, rows: torch.Tensor, in_features: int, kernel: Q4Kernel) -> Q4Weight:
-        """From raw Q4_1 rows [out, in / 32 * 20] (uint8) of a weight [out, in]."""
-        if not cls.fits(rows, in_features):
-            raise ValueError(f"4-bit matmul: raw rows {tuple(rows.shape)} are not Q4_1 blocks "
-                             f"of {in_features} inputs in a multiple of 16 rows")
-        return cls(kernel.q4_1_pack(rows.contiguous(), in_features), in_features,
-                   rows.shape[0], kernel)
+    def pack(cls, blocks: QuantBlocks, in_features: int, kernel: QuantKernel) -> QuantWeight:
+        if not blocks.fits(in_features):
+            raise ValueError(f"quantized matmul: raw rows {tuple(blocks.rows.shape)} are not "
+                             f"{blocks.ggml_type} blocks of {in_features} inputs in a multiple "
+                             f"of 16 rows")
+        pack = kernel.q4_1_pack if blocks.ggml_type == "Q4_1" else kernel.q8_0_pack
+        return cls(pack(blocks.rows.contiguous(), in_features), in_features,
+                   blocks.rows.shape[0], kernel)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T for rows x [M, in]."""
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"4-bit matmul: rows of {x.shape[-1]} features for a weight of "
-                             f"{self.in_features} inputs")
-        return self.kernel.q4_matmul(x if x.stride(-1) == 1 else x.contiguous(), self.packed)
+            raise ValueError(f"quantized matmul: rows of {x.shape[-1]} features for a weight "
+                             f"of {self.in_features} inputs")
+        return self.kernel.quant_matmul(x if x.stride(-1) == 1 else x.contiguous(), self.packed)
 
 
-def load_q4_kernel() -> Q4Kernel | None:
-    """The 4-bit kernel, or None (switched off, or not buildable here: logged once)."""
+def load_quant_kernel() -> QuantKernel | None:
+    """The quantized kernel, or None (switched off, or not buildable here: logged once)."""
     if os.environ.get(ENV_SWITCH, "auto").lower() in ("mkl", "torch"):
         return None
-    module = native.build("q4_matmul", "4-bit weight matmul",
-                          "Q4_1 weights are multiplied as float32", f"{ENV_SWITCH}=mkl")
-    return cast(Q4Kernel, module) if module is not None else None
+    module = native.build("quant_matmul", "quantized weight matmul",
+                          "Q4_1/Q8_0 weights are multiplied as float32", f"{ENV_SWITCH}=mkl")
+    return cast(QuantKernel, module) if module is not None else None
 
 
 def load_packer() -> Packer | None:

@@ -1,9 +1,10 @@
-"""Packed weight matmuls (MKL float32, 4-bit Q4_1): the same products as torch.mm, the model
-on packed weights, and the fallback when an extension cannot be built."""
+"""Packed weight matmuls (MKL float32, quantized Q4_1/Q8_0): the same products as torch.mm,
+the model on packed weights, and the fallback when an extension cannot be built."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -20,13 +21,12 @@ from kvfleet.engine.model.llama import LlamaModel
 from kvfleet.engine.packed_matmul import (
     PackedWeight,
     Packer,
-    Q4Kernel,
-    Q4Weight,
+    QuantBlocks,
+    QuantKernel,
+    QuantWeight,
     load_packer,
-    load_q4_kernel,
+    load_quant_kernel,
 )
-
-Q4_1 = gguf.GGMLQuantizationType.Q4_1
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +38,10 @@ def packer() -> Packer:
 
 
 @pytest.fixture(scope="module")
-def q4() -> Q4Kernel:
+def quant() -> QuantKernel:
     # The test machine has a C++ compiler and ninja: the kernel must build here.
-    built = load_q4_kernel()
-    assert built is not None, "the 4-bit matmul did not build (see the log)"
+    built = load_quant_kernel()
+    assert built is not None, "the quantized matmul did not build (see the log)"
     return built
 
 
@@ -81,43 +81,55 @@ def test_model_on_packed_weights_matches_unpacked(packer: Packer) -> None:
         packed(ids, positions, ContiguousAttention(packed), batch_invariant=True)
 
 
-
-
-def q4_1_matrix(out_features: int, in_features: int, seed: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(raw Q4_1 rows [out, in / 32 * 20] as a GGUF stores them, their float32 dequantization)."""
+def quant_matrix(ggml_type: str, out_features: int, in_features: int, seed: int
+                 ) -> tuple[QuantBlocks, torch.Tensor]:
+    """(raw blocks [out, in / 32 * block bytes] as a GGUF stores them, their float32
+    dequantization)."""
+    qtype = gguf.GGMLQuantizationType[ggml_type]
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=gen).numpy()
-    raw = gguf.quants.quantize(weight, Q4_1)
-    dequantized = np.array(gguf.quants.dequantize(raw, Q4_1), dtype=np.float32)
-    return torch.from_numpy(np.array(raw)), torch.from_numpy(dequantized)
+    raw = gguf.quants.quantize(weight, qtype)
+    dequantized = np.array(gguf.quants.dequantize(raw, qtype), dtype=np.float32)
+    return QuantBlocks(ggml_type, torch.from_numpy(np.array(raw))), torch.from_numpy(dequantized)
 
 
-def test_q4_weights_are_exactly_the_loaders_float32_weights(q4: Q4Kernel) -> None:
-    raw, weight = q4_1_matrix(48, 96, seed=1)
+QUANT_TYPES = pytest.mark.parametrize("ggml_type", ["Q4_1", "Q8_0"])
+
+
+@QUANT_TYPES
+def test_quantized_weights_are_exactly_the_loaders_float32_weights(
+    quant: QuantKernel, ggml_type: str
+) -> None:
+    blocks, weight = quant_matrix(ggml_type, 48, 96, seed=1)
     # x = identity: each product is one weight times 1 plus zeros, so any dequantization
-    # difference (e.g. d * q + m fused into one rounding) shows.
-    got = Q4Weight.pack(raw, 96, q4).matmul(torch.eye(96))
+    # difference (e.g. Q4_1's d * q + m fused into one rounding) shows.
+    got = QuantWeight.pack(blocks, 96, quant).matmul(torch.eye(96))
     assert torch.equal(got, weight.t())
 
 
+@QUANT_TYPES
 @pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 30, 103])
 @pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (64, 48)])  # 48: a half panel
-def test_q4_product_matches_torch_mm(q4: Q4Kernel, rows: int, k: int, n: int) -> None:
-    raw, weight = q4_1_matrix(n, k, seed=rows + k)
+def test_quantized_product_matches_float64(
+    quant: QuantKernel, ggml_type: str, rows: int, k: int, n: int
+) -> None:
+    blocks, weight = quant_matrix(ggml_type, n, k, seed=rows + k)
     gen = torch.Generator().manual_seed(rows)
     # Rows of a wider tensor, as the model passes slices of a fused projection.
     x = torch.randn(rows, k + 8, generator=gen)[:, :k]
-    got = Q4Weight.pack(raw, k, q4).matmul(x)
+    got = QuantWeight.pack(blocks, k, quant).matmul(x)
     assert got.shape == (rows, n)
     # Against float64: a float32 sum of 1,536 products of size ~1 is off by ~1e-4 either way.
     expected = (x.double() @ weight.double().t()).float()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=3e-4)
 
 
-def test_q4_a_rows_bits_do_not_depend_on_the_other_rows(q4: Q4Kernel) -> None:
-    raw, _ = q4_1_matrix(64, 576, seed=5)
-    weight = Q4Weight.pack(raw, 576, q4)
+@QUANT_TYPES
+def test_quantized_a_rows_bits_do_not_depend_on_the_other_rows(
+    quant: QuantKernel, ggml_type: str
+) -> None:
+    blocks, _ = quant_matrix(ggml_type, 64, 576, seed=5)
+    weight = QuantWeight.pack(blocks, 576, quant)
     x = torch.randn(29, 576, generator=torch.Generator().manual_seed(6))
     together = weight.matmul(x)
     threads = torch.get_num_threads()
@@ -130,41 +142,71 @@ def test_q4_a_rows_bits_do_not_depend_on_the_other_rows(q4: Q4Kernel) -> None:
         torch.set_num_threads(threads)
 
 
-def test_q4_refuses_rows_of_the_wrong_width_and_matrices_it_cannot_take(q4: Q4Kernel) -> None:
-    raw, _ = q4_1_matrix(32, 64, seed=0)
+def test_quantized_refuses_rows_of_the_wrong_width_and_matrices_it_cannot_take(
+    quant: QuantKernel,
+) -> None:
+    blocks, _ = quant_matrix("Q4_1", 32, 64, seed=0)
     with pytest.raises(ValueError, match="rows of 60 features for a weight of 64 inputs"):
-        Q4Weight.pack(raw, 64, q4).matmul(torch.randn(2, 60))
+        QuantWeight.pack(blocks, 64, quant).matmul(torch.randn(2, 60))
     with pytest.raises(ValueError, match=r"raw rows \(8, 40\) are not Q4_1 blocks of 64 inputs"):
-        Q4Weight.pack(raw[:8], 64, q4)  # 8 output rows: not a multiple of 16
+        QuantWeight.pack(QuantBlocks("Q4_1", blocks.rows[:8]), 64, quant)  # not 16 rows
+    q8, _ = quant_matrix("Q8_0", 32, 64, seed=0)
+    with pytest.raises(ValueError, match=r"raw rows \(32, 68\) are not Q4_1 blocks"):
+        QuantWeight.pack(QuantBlocks("Q4_1", q8.rows), 64, quant)  # Q8_0 blocks called Q4_1
+    assert QuantBlocks.concat([blocks, q8]) is None  # one fused matmul needs one type
 
 
 @torch.inference_mode()
-def test_a_gguf_with_q4_1_layers_runs_on_the_4bit_kernel_as_on_float32(
-    q4: Q4Kernel, packer: Packer, tmp_path: Path
+def test_a_gguf_with_quantized_layers_runs_on_the_quantized_kernel_as_on_float32(
+    quant: QuantKernel, packer: Packer, tmp_path: Path
 ) -> None:
     config = tiny_config()
     layer_matrices = {f"layers.{i}.{name}" for i in range(config.num_layers)
                       for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                    "up_proj", "down_proj")}
-    qtypes = {name: Q4_1 for name in layer_matrices}
-    qtypes["layers.1.o_proj"] = gguf.GGMLQuantizationType.Q8_0  # stays float32 (MKL)
+    qtypes = {name: gguf.GGMLQuantizationType.Q4_1 for name in layer_matrices}
+    qtypes["layers.1.o_proj"] = gguf.GGMLQuantizationType.Q8_0
+    qtypes["layers.1.down_proj"] = gguf.GGMLQuantizationType.F16  # stays float32 (MKL)
+    qtypes["layers.0.up_proj"] = gguf.GGMLQuantizationType.Q8_0  # fused with a Q4_1 gate: MKL
     path = write_gguf(tmp_path / "q4.gguf", config, random_weights(config, seed=8), qtypes)
     plain = load_model(path, show_progress=False).model
     packed = load_model(path, show_progress=False).model
-    packed.pack_weights(packer, q4)
+    packed.pack_weights(packer, quant)
     kinds = [type(w).__name__ for layer in packed._packed or [] for w in layer]
-    assert kinds == ["Q4Weight"] * 5 + ["PackedWeight"] + ["Q4Weight"] * 2, kinds
+    quantized, mkl = "QuantWeight", "PackedWeight"
+    assert kinds == [quantized, quantized, mkl, quantized, quantized, quantized, quantized,
+                     mkl], kinds
     ids = torch.tensor([3, 17, 5, 9, 30, 2, 11])
     positions = torch.arange(len(ids))
     want = plain.compute_logits(plain(ids, positions, ContiguousAttention(plain)))
-    # Q/K rows are unpermuted in the 4-bit blocks as in the float32 weights, or RoPE would
+    # Q/K rows are unpermuted in the raw blocks as in the float32 weights, or RoPE would
     # rotate the wrong pairs and this would be far off.
     got = packed.compute_logits(packed(ids, positions, ContiguousAttention(packed)))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@torch.inference_mode()
+def test_a_q8_0_lm_head_runs_on_the_quantized_kernel(quant: QuantKernel, tied: bool) -> None:
+    # The tiny GGUF's vocabulary (268) is no multiple of 16: a model of 272 tokens instead.
+    config = replace(tiny_config(tie_word_embeddings=tied), vocab_size=272)
+    weights = random_weights(config, seed=4)
+    head = "embed_tokens" if tied else "lm_head"
+    blocks, weights[head] = quant_matrix("Q8_0", 272, config.hidden_size, seed=9)
+    plain = LlamaModel(config, weights).eval()
+    packed = LlamaModel(config, weights, quant_blocks={head: blocks}).eval()
+    packed.pack_weights(None, quant)
+    assert isinstance(packed._lm_head_packed, QuantWeight)
+    hidden = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden),
+                               rtol=0, atol=1e-4)
+    # Batch-invariant logits stay on the float32 matrix.
+    assert torch.equal(packed.compute_logits(hidden, batch_invariant=True),
+                       plain.compute_logits(hidden, batch_invariant=True))
+
+
 @pytest.mark.parametrize(("load", "off"), [(load_packer, ["torch"]),
-                                           (load_q4_kernel, ["mkl", "torch"])])
+                                           (load_quant_kernel, ["mkl", "torch"])])
 def test_switched_off_by_environment(load: Callable[[], object], off: list[str],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     for value in off:
@@ -174,7 +216,7 @@ def test_switched_off_by_environment(load: Callable[[], object], off: list[str],
 
 @pytest.mark.parametrize(("load", "instead"), [
     (load_packer, "weight matmuls use torch.mm"),
-    (load_q4_kernel, "Q4_1 weights are multiplied as float32"),
+    (load_quant_kernel, "Q4_1/Q8_0 weights are multiplied as float32"),
 ])
 def test_a_failed_build_falls_back_with_one_warning(
     load: Callable[[], object], instead: str, monkeypatch: pytest.MonkeyPatch,

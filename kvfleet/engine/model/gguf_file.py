@@ -20,6 +20,7 @@ import torch
 from kvfleet.engine.errors import ModelLoadError, UnsupportedModelError
 from kvfleet.engine.model.config import ModelConfig
 from kvfleet.engine.model.gguf_reader import GGUFFile, TensorInfo
+from kvfleet.engine.packed_matmul import QUANT_BLOCK_BYTES, QuantBlocks
 from kvfleet.engine.tokenizer import GGUFTokenizerSpec
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama"})
@@ -54,9 +55,10 @@ class GGUFContents:
     weights: dict[str, torch.Tensor]
     tokenizer_spec: GGUFTokenizerSpec
     chat_template: str | None
-    # The layer matrices stored as Q4_1, as their raw blocks (uint8 [out, in / 32 * 20], Q/K
-    # rows unpermuted like `weights`), for the engine's 4-bit matmul (see `packed_matmul`).
-    q4_1_rows: dict[str, torch.Tensor]
+    # The matrices stored as Q4_1 or Q8_0 (layer matrices, embedding, LM head), as their raw
+    # blocks (Q/K rows unpermuted like `weights`), for the engine's quantized matmul (see
+    # `packed_matmul`).
+    quant_blocks: dict[str, QuantBlocks]
 
 
 def _field(metadata: dict[str, Any], key: str, path: Path, default: Any = ...) -> Any:
@@ -158,20 +160,21 @@ def _dequantize(file: GGUFFile, tensor: TensorInfo) -> torch.Tensor:
 
 def _iter_weights(
     file: GGUFFile, config: ModelConfig, progress: ProgressCallback | None
-) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
-    """(name, float32 weight, raw Q4_1 rows of a layer matrix stored as Q4_1 or None)."""
+) -> Iterator[tuple[str, torch.Tensor, QuantBlocks | None]]:
+    """(name, float32 weight, raw blocks of a matrix the quantized matmul takes, or None)."""
     for index, tensor in enumerate(file.tensors):
         name = _internal_name(tensor.name)
         if name is not None:
             weight = _dequantize(file, tensor)
             raw = None
-            if name.startswith("layers.") and tensor.ggml_type.name == "Q4_1":
-                raw = torch.from_numpy(np.array(file.raw(tensor), dtype=np.uint8))
-                raw = raw.reshape(weight.shape[0], -1)
+            if weight.dim() == 2 and tensor.ggml_type.name in QUANT_BLOCK_BYTES:
+                rows = torch.from_numpy(np.array(file.raw(tensor), dtype=np.uint8))
+                raw = QuantBlocks(tensor.ggml_type.name, rows.reshape(weight.shape[0], -1))
             if name.endswith((".q_proj", ".k_proj")):
                 heads = config.num_heads if name.endswith(".q_proj") else config.num_kv_heads
                 weight = _unpermute_rope_rows(weight, heads)
-                raw = _unpermute_rope_rows(raw, heads) if raw is not None else None
+                if raw is not None:
+                    raw = QuantBlocks(raw.ggml_type, _unpermute_rope_rows(raw.rows, heads))
             yield name, weight, raw
         if progress is not None:
             progress(index + 1, len(file.tensors))
@@ -190,11 +193,11 @@ def read_gguf(path: Path, progress: ProgressCallback | None = None) -> GGUFConte
         meta, path, has_output="output.weight" in names, quantization=quantization
     )
     weights: dict[str, torch.Tensor] = {}
-    q4_1_rows: dict[str, torch.Tensor] = {}
+    quant_blocks: dict[str, QuantBlocks] = {}
     for name, weight, raw in _iter_weights(file, config, progress):
         weights[name] = weight
         if raw is not None:
-            q4_1_rows[name] = raw
+            quant_blocks[name] = raw
     tokenizer_spec = GGUFTokenizerSpec(
         model=str(_field(meta, "tokenizer.ggml.model", path)),
         tokens=list(_field(meta, "tokenizer.ggml.tokens", path)),
@@ -211,7 +214,7 @@ def read_gguf(path: Path, progress: ProgressCallback | None = None) -> GGUFConte
         weights=weights,
         tokenizer_spec=tokenizer_spec,
         chat_template=str(template) if template is not None else None,
-        q4_1_rows=q4_1_rows,
+        quant_blocks=quant_blocks,
     )
 
 

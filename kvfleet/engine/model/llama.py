@@ -29,7 +29,14 @@ from torch import nn
 from kvfleet.engine import native
 from kvfleet.engine.errors import ModelLoadError
 from kvfleet.engine.model.config import ModelConfig
-from kvfleet.engine.packed_matmul import PackedWeight, Packer, Q4Kernel, Q4Weight, WeightMatmul
+from kvfleet.engine.packed_matmul import (
+    PackedWeight,
+    Packer,
+    QuantBlocks,
+    QuantKernel,
+    QuantWeight,
+    WeightMatmul,
+)
 
 MIN_GEMM_ROWS = 16
 MAX_GEMM_K = 768
@@ -153,10 +160,10 @@ class LlamaModel(nn.Module):
         config: ModelConfig,
         weights: Mapping[str, torch.Tensor],
         path: str | Path = "<weights>",
-        q4_1_rows: Mapping[str, torch.Tensor] | None = None,
+        quant_blocks: Mapping[str, QuantBlocks] | None = None,
     ) -> None:
-        """`q4_1_rows`: raw Q4_1 blocks of layer matrices stored so (see `GGUFContents`), kept
-        for `pack_weights` until it runs."""
+        """`quant_blocks`: raw blocks of the matrices a GGUF stored as Q4_1 or Q8_0 (see
+        `GGUFContents`), kept for `pack_weights` until it runs."""
         super().__init__()
         check_weights(config, weights, path)
         self.config = config
@@ -199,31 +206,31 @@ class LlamaModel(nn.Module):
         self._rope_cache_len = 0
         self._cos = torch.empty(0)
         self._sin_signed = torch.empty(0)
-        self._q4_1_rows = dict(q4_1_rows or {})
+        self._quant_blocks = dict(quant_blocks or {})
         # Per layer (qkv, o, gate_up, down) once `pack_weights` ran; the [in, out] copies are
         # then dropped.
         self._packed: list[tuple[WeightMatmul, ...]] | None = None
-        # The LM head MKL-packed too (also once `pack_weights` ran); the float32 matrix stays,
-        # as the embedding table when tied and for batch-invariant logits.
-        self._lm_head_packed: PackedWeight | None = None
+        # The LM head packed too (also once `pack_weights` ran); the float32 matrix stays, as
+        # the embedding table when tied and for batch-invariant logits.
+        self._lm_head_packed: WeightMatmul | None = None
 
     @property
     def is_packed(self) -> bool:
         return self._packed is not None
 
-    def pack_weights(self, packer: Packer | None, q4: Q4Kernel | None = None) -> None:
-        """Multiply by packed layer weights from now on (see `packed_matmul`): 4-bit where the
-        file stored a matrix as Q4_1 and `q4` is given, else MKL-packed float32 (`packer`),
-        else plain float32. Drops the [in, out] copies as each layer is packed, so memory does
-        not double. The LM head is MKL-packed as well (`torch.mm` re-packs its 113 MB on every
-        call: 16 vs 9 ms at 8 rows, 28 vs 21 at 64, SmolLM2, 2 threads). Batch-invariant
-        forward passes need the unpacked weights: they refuse afterwards."""
+    def pack_weights(self, packer: Packer | None, quant: QuantKernel | None = None) -> None:
+        """Multiply by packed weights from now on (see `packed_matmul`): quantized where the
+        file stored a matrix as Q4_1 or Q8_0 and `quant` is given, else MKL-packed float32
+        (`packer`), else plain float32. Drops the [in, out] copies as each layer is packed, so
+        memory does not double. The LM head is packed as well (`torch.mm` re-packs its 113 MB
+        on every call: 16 vs 9 ms at 8 rows, 28 vs 21 at 64 MKL-packed, SmolLM2, 2 threads).
+        Batch-invariant forward passes need the unpacked weights: they refuse afterwards."""
         if self._packed is not None:
             return
         packed = []
         for layer in range(self.config.num_layers):
             lists = (self.qkv_t, self.o_t, self.gate_up_t, self.down_t)
-            packed.append(tuple(self._pack(layer, weights[layer], names, packer, q4)
+            packed.append(tuple(self._pack(layer, weights[layer], names, packer, quant)
                                 for weights, names in zip(lists, _FUSED, strict=True)))
             for weights in lists:
                 weights[layer] = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -231,18 +238,22 @@ class LlamaModel(nn.Module):
             # layers first would hold both copies at once (peak +400 MiB, measured).
             native.return_freed_memory()
         self._packed = packed
-        self._q4_1_rows.clear()
-        if packer is not None:
+        lm_head = "embed_tokens" if self.lm_head is self.embed_tokens else "lm_head"
+        blocks = self._quant_blocks.get(lm_head)
+        if quant is not None and blocks is not None and blocks.fits(self.config.hidden_size):
+            self._lm_head_packed = QuantWeight.pack(blocks, self.config.hidden_size, quant)
+        elif packer is not None:
             self._lm_head_packed = PackedWeight.pack(self.lm_head.t(), packer)
-            native.return_freed_memory()  # the transposed copy packing read from
+        self._quant_blocks.clear()
+        native.return_freed_memory()  # the raw blocks, the transposed copy packing read from
 
     def _pack(self, layer: int, weight_t: torch.Tensor, names: tuple[str, ...],
-              packer: Packer | None, q4: Q4Kernel | None) -> WeightMatmul:
-        rows = [self._q4_1_rows.get(f"layers.{layer}.{name}") for name in names]
-        if q4 is not None and all(r is not None for r in rows):
-            fused = torch.cat([r for r in rows if r is not None])
-            if Q4Weight.fits(fused, weight_t.shape[0]):
-                return Q4Weight.pack(fused, weight_t.shape[0], q4)
+              packer: Packer | None, quant: QuantKernel | None) -> WeightMatmul:
+        parts = [self._quant_blocks.get(f"layers.{layer}.{name}") for name in names]
+        if quant is not None and all(part is not None for part in parts):
+            fused = QuantBlocks.concat([part for part in parts if part is not None])
+            if fused is not None and fused.fits(weight_t.shape[0]):
+                return QuantWeight.pack(fused, weight_t.shape[0], quant)
         if packer is not None:
             return PackedWeight.pack(weight_t, packer)
         return _Float32Weight(weight_t.detach())

@@ -155,7 +155,7 @@ def load_model(
             tokenizer = Tokenizer.from_gguf(contents.tokenizer_spec, model_path)
             template_source = contents.chat_template
             model = LlamaModel(contents.config, contents.weights, model_path,
-                               q4_1_rows=contents.q4_1_rows)
+                               quant_blocks=contents.quant_blocks)
     finally:
         close()
     template = (

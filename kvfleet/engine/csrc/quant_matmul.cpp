@@ -1,0 +1,268 @@
+// Weight matmuls straight from GGUF's 4- and 8-bit blocks (Q4_1, Q8_0), dequantized next to
+// the FMAs.
+//
+// A step's weight matmuls stream every layer's weights; as float32 that is ~420 MB for
+// SmolLM2-135M, so a decode step waits on memory, not arithmetic. Q4_1 keeps 32 weights in 20
+// bytes (a float16 scale d and minimum m, 32 4-bit codes q), the weight being d * q + m; Q8_0
+// keeps them in 34 (d and 32 signed 8-bit codes, the weight d * q). Here the weights stay in
+// that form (re-laid out at load: 0.75 / 1.125 bytes a weight) and each thread dequantizes a
+// panel of 32 output features into a float32 buffer in its L2, which then feeds every row of
+// the step: the memory traffic of a step falls ~5x (Q4_1) or ~3.5x (Q8_0), the arithmetic is
+// unchanged.
+//
+// Exactness: the panel holds the very float32 values the loader's dequantization gives. d * q
+// is exact in float32 (an 11-bit float16 significand times a 4-bit or 8-bit code), so
+// computed with or without an FMA the one rounding is Q4_1's add, as in the loader. Only the
+// order in which a row's products are summed differs from another GEMM, as between any two
+// BLAS libraries; that order is fixed per row, so a row's result does not depend on the other
+// rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kBlock = 32;           // weights per block (along the input dimension)
+constexpr int64_t kPanel = 2 * kLanes;   // output features dequantized together
+constexpr int64_t kRows = 12;            // rows per micro-tile: 12 x 2 vector accumulators
+// Bytes of one (16 outputs, one block) group in the packed layouts. Q4_1: d[16], m[16] as
+// float32, then 16 bytes per pair (j, j + 16) of a block's positions, one byte per output
+// feature (j's code in the low nibble). Q8_0: d[16] as float32, then 16 signed bytes per
+// position. The group size tells the two apart.
+constexpr int64_t kQ4GroupBytes = 2 * kLanes * 4 + kLanes * kLanes;
+constexpr int64_t kQ8GroupBytes = kLanes * 4 + kBlock * kLanes;
+enum class Format { kQ4_1, kQ8_0 };
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
+
+inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+inline void store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
+
+// 16 bytes zero-extended to 16 int32 lanes (GCC scalarizes the generic conversion).
+inline IVec widen(const uint8_t* p) {
+  IVec wide;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&wide, &v, sizeof(wide));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i lo = _mm256_cvtepu8_epi32(bytes);
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+  std::memcpy(&wide, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&wide) + sizeof(lo), &hi, sizeof(hi));
+#else
+  for (int64_t i = 0; i < kLanes; ++i) wide[i] = p[i];
+#endif
+  return wide;
+}
+
+// 16 signed bytes sign-extended to 16 int32 lanes.
+inline IVec widen_signed(const int8_t* p) {
+  IVec wide;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&wide, &v, sizeof(wide));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i lo = _mm256_cvtepi8_epi32(bytes);
+  const __m256i hi = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
+  std::memcpy(&wide, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&wide) + sizeof(lo), &hi, sizeof(hi));
+#else
+  for (int64_t i = 0; i < kLanes; ++i) wide[i] = p[i];
+#endif
+  return wide;
+}
+
+// Dequantizes 16 output features x all inputs (`blocks` packed groups from `group`) into
+// buf[k * kPanel + lane_offset + n].
+template <Format F>
+void dequantize_16(const uint8_t* group, int64_t blocks, float* buf, int64_t lane_offset) {
+  if constexpr (F == Format::kQ8_0) {
+    for (int64_t b = 0; b < blocks; ++b, group += kQ8GroupBytes) {
+      const Vec d = load(reinterpret_cast<const float*>(group));
+      const int8_t* codes = reinterpret_cast<const int8_t*>(group + kLanes * 4);
+      float* out = buf + b * kBlock * kPanel + lane_offset;
+      for (int64_t j = 0; j < kBlock; ++j)
+        store(out + j * kPanel, d * __builtin_convertvector(widen_signed(codes + j * kLanes), Vec));
+    }
+    return;
+  }
+  for (int64_t b = 0; b < blocks; ++b, group += kQ4GroupBytes) {
+    const Vec d = load(reinterpret_cast<const float*>(group));
+    const Vec m = load(reinterpret_cast<const float*>(group) + kLanes);
+    const uint8_t* codes = group + 2 * kLanes * 4;
+    float* out = buf + b * kBlock * kPanel + lane_offset;
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const IVec wide = widen(codes + j * kLanes);
+      const Vec lo = __builtin_convertvector(wide & 15, Vec);
+      const Vec hi = __builtin_convertvector(wide >> 4, Vec);
+      store(out + j * kPanel, d * lo + m);
+      store(out + (j + kLanes) * kPanel, d * hi + m);
+    }
+  }
+}
+
+// out[r, 0:32] = x[r, :] . panel for `R` rows (R <= kRows), panel = [K][32] float32.
+template <int64_t R>
+void rows_times_panel(const float* x, int64_t x_stride, int64_t k_len, const float* panel,
+                      float* out, int64_t out_stride, int64_t valid) {
+  Vec acc0[R] = {}, acc1[R] = {};
+  for (int64_t k = 0; k < k_len; ++k) {
+    const Vec w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + kLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      const float xr = x[r * x_stride + k];
+      acc0[r] += xr * w0;
+      acc1[r] += xr * w1;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (valid == kPanel) {
+      store(out + r * out_stride, acc0[r]);
+      store(out + r * out_stride + kLanes, acc1[r]);
+    } else {  // a last panel of 16 features
+      store(out + r * out_stride, acc0[r]);
+    }
+  }
+}
+
+template <int64_t R>
+void tail(const float* x, int64_t x_stride, int64_t k_len, const float* panel, float* out,
+          int64_t out_stride, int64_t valid, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return rows_times_panel<R>(x, x_stride, k_len, panel, out, out_stride, valid);
+    tail<R - 1>(x, x_stride, k_len, panel, out, out_stride, valid, rows);
+  }
+}
+
+// x rows [m_len, k_len] (stride x_stride) times the packed weight into out [m_len, n_len].
+template <Format F>
+void multiply(const float* xp, int64_t x_stride, int64_t m_len, int64_t k_len,
+              const uint8_t* wp, int64_t blocks, int64_t n_len, float* op) {
+  constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
+  const int64_t panels = (n_len + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    // Not zero-filled: dequantization writes every float the products read, except the upper
+    // half of a last panel of 16 features, zeroed below (its products are not stored).
+    std::unique_ptr<float[]> buf(new float[k_len * kPanel]);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel, valid = std::min(kPanel, n_len - n0);
+      for (int64_t half = 0; half * kLanes < valid; ++half)
+        dequantize_16<F>(wp + (n0 / kLanes + half) * blocks * group_bytes, blocks, buf.get(),
+                         half * kLanes);
+      if (valid < kPanel)
+        for (int64_t k = 0; k < k_len; ++k) store(buf.get() + k * kPanel + kLanes, Vec{});
+      int64_t r = 0;
+      for (; r + kRows <= m_len; r += kRows)
+        rows_times_panel<kRows>(xp + r * x_stride, x_stride, k_len, buf.get(),
+                                op + r * n_len + n0, n_len, valid);
+      if (r < m_len)
+        tail<kRows - 1>(xp + r * x_stride, x_stride, k_len, buf.get(), op + r * n_len + n0,
+                        n_len, valid, m_len - r);
+    }
+  });
+}
+
+// Checks a GGUF matrix of `block_bytes`-byte blocks ([N, K / 32 * block_bytes] uint8) and
+// allocates its packed form (uint8 [N / 16, K / 32, group_bytes]).
+torch::Tensor packed_like(const torch::Tensor& raw, int64_t k_len, int64_t block_bytes,
+                          int64_t group_bytes, const char* fn) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(), fn,
+              ": raw must be a contiguous uint8 [N, K / 32 * ", block_bytes, "] tensor");
+  const int64_t blocks = k_len / kBlock;
+  TORCH_CHECK(k_len % kBlock == 0 && raw.size(1) == blocks * block_bytes, fn,
+              ": K must be a multiple of 32 and each row K / 32 blocks of ", block_bytes,
+              " bytes");
+  TORCH_CHECK(raw.size(0) % kLanes == 0, fn, ": N must be a multiple of 16");
+  return torch::empty({raw.size(0) / kLanes, blocks, group_bytes}, raw.options());
+}
+
+inline float half_at(const uint8_t* p) {
+  at::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+}  // namespace
+
+// Re-lays out a GGUF Q4_1 matrix ([N, K / 32 blocks of 20 bytes], uint8 [N, K / 32 * 20]) for
+// `quant_matmul`: uint8 [N / 16, K / 32, kQ4GroupBytes]. N must be a multiple of 16, K of 32.
+torch::Tensor q4_1_pack(const torch::Tensor& raw, int64_t k_len) {
+  torch::Tensor packed = packed_like(raw, k_len, 20, kQ4GroupBytes, "q4_1_pack");
+  const int64_t groups = packed.size(0), blocks = packed.size(1);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  for (int64_t p = 0; p < groups; ++p) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* group = dst + (p * blocks + b) * kQ4GroupBytes;
+      float* d = reinterpret_cast<float*>(group);
+      float* m = d + kLanes;
+      for (int64_t n = 0; n < kLanes; ++n) {
+        const uint8_t* block = src + ((p * kLanes + n) * blocks + b) * 20;
+        d[n] = half_at(block);
+        m[n] = half_at(block + 2);
+        for (int64_t j = 0; j < kLanes; ++j) group[2 * kLanes * 4 + j * kLanes + n] = block[4 + j];
+      }
+    }
+  }
+  return packed;
+}
+
+// The same for a GGUF Q8_0 matrix (blocks of 34 bytes): uint8 [N / 16, K / 32, kQ8GroupBytes].
+torch::Tensor q8_0_pack(const torch::Tensor& raw, int64_t k_len) {
+  torch::Tensor packed = packed_like(raw, k_len, 34, kQ8GroupBytes, "q8_0_pack");
+  const int64_t groups = packed.size(0), blocks = packed.size(1);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  for (int64_t p = 0; p < groups; ++p) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* group = dst + (p * blocks + b) * kQ8GroupBytes;
+      float* d = reinterpret_cast<float*>(group);
+      for (int64_t n = 0; n < kLanes; ++n) {
+        const uint8_t* block = src + ((p * kLanes + n) * blocks + b) * 34;
+        d[n] = half_at(block);
+        for (int64_t j = 0; j < kBlock; ++j) group[kLanes * 4 + j * kLanes + n] = block[2 + j];
+      }
+    }
+  }
+  return packed;
+}
+
+// x: [M, K] float32 (rows may be strided); packed: from q4_1_pack or q8_0_pack.
+// Returns x @ W^T, [M, N] float32.
+torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "quant_matmul: x must be a float32 [M, K] tensor with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  (packed.size(2) == kQ4GroupBytes || packed.size(2) == kQ8GroupBytes),
+              "quant_matmul: packed must come from q4_1_pack or q8_0_pack");
+  const int64_t m_len = x.size(0), k_len = x.size(1), blocks = packed.size(1);
+  TORCH_CHECK(blocks * kBlock == k_len, "quant_matmul: x has ", k_len, " columns, the weight ",
+              blocks * kBlock);
+  const int64_t n_len = packed.size(0) * kLanes;
+  torch::Tensor out = torch::empty({m_len, n_len}, x.options());
+  if (m_len == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  if (packed.size(2) == kQ4GroupBytes)
+    multiply<Format::kQ4_1>(xp, x.stride(0), m_len, k_len, wp, blocks, n_len, op);
+  else
+    multiply<Format::kQ8_0>(xp, x.stride(0), m_len, k_len, wp, blocks, n_len, op);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_1_pack", &q4_1_pack, "Re-lay out a GGUF Q4_1 matrix for quant_matmul");
+  m.def("q8_0_pack", &q8_0_pack, "Re-lay out a GGUF Q8_0 matrix for quant_matmul");
+  m.def("quant_matmul", &quant_matmul, "x @ W^T with W packed from Q4_1 or Q8_0 (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
+}
