@@ -177,7 +177,7 @@ class RequestHeaders:
     deadline_seconds: float | None
 
 
-def request_headers(
+async def request_headers(
     idempotency_key: Annotated[str | None, Header(
         alias="Idempotency-Key", min_length=1, max_length=256,
         description="A retry with the same key (and body) gets the original result or "
