@@ -282,13 +282,16 @@ void prefill(const float* q, int64_t q_stride, int64_t n, int64_t heads, int64_t
   // K of every kv head transposed into [head][chunk][dim][16 positions] (padding zeros, masked
   // out): each tile of a head reads it chunk by chunk from L2 instead of gathering slots.
   std::vector<float> k_t(kv_heads * chunks * dim * kLanes, 0.f);
-  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / chunks, c = task % chunks;
-      float* dst = k_t.data() + task * dim * kLanes;
+  // By chunk, every kv head in turn: a position's K for all heads is one contiguous run of
+  // the cache, read front to back (rather than one head's slice of each run per task).
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
       for (int64_t l = 0; l < kLanes && c * kLanes + l < ctx; ++l) {
-        const float* k = k_cache + slots[c * kLanes + l] * token_stride + h * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d * kLanes + l] = k[d];
+        const float* k = k_cache + slots[c * kLanes + l] * token_stride;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          float* dst = k_t.data() + (h * chunks + c) * dim * kLanes;
+          for (int64_t d = 0; d < dim; ++d) dst[d * kLanes + l] = k[h * dim + d];
+        }
       }
     }
   });
