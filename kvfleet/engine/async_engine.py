@@ -318,7 +318,8 @@ class AsyncEngine:
                 self._apply(commands, batch)
                 # Admissions go out before the step, not with its tokens: a streaming
                 # response's headers are then sent while its prefill runs, and the first
-                # token has only its own event left to send (5-8 ms less TTFT, measured).
+                # token has only its own event left to send (the response start took 5-8 ms
+                # of the way from a first token to the client, measured).
                 self._hand_over(batch)
                 batch = []
                 self._iterate(batch)
