@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 namespace {
 
@@ -46,34 +47,21 @@ typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t)), align
 inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline void store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
 
-// 16 bytes zero-extended to 16 int32 lanes (GCC scalarizes the generic conversion).
-inline IVec widen(const uint8_t* p) {
+// 16 bytes widened to 16 int32 lanes, zero-extended (T = uint8_t) or sign-extended
+// (T = int8_t). Spelled out per ISA: GCC scalarizes the generic conversion.
+template <typename T>
+inline IVec widen(const T* p) {
+  constexpr bool kSigned = std::is_signed_v<T>;
   IVec wide;
 #if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i v = kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
   std::memcpy(&wide, &v, sizeof(wide));
 #elif defined(__AVX2__)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i lo = _mm256_cvtepu8_epi32(bytes);
-  const __m256i hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-  std::memcpy(&wide, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&wide) + sizeof(lo), &hi, sizeof(hi));
-#else
-  for (int64_t i = 0; i < kLanes; ++i) wide[i] = p[i];
-#endif
-  return wide;
-}
-
-// 16 signed bytes sign-extended to 16 int32 lanes.
-inline IVec widen_signed(const int8_t* p) {
-  IVec wide;
-#if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  std::memcpy(&wide, &v, sizeof(wide));
-#elif defined(__AVX2__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i lo = _mm256_cvtepi8_epi32(bytes);
-  const __m256i hi = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
+  const __m128i upper = _mm_srli_si128(bytes, 8);
+  const __m256i lo = kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  const __m256i hi = kSigned ? _mm256_cvtepi8_epi32(upper) : _mm256_cvtepu8_epi32(upper);
   std::memcpy(&wide, &lo, sizeof(lo));
   std::memcpy(reinterpret_cast<char*>(&wide) + sizeof(lo), &hi, sizeof(hi));
 #else
@@ -92,7 +80,7 @@ void dequantize_16(const uint8_t* group, int64_t blocks, float* buf, int64_t lan
       const int8_t* codes = reinterpret_cast<const int8_t*>(group + kLanes * 4);
       float* out = buf + b * kBlock * kPanel + lane_offset;
       for (int64_t j = 0; j < kBlock; ++j)
-        store(out + j * kPanel, d * __builtin_convertvector(widen_signed(codes + j * kLanes), Vec));
+        store(out + j * kPanel, d * __builtin_convertvector(widen(codes + j * kLanes), Vec));
     }
     return;
   }
