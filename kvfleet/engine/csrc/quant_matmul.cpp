@@ -159,10 +159,18 @@ void multiply(const float* xp, int64_t x_stride, int64_t m_len, int64_t k_len,
   });
 }
 
-// Checks a GGUF matrix of `block_bytes`-byte blocks ([N, K / 32 * block_bytes] uint8) and
-// allocates its packed form (uint8 [N / 16, K / 32, group_bytes]).
-torch::Tensor packed_like(const torch::Tensor& raw, int64_t k_len, int64_t block_bytes,
-                          int64_t group_bytes, const char* fn) {
+inline float half_at(const uint8_t* p) {
+  at::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// Re-lays out a GGUF matrix of `block_bytes`-byte blocks ([N, K / 32 * block_bytes] uint8)
+// into uint8 [N / 16, K / 32, group_bytes]: `fill(group, block, n)` writes output feature n's
+// block into its (16 outputs, one block) group.
+template <typename Fill>
+torch::Tensor pack_groups(const torch::Tensor& raw, int64_t k_len, int64_t block_bytes,
+                          int64_t group_bytes, const char* fn, Fill fill) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(), fn,
               ": raw must be a contiguous uint8 [N, K / 32 * ", block_bytes, "] tensor");
   const int64_t blocks = k_len / kBlock;
@@ -170,13 +178,16 @@ torch::Tensor packed_like(const torch::Tensor& raw, int64_t k_len, int64_t block
               ": K must be a multiple of 32 and each row K / 32 blocks of ", block_bytes,
               " bytes");
   TORCH_CHECK(raw.size(0) % kLanes == 0, fn, ": N must be a multiple of 16");
-  return torch::empty({raw.size(0) / kLanes, blocks, group_bytes}, raw.options());
-}
-
-inline float half_at(const uint8_t* p) {
-  at::Half h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(h);
+  const int64_t groups = raw.size(0) / kLanes;
+  torch::Tensor packed = torch::empty({groups, blocks, group_bytes}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  for (int64_t p = 0; p < groups; ++p)
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t n = 0; n < kLanes; ++n)
+        fill(dst + (p * blocks + b) * group_bytes,
+             src + ((p * kLanes + n) * blocks + b) * block_bytes, n);
+  return packed;
 }
 
 }  // namespace
@@ -184,44 +195,24 @@ inline float half_at(const uint8_t* p) {
 // Re-lays out a GGUF Q4_1 matrix ([N, K / 32 blocks of 20 bytes], uint8 [N, K / 32 * 20]) for
 // `quant_matmul`: uint8 [N / 16, K / 32, kQ4GroupBytes]. N must be a multiple of 16, K of 32.
 torch::Tensor q4_1_pack(const torch::Tensor& raw, int64_t k_len) {
-  torch::Tensor packed = packed_like(raw, k_len, 20, kQ4GroupBytes, "q4_1_pack");
-  const int64_t groups = packed.size(0), blocks = packed.size(1);
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  for (int64_t p = 0; p < groups; ++p) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      uint8_t* group = dst + (p * blocks + b) * kQ4GroupBytes;
-      float* d = reinterpret_cast<float*>(group);
-      float* m = d + kLanes;
-      for (int64_t n = 0; n < kLanes; ++n) {
-        const uint8_t* block = src + ((p * kLanes + n) * blocks + b) * 20;
-        d[n] = half_at(block);
-        m[n] = half_at(block + 2);
-        for (int64_t j = 0; j < kLanes; ++j) group[2 * kLanes * 4 + j * kLanes + n] = block[4 + j];
-      }
-    }
-  }
-  return packed;
+  return pack_groups(raw, k_len, 20, kQ4GroupBytes, "q4_1_pack",
+                     [](uint8_t* group, const uint8_t* block, int64_t n) {
+                       float* d = reinterpret_cast<float*>(group);
+                       d[n] = half_at(block);               // d
+                       d[kLanes + n] = half_at(block + 2);  // m
+                       for (int64_t j = 0; j < kLanes; ++j)
+                         group[2 * kLanes * 4 + j * kLanes + n] = block[4 + j];
+                     });
 }
 
 // The same for a GGUF Q8_0 matrix (blocks of 34 bytes): uint8 [N / 16, K / 32, kQ8GroupBytes].
 torch::Tensor q8_0_pack(const torch::Tensor& raw, int64_t k_len) {
-  torch::Tensor packed = packed_like(raw, k_len, 34, kQ8GroupBytes, "q8_0_pack");
-  const int64_t groups = packed.size(0), blocks = packed.size(1);
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  for (int64_t p = 0; p < groups; ++p) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      uint8_t* group = dst + (p * blocks + b) * kQ8GroupBytes;
-      float* d = reinterpret_cast<float*>(group);
-      for (int64_t n = 0; n < kLanes; ++n) {
-        const uint8_t* block = src + ((p * kLanes + n) * blocks + b) * 34;
-        d[n] = half_at(block);
-        for (int64_t j = 0; j < kBlock; ++j) group[kLanes * 4 + j * kLanes + n] = block[2 + j];
-      }
-    }
-  }
-  return packed;
+  return pack_groups(raw, k_len, 34, kQ8GroupBytes, "q8_0_pack",
+                     [](uint8_t* group, const uint8_t* block, int64_t n) {
+                       reinterpret_cast<float*>(group)[n] = half_at(block);
+                       for (int64_t j = 0; j < kBlock; ++j)
+                         group[kLanes * 4 + j * kLanes + n] = block[2 + j];
+                     });
 }
 
 // x: [M, K] float32 (rows may be strided); packed: from q4_1_pack or q8_0_pack.
