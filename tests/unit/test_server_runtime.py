@@ -58,7 +58,10 @@ def test_loading_ready_then_sigterm_drains_and_exits_zero() -> None:
     try:
         states: list[str] = []
         with httpx.Client(base_url=base, timeout=5) as client:
-            for _ in range(300):
+            # A deadline, not a count of polls: on a busy 2-core machine the subprocess's
+            # imports alone took longer than 300 polls (CI, 23:20 UTC 2026-11-29).
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
                 try:
                     health = client.get("/health")
                 except httpx.TransportError:
