@@ -314,7 +314,10 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
             tenant=tenant, cache_scope=scope,
             priority=body.priority, deadline_seconds=min(deadlines, default=None),
             idempotency_key=headers.idempotency_key,
-            body_fingerprint=fingerprint([request.url.path, body.model_dump(mode="json")]),
+            # Only a keyed request is ever compared with another (a 1k-token body's digest
+            # is not free).
+            body_fingerprint="" if headers.idempotency_key is None else fingerprint(
+                [request.url.path, body.model_dump(mode="json")]),
             skip_special_tokens=body.skip_special_tokens, prompt_text=prompt_text,
         )
 
