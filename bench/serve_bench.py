@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -34,11 +35,11 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -101,6 +102,7 @@ class HTTPStatusError(Exception):
     pass
 
 
+T = TypeVar("T")
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 # Idle keep-alive connections per event loop (each `asyncio.run` has its own) and server.
 _idle: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int],
@@ -110,6 +112,26 @@ _idle: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int]
 
 def _idle_connections(host: str, port: int) -> list[Connection]:
     return _idle.setdefault(asyncio.get_running_loop(), {}).setdefault((host, port), [])
+
+
+async def close_idle_connections() -> None:
+    """Close the running loop's kept-alive connections (before the loop ends)."""
+    for idle in _idle.pop(asyncio.get_running_loop(), {}).values():
+        for _reader, writer in idle:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+def run_client(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)`, closing the connections it kept alive before its loop ends."""
+    async def closing() -> T:
+        try:
+            return await main
+        finally:
+            await close_idle_connections()
+
+    return asyncio.run(closing())
 
 
 async def stream_lines(base_url: str, path: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
@@ -355,7 +377,7 @@ def run_mixed(args: argparse.Namespace) -> dict[str, Any]:
         for rate in args.rates:
             jobs = mixed_workload(args.num_requests, rate, args)
             for name, url in urls.items():
-                results, duration = asyncio.run(run_jobs(url, jobs, grace_s=args.grace))
+                results, duration = run_client(run_jobs(url, jobs, grace_s=args.grace))
                 stats = summarize(results, duration, args)
                 report[name][str(rate)] = stats
                 print(f"[{name}] rate {rate:5.2f}/s: {fmt(stats)}", flush=True)
@@ -378,7 +400,7 @@ def run_shared_prefix(args: argparse.Namespace) -> dict[str, Any]:
         urls = {name: stack.enter_context(server(kvfleet_argv(args, flag), f"kvfleet-{name}",
                                                  args.threads))
                 for name, flag in flags.items()}
-        results, durations = asyncio.run(in_blocks(urls, jobs, args.prefix_rounds))
+        results, durations = run_client(in_blocks(urls, jobs, args.prefix_rounds))
     report: dict[str, Any] = {}
     for name in flags:
         report[name] = summarize(results[name], durations[name], args)

@@ -74,7 +74,10 @@ async def serving() -> AsyncIterator[Server]:
     listener = await asyncio.start_server(lambda r, w: _handle(server, r, w), "127.0.0.1", 0)
     server.url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
     async with listener:
-        yield server
+        try:
+            yield server
+        finally:
+            await bench.close_idle_connections()
 
 
 async def lines(url: str, n: int) -> list[bytes]:

@@ -27,9 +27,11 @@
 #include <memory>
 #include <type_traits>
 
+#include "vec.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;
+using namespace kvfleet;
 constexpr int64_t kBlock = 32;           // weights per block (along the input dimension)
 constexpr int64_t kPanel = 2 * kLanes;   // output features dequantized together
 constexpr int64_t kRows = 12;            // rows per micro-tile: 12 x 2 vector accumulators
@@ -41,11 +43,6 @@ constexpr int64_t kQ4GroupBytes = 2 * kLanes * 4 + kLanes * kLanes;
 constexpr int64_t kQ8GroupBytes = kLanes * 4 + kBlock * kLanes;
 enum class Format { kQ4_1, kQ8_0 };
 
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
-
-inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
-inline void store(float* p, Vec v) { *reinterpret_cast<Vec*>(p) = v; }
 
 // 16 bytes widened to 16 int32 lanes, zero-extended (T = uint8_t) or sign-extended
 // (T = int8_t). Spelled out per ISA: GCC scalarizes the generic conversion.

@@ -28,6 +28,7 @@ from torch import nn
 
 from kvfleet.engine import native
 from kvfleet.engine.errors import ModelLoadError
+from kvfleet.engine.fused_ops import FusedOps
 from kvfleet.engine.model.config import ModelConfig
 from kvfleet.engine.packed_matmul import (
     PackedWeight,
@@ -213,6 +214,12 @@ class LlamaModel(nn.Module):
         # The LM head packed too (also once `pack_weights` ran); the float32 matrix stays, as
         # the embedding table when tied and for batch-invariant logits.
         self._lm_head_packed: WeightMatmul | None = None
+        self._fused: FusedOps | None = None
+
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Run norms, RoPE and SiLU as the fused ops from now on (see `fused_ops`); None goes
+        back to the torch ops."""
+        self._fused = ops
 
     @property
     def is_packed(self) -> bool:
@@ -259,7 +266,7 @@ class LlamaModel(nn.Module):
         return _Float32Weight(weight_t.detach())
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, head_dim] for `positions`, from a table grown on demand.
+        """cos and signed sin [T, head_dim] for `positions`, from a table grown on demand.
 
         HF rotates with `x * cos + rotate_half(x) * sin`, rotate_half(x) = (-x2, x1). Here
         that is `x * cos + roll(x, half) * (-sin1, sin2)`: 4 ops instead of 7, and bit for bit
@@ -274,8 +281,8 @@ class LlamaModel(nn.Module):
             sin = emb.sin()
             self._cos, self._sin_signed = emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), 1)
             self._rope_cache_len = length
-        cos = self._cos.index_select(0, positions).unsqueeze(1)
-        return cos, self._sin_signed.index_select(0, positions).unsqueeze(1)
+        return (self._cos.index_select(0, positions),
+                self._sin_signed.index_select(0, positions))
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
@@ -290,8 +297,12 @@ class LlamaModel(nn.Module):
         num_tokens = token_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         cos, sin = self._rope(positions)
-        half = cfg.head_dim // 2
         hidden = self.embed_tokens.index_select(0, token_ids)
+        if self._fused is not None:
+            return self._forward_fused(self._fused, hidden, cos, sin, attention,
+                                       batch_invariant, output_rows)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = cfg.head_dim // 2
         for layer in range(cfg.num_layers):
             x = _rms_norm(hidden, self.input_layernorm[layer], cfg.rms_norm_eps)
             qkv = self.weight_matmul(layer, QKV, x, batch_invariant)
@@ -310,6 +321,37 @@ class LlamaModel(nn.Module):
             hidden = hidden + self.weight_matmul(layer, DOWN, F.silu(gate) * up, batch_invariant)
         return hidden
 
+    def _forward_fused(self, ops: FusedOps, hidden: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, attention: Attention, batch_invariant: bool,
+                       output_rows: torch.Tensor | None) -> torch.Tensor:
+        """`forward` with the fused elementwise ops: the same math, up to float32 rounding.
+        `hidden` (a fresh tensor) takes the residual adds in place."""
+        cfg = self.config
+        num_tokens = hidden.shape[0]
+        q_size = cfg.num_heads * cfg.head_dim
+        eps = cfg.rms_norm_eps
+        x = ops.rms_norm(hidden, self.input_layernorm[0], eps)
+        for layer in range(cfg.num_layers):
+            qkv = self.weight_matmul(layer, QKV, x, batch_invariant)
+            ops.rope_(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + cfg.kv_dim].view(num_tokens, cfg.num_kv_heads,
+                                                          cfg.head_dim)
+            v = qkv[:, q_size + cfg.kv_dim :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            attn = attention(layer, q, k, v)
+            if output_rows is not None and layer == cfg.num_layers - 1:
+                hidden = hidden.index_select(0, output_rows)
+                attn = attn.index_select(0, output_rows)
+            x = ops.add_rms_norm_(hidden, self.weight_matmul(layer, O_PROJ, attn, batch_invariant),
+                                  self.post_attention_layernorm[layer], eps)
+            gate_up = self.weight_matmul(layer, GATE_UP, x, batch_invariant)
+            down = self.weight_matmul(layer, DOWN, ops.silu_mul(gate_up), batch_invariant)
+            if layer + 1 < cfg.num_layers:
+                x = ops.add_rms_norm_(hidden, down, self.input_layernorm[layer + 1], eps)
+            else:
+                hidden += down
+        return hidden
+
     def weight_matmul(self, layer: int, index: int, x: torch.Tensor,
                       batch_invariant: bool = False) -> torch.Tensor:
         """x @ the layer's weight `index` (QKV, O_PROJ, GATE_UP or DOWN), as `forward` does."""
@@ -325,7 +367,8 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False
                        ) -> torch.Tensor:
         """Float32 logits [N, vocab] for pre-norm hidden states [N, hidden]."""
-        x = _rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        x = (_rms_norm(hidden, self.norm, self.config.rms_norm_eps) if self._fused is None
+             else self._fused.rms_norm(hidden, self.norm, self.config.rms_norm_eps))
         if self._lm_head_packed is not None and not batch_invariant:
             return self._lm_head_packed.matmul(x)
         return (invariant_linear if batch_invariant else F.linear)(x, self.lm_head)
