@@ -34,7 +34,8 @@ USER 10001
 # without compiling (another kind compiles its own once, ~2.5 min on 2 cores).
 RUN python -c "from kvfleet.engine.paged_attention import load_kernel; assert load_kernel()" \
  && python -c "from kvfleet.engine.packed_matmul import load_packer; assert load_packer()" \
- && python -c "from kvfleet.engine.packed_matmul import load_quant_kernel; assert load_quant_kernel()"
+ && python -c "from kvfleet.engine.packed_matmul import load_quant_kernel; assert load_quant_kernel()" \
+ && python -c "from kvfleet.engine.fused_ops import load_fused_ops; assert load_fused_ops()"
 EXPOSE 8000
 ENTRYPOINT ["kvfleet"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
