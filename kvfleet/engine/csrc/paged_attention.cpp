@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -141,34 +142,26 @@ inline float horizontal_max(Vec v) {
 
 // In-register transpose of a 16 x 16 square (square[l][d] -> square[d][l]): swap the
 // off-diagonal 8 x 8 blocks, then the 4 x 4 blocks inside each, then 2 x 2, then single
-// elements; each swap of a row pair is two two-source shuffles.
-inline void swap8(Vec& a, Vec& b) {
-  const Vec lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  b = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// elements. Swapping the S-wide blocks of a row pair (a, b): lane j of the new a is
+// (j & S ? b[j - S] : a[j]), of the new b (j & S ? b[j] : a[j + S]); two shuffles.
+template <int S, size_t... J>
+inline void swap_blocks(Vec& a, Vec& b, std::index_sequence<J...>) {
+  const Vec lo = __builtin_shufflevector(a, b, ((J & S) ? kLanes + J - S : J)...);
+  b = __builtin_shufflevector(a, b, ((J & S) ? kLanes + J : J + S)...);
   a = lo;
 }
-inline void swap4(Vec& a, Vec& b) {
-  const Vec lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-  b = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  a = lo;
+
+template <int S>
+inline void swap_blocks(Vec (&square)[kLanes]) {
+  for (int64_t i = 0; i < kLanes; ++i)
+    if (!(i & S)) swap_blocks<S>(square[i], square[i + S], std::make_index_sequence<kLanes>{});
 }
-inline void swap2(Vec& a, Vec& b) {
-  const Vec lo = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-  b = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  a = lo;
-}
-inline void swap1(Vec& a, Vec& b) {
-  const Vec lo = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-  b = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  a = lo;
-}
+
 inline void transpose16(Vec (&square)[kLanes]) {
-  for (int64_t i = 0; i < 8; ++i) swap8(square[i], square[i + 8]);
-  for (int64_t i = 0; i < kLanes; ++i)
-    if (!(i & 4)) swap4(square[i], square[i + 4]);
-  for (int64_t i = 0; i < kLanes; ++i)
-    if (!(i & 2)) swap2(square[i], square[i + 2]);
-  for (int64_t i = 0; i < kLanes; i += 2) swap1(square[i], square[i + 1]);
+  swap_blocks<8>(square);
+  swap_blocks<4>(square);
+  swap_blocks<2>(square);
+  swap_blocks<1>(square);
 }
 
 constexpr int64_t kTileRows = 12;  // query rows sharing each loaded K chunk (24 accumulators)
