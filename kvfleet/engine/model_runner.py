@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvfleet.engine import hugepages
 from kvfleet.engine.model.config import ModelConfig
 from kvfleet.engine.model.llama import LlamaModel
 from kvfleet.engine.model.loader import LoadedModel
@@ -167,10 +168,13 @@ class _PagedAttention:
         cfg = self._runner.config
         group = cfg.num_queries_per_kv
         k_cache, v_cache = self._runner.kv_cache[layer, 0], self._runner.kv_cache[layer, 1]
-        # index_copy_/index_select, not `t[idx] = x` / `t[idx]`: advanced indexing on CPU is
-        # 10-100x slower for these shapes (measured), and it runs 60 times per step.
-        k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, self._slots, k)
-        v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, self._slots, v)
+        if self._runner.kernel is not None:
+            self._runner.kernel.write_kv(k, v, k_cache, v_cache, self._slots)
+        else:
+            # index_copy_/index_select, not `t[idx] = x` / `t[idx]`: advanced indexing on CPU
+            # is 10-100x slower for these shapes (measured), and it runs 60 times per step.
+            k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, self._slots, k)
+            v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, self._slots, v)
         out = q.new_empty(q.shape[0], cfg.num_heads * cfg.head_dim)
         if isinstance(self._decode, _KernelDecode):
             self._kernel_attention(q, k_cache, v_cache, out)
@@ -237,7 +241,7 @@ class ModelRunner:
         use_kernel = (attention_kernel and not batch_invariant and cfg.head_dim % 16 == 0
                       and cfg.head_dim <= 256)
         self.kernel: Kernel | None = load_kernel() if use_kernel else None
-        self.kv_cache = torch.zeros(
+        self.kv_cache = hugepages.zeros(
             cfg.num_layers,
             2,
             num_blocks,

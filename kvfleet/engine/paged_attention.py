@@ -26,6 +26,9 @@ ENV_SWITCH = "KVFLEET_ATTENTION"
 
 
 class Kernel(Protocol):
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor) -> None: ...
+
     def paged_decode_attention(
         self,
         q: torch.Tensor,

@@ -172,6 +172,30 @@ def test_prefill_rejects_positions_beyond_the_block_table_or_a_block_outside_the
         kernel.paged_prefill_attention(q.double(), k_cache, v_cache, torch.tensor([0]), 0, 0.25)
 
 
+def test_write_kv_puts_each_token_in_its_slot_like_index_copy(kernel: Kernel) -> None:
+    k_cache, v_cache = random_cache(6, 3, 32, seed=30)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    qkv = torch.randn(5, 400, generator=torch.Generator().manual_seed(31))  # strided rows
+    k, v = qkv[:, 100:196].view(5, 3, 32), qkv[:, 196:292].view(5, 3, 32)
+    slots = torch.tensor([17, 3, 95, 40, 41])
+    want_k.view(-1, 3, 32).index_copy_(0, slots, k)
+    want_v.view(-1, 3, 32).index_copy_(0, slots, v)
+    kernel.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_write_kv_rejects_a_slot_outside_the_pool_and_mismatched_shapes(kernel: Kernel) -> None:
+    k_cache, v_cache = random_cache(2, 2, 16, seed=32)
+    k = torch.randn(2, 2, 16)
+    with pytest.raises(RuntimeError, match=r"write_kv: slot 32 outside \[0, 32\)"):
+        kernel.write_kv(k, k, k_cache, v_cache, torch.tensor([0, 32]))
+    with pytest.raises(RuntimeError, match="write_kv: k's heads and head_dim must match"):
+        kernel.write_kv(torch.randn(2, 1, 16), torch.randn(2, 1, 16), k_cache, v_cache,
+                        torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match=r"write_kv: slots must be a contiguous int64 \[2\]"):
+        kernel.write_kv(k, k, k_cache, v_cache, torch.tensor([0]))
+
+
 def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(paged_attention.ENV_SWITCH, "sdpa")
     assert load_kernel() is None

@@ -364,9 +364,51 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
   return out;
 }
 
+// Writes the step's new K and V into their cache slots: k, v [T, KVH, D] (a token's heads
+// contiguous, rows may be strided, e.g. views into the fused QKV projection), the caches
+// [N, BS, KVH, D], slots [T] (int64, block * BS + offset). One copy per token and cache;
+// index_copy_ took ~1 us per token (60 calls a step).
+void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache,
+              torch::Tensor v_cache, const torch::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "write_kv: k and v must be [T, KVH, D] and the caches [N, BS, KVH, D]");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "write_kv: float32 tensors only");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+              "write_kv: k's heads and head_dim must match the cache's");
+  const int64_t row = k.size(1) * k.size(2);
+  for (const torch::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "write_kv: a token's K or V must be one contiguous run (rows may be strided)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "write_kv: the caches must be contiguous");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.size(0) == k.size(0),
+              "write_kv: slots must be a contiguous int64 [", k.size(0), "] tensor");
+  const int64_t n = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "write_kv: slot ", sp[t], " outside [0, ",
+                num_slots, ")");
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + sp[t] * row, kp + t * k.stride(0), row * sizeof(float));
+      std::memcpy(vc + sp[t] * row, vp + t * v.stride(0), row * sizeof(float));
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv", &write_kv, "Write a step's K and V into their paged cache slots",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Causal prefill attention of one chunk over a paged KV cache (float32, CPU)",

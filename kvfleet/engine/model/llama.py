@@ -18,6 +18,7 @@ threads; MKL's one-row kernel streams the weights, the 16-row one does not).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfleet.engine import native
+from kvfleet.engine import hugepages, native
 from kvfleet.engine.errors import ModelLoadError
 from kvfleet.engine.fused_ops import FusedOps
 from kvfleet.engine.model.config import ModelConfig
@@ -252,7 +253,29 @@ class LlamaModel(nn.Module):
         elif packer is not None:
             self._lm_head_packed = PackedWeight.pack(self.lm_head.t(), packer)
         self._quant_blocks.clear()
+        self._move_to_huge_pages()
         native.return_freed_memory()  # the raw blocks, the transposed copy packing read from
+
+    def _move_to_huge_pages(self) -> None:
+        """Every quantized weight into one mapping on huge pages (see `hugepages`): a step
+        streams them all. MKL's packed buffers stay where MKL packed them: a copy at another
+        address gave wrong products (its layout is MKL's business, not documented)."""
+        assert self._packed is not None
+        weights = [w for layer in self._packed for w in layer]
+        if self._lm_head_packed is not None:
+            weights.append(self._lm_head_packed)
+        movable = [w for w in weights if isinstance(w, QuantWeight)]
+        moved = dict(zip(map(id, movable), hugepages.gather([w.packed for w in movable]),
+                         strict=True))
+
+        def rehomed(w: WeightMatmul) -> WeightMatmul:
+            if isinstance(w, QuantWeight):
+                return dataclasses.replace(w, packed=moved[id(w)])
+            return w
+
+        self._packed = [tuple(map(rehomed, layer)) for layer in self._packed]
+        if self._lm_head_packed is not None:
+            self._lm_head_packed = rehomed(self._lm_head_packed)
 
     def _pack(self, layer: int, weight_t: torch.Tensor, names: tuple[str, ...],
               packer: Packer | None, quant: QuantKernel | None) -> WeightMatmul:
