@@ -5,7 +5,7 @@ A step streams every weight (~110 MB for SmolLM2 at 4 and 8 bits, ~27,000 pages 
 reads the KV cache block by block across hundreds of MiB (a block of one layer's K is 12 KiB,
 three pages): with 4 KiB pages most of those pages cost a TLB miss and a page walk. On 2 MiB
 pages, measured in separate processes taken in turns (SmolLM2, 2 threads, three of each): a
-decode step 24.9-25.9 instead of 28.6-32.5 ms.
+decode step 23.0-24.3 instead of 25.9-35.2 ms; prompts' prefill within the noise.
 
 Linux only backs memory with huge pages when asked (`madvise` mode, the common default) or
 always; elsewhere, or if the kernel says no, the memory is ordinary and nothing else changes.
