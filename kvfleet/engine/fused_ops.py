@@ -1,10 +1,11 @@
 """The fused elementwise ops of a Llama layer (`csrc/fused_ops.cpp`), built on first use.
 
 RMSNorm (after the residual add), RoPE on Q and K, and SiLU(gate) * up, one pass per row
-each instead of ~25 torch calls a layer: the calls were a fixed ~10 ms of every step (a decode
-step pays it whatever its batch) and their intermediate tensors most of a long prefill's
-non-matmul time. Results match the torch ops up to float32 rounding; each row is computed on
-its own, so batch invariance holds as before.
+each instead of ~25 torch calls a layer (~1,500 a step, each a dispatch, an allocation and a
+pass over memory). Measured in one process, taken in turns with the torch ops (SmolLM2, 2
+threads): a 1,024-token prompt's prefill 1,181 vs 1,287 ms, a prefix-cache hit 174 vs 190 ms,
+a decode step 36.4 vs 38.1 ms. Results match the torch ops up to float32 rounding; each row
+is computed on its own, so batch invariance holds as before.
 
 `KVFLEET_FUSED_OPS=torch` turns them off; when they cannot be built the engine logs why once
 and runs the torch ops.

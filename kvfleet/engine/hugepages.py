@@ -1,5 +1,5 @@
 """Tensors on transparent huge pages, for the engine's large, long-lived memory: the KV cache
-and the packed weights.
+and the quantized weights.
 
 A step streams every weight (~110 MB for SmolLM2 at 4 and 8 bits, ~27,000 pages of 4 KiB) and
 reads the KV cache block by block across hundreds of MiB (a block of one layer's K is 12 KiB,
@@ -14,6 +14,7 @@ always; elsewhere, or if the kernel says no, the memory is ordinary and nothing 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import mmap
 from collections.abc import Sequence
@@ -49,7 +50,8 @@ def gather(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     pages: one, because huge pages back only whole 2 MiB ranges and most layer weights are
     smaller (SmolLM2's are 0.4-1.3 MB)."""
     sizes = [t.numel() * t.element_size() for t in tensors]
-    offsets = [sum(-(-n // 64) * 64 for n in sizes[:i]) for i in range(len(sizes))]
-    arena = empty(sum(-(-n // 64) * 64 for n in sizes), dtype=torch.uint8)
-    return [arena[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
-            for t, offset, n in zip(tensors, offsets, sizes, strict=True)]
+    # Each copy starts 64-byte aligned; the last entry is the total.
+    starts = [0, *itertools.accumulate(-(-n // 64) * 64 for n in sizes)]
+    arena = empty(starts[-1], dtype=torch.uint8)
+    return [arena[start:start + n].view(t.dtype).view(t.shape).copy_(t)
+            for t, start, n in zip(tensors, starts, sizes, strict=False)]

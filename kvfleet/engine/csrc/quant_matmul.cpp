@@ -47,7 +47,6 @@ constexpr int64_t kQ4GroupBytes = 2 * kLanes * 4 + kLanes * kLanes;
 constexpr int64_t kQ8GroupBytes = kLanes * 4 + kBlock * kLanes;
 enum class Format { kQ4_1, kQ8_0 };
 
-
 // 16 bytes widened to 16 int32 lanes, zero-extended (T = uint8_t) or sign-extended
 // (T = int8_t). Spelled out per ISA: GCC scalarizes the generic conversion.
 template <typename T>
