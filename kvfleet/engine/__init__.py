@@ -39,7 +39,7 @@ if TYPE_CHECKING:
         RequestTimings,
         SamplingParams,
     )
-    from kvfleet.engine.sampler import Sampler
+    from kvfleet.engine.sampler import Sampler, StepLogits
     from kvfleet.engine.scheduler import Scheduler
     from kvfleet.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
@@ -65,6 +65,7 @@ _EXPORTS: dict[str, str] = {
     "make_cache_salt": "kv_cache_manager",
     "BlockPool": "block_pool",
     "Sampler": "sampler",
+    "StepLogits": "sampler",
     "load_model": "model.loader",
     "default_model_path": "model.loader",
     "LoadedModel": "model.loader",
@@ -100,6 +101,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulingPolicy",
+    "StepLogits",
     "UnsupportedModelError",
     "build_engine_core",
     "default_model_path",

@@ -33,6 +33,7 @@ from kvfleet.engine.model.config import ModelConfig
 from kvfleet.engine.model.llama import LlamaModel
 from kvfleet.engine.model.loader import LoadedModel
 from kvfleet.engine.paged_attention import Kernel, load_kernel
+from kvfleet.engine.sampler import StepLogits
 from kvfleet.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 KV_DTYPE = torch.float32
@@ -103,6 +104,9 @@ class _KernelDecode:
     token_index: torch.Tensor  # [B] rows of the flat batch
     block_table: torch.Tensor  # [B, max blocks], padded with block 0 (never read)
     context_lens: torch.Tensor  # [B]
+    # The decode rows are every row of the step, in order (no prefill chunk in it): q goes to
+    # the kernel as it is and the kernel's output is the layer's, with no gather or scatter.
+    whole_step: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +179,13 @@ class _PagedAttention:
             # is 10-100x slower for these shapes (measured), and it runs 60 times per step.
             k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, self._slots, k)
             v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, self._slots, v)
+        if isinstance(self._decode, _KernelDecode) and self._decode.whole_step:
+            return self._kernel_decode(q, k_cache, v_cache).view(q.shape[0], -1)
         out = q.new_empty(q.shape[0], cfg.num_heads * cfg.head_dim)
         if isinstance(self._decode, _KernelDecode):
-            self._kernel_attention(q, k_cache, v_cache, out)
+            attended = self._kernel_decode(q.index_select(0, self._decode.token_index), k_cache,
+                                           v_cache)
+            out.index_copy_(0, self._decode.token_index, attended.view(attended.shape[0], -1))
         else:
             for d in self._decode:
                 batch = d.token_index.shape[0]
@@ -212,14 +220,12 @@ class _PagedAttention:
             )
         return out
 
-    def _kernel_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          out: torch.Tensor) -> None:
+    def _kernel_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                       ) -> torch.Tensor:
         plan, kernel = self._decode, self._runner.kernel
         assert isinstance(plan, _KernelDecode) and kernel is not None  # planned only with one
-        attended = kernel.paged_decode_attention(
-            q.index_select(0, plan.token_index), k_cache, v_cache, plan.block_table,
-            plan.context_lens, self._scale)
-        out.index_copy_(0, plan.token_index, attended.view(attended.shape[0], -1))
+        return kernel.paged_decode_attention(q, k_cache, v_cache, plan.block_table,
+                                             plan.context_lens, self._scale)
 
 
 class ModelRunner:
@@ -323,7 +329,8 @@ class ModelRunner:
                                    [rows[order[k]] for k in group])
                 for group in decode_groups(padded)]
 
-    def _kernel_decode(self, chunks: list[ScheduledChunk], rows: list[int]) -> _KernelDecode:
+    def _plan_kernel_decode(self, chunks: list[ScheduledChunk], rows: list[int],
+                            whole_step: bool) -> _KernelDecode:
         context = [c.start_position + 1 for c in chunks]
         width = -(-max(context) // self.block_size)
         table = torch.zeros(len(chunks), width, dtype=torch.long)
@@ -331,7 +338,7 @@ class ModelRunner:
             used = c.block_ids[: -(-n // self.block_size)]
             table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
         return _KernelDecode(torch.tensor(rows, dtype=torch.long), table,
-                             torch.tensor(context, dtype=torch.long))
+                             torch.tensor(context, dtype=torch.long), whole_step)
 
     def _decode_batch(self, chunks: list[ScheduledChunk], rows: list[int]) -> _DecodeBatch:
         bs = self.block_size
@@ -375,7 +382,8 @@ class ModelRunner:
                 prefills.append(self._plan_prefill(chunk, first_row))
         decode: list[_DecodeBatch] | _KernelDecode = []
         if decode_chunks and self.kernel is not None:
-            decode = self._kernel_decode(decode_chunks, decode_rows)
+            decode = self._plan_kernel_decode(decode_chunks, decode_rows,
+                                              whole_step=not prefills)
         elif decode_chunks:
             decode = self._plan_decode(decode_chunks, decode_rows)
         attention = _PagedAttention(self, torch.tensor(slots, dtype=torch.long), decode, prefills)
@@ -387,11 +395,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
+    def execute(self, out: SchedulerOutput) -> StepLogits:
         """Run one step; float32 logits [vocab] of the last position of each sampled chunk."""
         self._apply_block_copies(out.block_copies)
         if out.is_empty:
-            return {}
+            return StepLogits.empty()
         token_ids, positions, attention, last_rows = self._plan(out.chunks)
         rows = torch.tensor(last_rows, dtype=torch.long)
         if self.batch_invariant or len(last_rows) == len(token_ids):
@@ -400,8 +408,7 @@ class ModelRunner:
             last = hidden if len(last_rows) == len(token_ids) else hidden.index_select(0, rows)
         else:
             last = self.model(token_ids, positions, attention, output_rows=rows)
-        if not last_rows:
-            return {}
-        logits = self.model.compute_logits(last, self.batch_invariant)
         sampled = [c.request_id for c in out.chunks if c.sample]
-        return dict(zip(sampled, logits.unbind(0), strict=True))
+        if not sampled:
+            return StepLogits.empty()
+        return StepLogits(sampled, self.model.compute_logits(last, self.batch_invariant))

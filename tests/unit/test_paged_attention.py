@@ -79,6 +79,23 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel: Kernel) ->
         torch.set_num_threads(threads)
 
 
+def test_decode_reads_query_rows_in_place_from_a_wider_tensor(kernel: Kernel) -> None:
+    # The runner passes a pure decode step's q as a view into the fused QKV projection.
+    k_cache, v_cache = random_cache(32, 3, 64, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, (9 + 2 * 3) * 64, generator=gen)
+    q = qkv[:, : 9 * 64].view(5, 9, 64)
+    assert not q.is_contiguous()
+    tables = torch.stack([torch.randperm(32, generator=gen)[:8] for _ in range(5)])
+    contexts = torch.tensor([1, 16, 17, 100, 128])
+    strided = kernel.paged_decode_attention(q, k_cache, v_cache, tables, contexts, 0.125)
+    copied = kernel.paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, contexts,
+                                           0.125)
+    assert strided.is_contiguous() and torch.equal(strided, copied)
+    with pytest.raises(RuntimeError, match="q's rows may be strided"):
+        kernel.paged_decode_attention(q.transpose(1, 2), k_cache, v_cache, tables, contexts, 0.1)
+
+
 def test_rejects_a_context_beyond_the_block_table_or_a_block_outside_the_pool(
     kernel: Kernel,
 ) -> None:

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import pytest
 import torch
 from engine_fakes import make_request
 
 from kvfleet.engine.request import Request, SamplingParams
-from kvfleet.engine.sampler import Sampler
+from kvfleet.engine.sampler import Sampler, StepLogits
 
 VOCAB = 32
 
@@ -103,3 +104,26 @@ def test_forget_drops_the_generator() -> None:
     sampler.forget(["r"])
     again = [sampler.sample({"r": row}, [req])["r"] for _ in range(5)]
     assert first == again
+
+
+def test_step_logits_in_sampling_order_are_read_in_place_and_sample_as_a_mapping_does() -> None:
+    eos = 3
+    reqs = [request("a", temperature=0.0), request("b", temperature=0.0, min_tokens=1),
+            request("c", temperature=1.0, seed=5)]
+    rows = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))
+    rows[1, eos] = 100.0  # b's best token is eos, masked until its first token
+    as_dict = {r.request_id: row.clone() for r, row in zip(reqs, rows, strict=True)}
+    expected = Sampler(eos_token_ids=[eos]).sample(as_dict, reqs)
+    step = StepLogits([r.request_id for r in reqs], rows)
+    assert Sampler(eos_token_ids=[eos]).sample(step, reqs) == expected
+    assert rows[1, eos] == float("-inf")  # masked in the runner's own tensor: no copy was made
+    # Another order (or a subset) is sampled from the rows by id.
+    assert Sampler(eos_token_ids=[eos]).sample(step, reqs[::-1]) == expected
+    assert Sampler().sample(step, reqs[:1]) == {"a": expected["a"]}
+    assert list(step) == ["a", "b", "c"] and torch.equal(step["b"], rows[1])
+    assert StepLogits.empty() == {}
+
+
+def test_step_logits_need_one_row_per_request_id() -> None:
+    with pytest.raises(ValueError, match=r"2 request ids for logits of shape \(3, 32\)"):
+        StepLogits(["a", "b"], torch.zeros(3, VOCAB))

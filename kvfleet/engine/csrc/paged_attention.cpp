@@ -28,10 +28,17 @@ namespace {
 using namespace kvfleet;
 constexpr int64_t kMaxVecs = 16;  // head_dim <= 256
 
+inline float horizontal_max(Vec v) {
+  float m = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
 }  // namespace
 
-// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables: [B, M]
-// (int64); context_lens: [B] (int64, each in [1, M * block_size]). Returns [B, H, D].
+// q: [B, H, D] (rows may be strided, e.g. a view into the fused QKV projection); k_cache,
+// v_cache: [num_blocks, block_size, KVH, D]; block_tables: [B, M] (int64); context_lens: [B]
+// (int64, each in [1, M * block_size]). Returns [B, H, D].
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
@@ -43,9 +50,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
               "paged_decode_attention: float32 tensors only");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and context_lens must be int64");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  block_tables.is_contiguous() && context_lens.is_contiguous(),
-              "paged_decode_attention: contiguous tensors only");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  context_lens.is_contiguous(),
+              "paged_decode_attention: contiguous tensors only (q's rows may be strided)");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   const int64_t kv_heads = k_cache.size(2), max_blocks = block_tables.size(1);
@@ -70,23 +78,26 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                   " of sequence ", b, " outside [0, ", num_blocks, ")");
     }
   }
-  torch::Tensor out = torch::empty_like(q);
+  torch::Tensor out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const int64_t token_stride = kv_heads * dim;  // floats between slots of a block
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, inv(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads, ctx = lens[b];
       const int64_t* table = tables + b * max_blocks;
-      const float* qh = qp + (b * heads + h * group) * dim;
+      const float* qh = qp + b * q.stride(0) + h * group * dim;
       const int64_t vecs = dim / kLanes;
-      scores.resize(group * ctx);
+      // Each head's scores padded to whole vectors with -inf, which the softmax turns into
+      // weights of exactly 0.
+      const int64_t chunks = (ctx + kLanes - 1) / kLanes, width = chunks * kLanes;
+      scores.resize(group * width);
       for (int64_t g = 0; g < group; ++g) {
         Vec qv[kMaxVecs];
         for (int64_t i = 0; i < vecs; ++i) qv[i] = load(qh + g * dim + i * kLanes);
-        float* s = scores.data() + g * ctx;
+        float* s = scores.data() + g * width;
         for (int64_t t = 0; t < ctx; ++t) {
           const float* k = kp + (table[t / block_size] * block_size + t % block_size) *
                                     token_stride + h * dim;
@@ -94,31 +105,38 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
           for (int64_t i = 1; i < vecs; ++i) prod += qv[i] * load(k + i * kLanes);
           s[t] = horizontal_sum(prod) * fscale;
         }
+        std::fill(s + ctx, s + width, -INFINITY);
       }
-      std::vector<float> denom(group);
+      // Softmax 16 positions at a time (vexp): a scalar exp per position was more than half
+      // of a decode step's attention at short contexts.
       for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * ctx;
-        const float m = *std::max_element(s, s + ctx);
-        float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
+        float* s = scores.data() + g * width;
+        Vec vmax = load(s);
+        for (int64_t c = 1; c < chunks; ++c) {
+          const Vec x = load(s + c * kLanes);
+          vmax = vmax > x ? vmax : x;
         }
-        denom[g] = sum;
+        const float m = horizontal_max(vmax);
+        Vec sum = splat(0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const Vec p = vexp(load(s + c * kLanes) - m);
+          store(s + c * kLanes, p);
+          sum += p;
+        }
+        inv[g] = 1.f / horizontal_sum(sum);
       }
       // Per query head, the weighted sum of V in registers (a head is at most kMaxVecs
       // vectors); V is re-read per head of the group from L1/L2, where the first pass left it.
       for (int64_t g = 0; g < group; ++g) {
         Vec acc[kMaxVecs] = {};
-        const float* p = scores.data() + g * ctx;
+        const float* p = scores.data() + g * width;
         for (int64_t t = 0; t < ctx; ++t) {
           const float* v = vp + (table[t / block_size] * block_size + t % block_size) *
                                     token_stride + h * dim;
           for (int64_t i = 0; i < vecs; ++i) acc[i] += p[t] * load(v + i * kLanes);
         }
         float* o = op + (b * heads + h * group + g) * dim;
-        const float inv = 1.f / denom[g];
-        for (int64_t i = 0; i < vecs; ++i) store(o + i * kLanes, acc[i] * inv);
+        for (int64_t i = 0; i < vecs; ++i) store(o + i * kLanes, acc[i] * inv[g]);
       }
     }
   });
@@ -133,12 +151,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 // one vector of FMAs), an exact softmax, and the weighted sum of V read from the slots.
 
 namespace {
-
-inline float horizontal_max(Vec v) {
-  float m = v[0];
-  for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-}
 
 // In-register transpose of a 16 x 16 square (square[l][d] -> square[d][l]): swap the
 // off-diagonal 8 x 8 blocks, then the 4 x 4 blocks inside each, then 2 x 2, then single
@@ -344,7 +356,7 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
                 " outside [0, ", num_blocks, ")");
     slots[t] = block * block_size + t % block_size;
   }
-  torch::Tensor out = torch::empty_like(q);
+  torch::Tensor out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
