@@ -34,6 +34,19 @@ inline float horizontal_max(Vec v) {
   return m;
 }
 
+// Softmax weights in place: the `chunks` vectors of scores at s become exp(score - m), m
+// their maximum; returns 1 / their sum. A -inf score (a masked or padding position) becomes
+// exactly 0.
+inline float exp_weights(float* s, int64_t chunks, float m) {
+  Vec sum = splat(0.f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Vec p = vexp(load(s + c * kLanes) - m);
+    store(s + c * kLanes, p);
+    sum += p;
+  }
+  return 1.f / horizontal_sum(sum);
+}
+
 }  // namespace
 
 // q: [B, H, D] (rows may be strided, e.g. a view into the fused QKV projection); k_cache,
@@ -116,14 +129,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
           const Vec x = load(s + c * kLanes);
           vmax = vmax > x ? vmax : x;
         }
-        const float m = horizontal_max(vmax);
-        Vec sum = splat(0.f);
-        for (int64_t c = 0; c < chunks; ++c) {
-          const Vec p = vexp(load(s + c * kLanes) - m);
-          store(s + c * kLanes, p);
-          sum += p;
-        }
-        inv[g] = 1.f / horizontal_sum(sum);
+        inv[g] = exp_weights(s, chunks, horizontal_max(vmax));
       }
       // Per query head, the weighted sum of V in registers (a head is at most kMaxVecs
       // vectors); V is re-read per head of the group from L1/L2, where the first pass left it.
@@ -228,17 +234,8 @@ void prefill_tile(const float* q, int64_t q_stride, int64_t heads, int64_t group
     }
   }
   float inv[kTileRows];
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores.data() + r * width;
-    const float m = horizontal_max(row_max[r]);
-    Vec sum = splat(0.f);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const Vec p = vexp(load(s + c * kLanes) - m);
-      store(s + c * kLanes, p);
-      sum += p;
-    }
-    inv[r] = 1.f / horizontal_sum(sum);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    inv[r] = exp_weights(scores.data() + r * width, chunks, horizontal_max(row_max[r]));
   // Weighted sums of V, kPvRows rows at a time so each loaded V row feeds kPvRows * V FMAs. A
   // row's weights past its own causal end are exactly 0 (vexp of -inf), so they add nothing.
   for (int64_t r0 = 0; r0 < rows; r0 += kPvRows) {
