@@ -10,20 +10,22 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.kvfleet-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  # A first install: torch from PyPI brings its CUDA libraries, the installed .venv is ~6 GiB, and
-  # pip unpacks the wheels under TMPDIR first. A full disk otherwise ends pip with a bare
-  # "[Errno 28]" mid-install. (A re-install after a pyproject.toml change adds little.)
-  need_gib=${KVFLEET_BOOTSTRAP_MIN_FREE_GIB:-10}
-  [ -f "$stamp" ] && need_gib=0
-  for dir in . "${TMPDIR:-/tmp}"; do
-    free_gib=$(( $(df -Pk "$dir" | awk 'NR==2 {print $4}') / 1048576 ))
-    if [ "$free_gib" -lt "$need_gib" ]; then
-      echo "bootstrap: only ${free_gib} GiB free on the disk holding $(cd "$dir" && pwd); installing torch" \
-           "and the other dependencies needs about ${need_gib} GiB there. Free space, or point TMPDIR" \
-           "at a larger disk (KVFLEET_BOOTSTRAP_MIN_FREE_GIB sets the threshold)." >&2
-      exit 1
-    fi
-  done
+  if [ ! -f "$stamp" ]; then
+    # A first install: torch from PyPI brings its CUDA libraries, the installed .venv is ~6 GiB,
+    # and pip unpacks the wheels under TMPDIR first. A full disk otherwise ends pip with a bare
+    # "[Errno 28]" mid-install. (A re-install after a pyproject.toml change adds little.)
+    need_gib=${KVFLEET_BOOTSTRAP_MIN_FREE_GIB:-10}
+    for dir in . "${TMPDIR:-/tmp}"; do
+      free_gib=$(( $(df -Pk "$dir" | awk 'NR==2 {print $4}') / 1048576 ))
+      if [ "$free_gib" -lt "$need_gib" ]; then
+        echo "bootstrap: only ${free_gib} GiB free on the disk holding $(cd "$dir" && pwd);" \
+             "installing torch and the other dependencies needs about ${need_gib} GiB there." \
+             "Free space, or point TMPDIR at a larger disk (KVFLEET_BOOTSTRAP_MIN_FREE_GIB sets" \
+             "the threshold)." >&2
+        exit 1
+      fi
+    done
+  fi
   echo "bootstrap: installing kvfleet and its dependencies into .venv (torch is large the first time)"
   .venv/bin/pip install --progress-bar off --upgrade pip
   .venv/bin/pip install --progress-bar off -e '.[dev]'
