@@ -95,6 +95,7 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     layer weights are packed (4-bit or for MKL, see `packed_matmul`), after which the same
     loaded model cannot serve a batch-invariant engine."""
     from kvfleet.engine.fused_ops import load_fused_ops
+    from kvfleet.engine.matmul_plan import plan_for
     from kvfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
     from kvfleet.engine.packed_matmul import load_packer, load_quant_kernel
 
@@ -107,7 +108,8 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     if not batch_invariant and not model.model.is_packed:
         packer, quant = load_packer(), load_quant_kernel()
         if packer is not None or quant is not None:
-            model.model.pack_weights(packer, quant)
+            plan = plan_for(model.model.weight_samples(), packer, quant)
+            model.model.pack_weights(packer, quant, plan)
     model.model.use_fused_ops(load_fused_ops())
     runner = ModelRunner(model, num_blocks, cache_config.block_size, batch_invariant)
     native.return_freed_memory()

@@ -85,6 +85,33 @@ class WeightMatmul(Protocol):
     def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+class TorchWeight:
+    """A weight no packing takes: `torch.mm(x, weight_t)` on the float32 [in, out] matrix (a
+    transposed view of an [out, in] one is fine: MKL reads it in place)."""
+
+    def __init__(self, weight_t: torch.Tensor) -> None:
+        self.weight_t = weight_t.detach()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, self.weight_t)
+
+
+@dataclass(frozen=True, slots=True)
+class RowRoutedWeight:
+    """One weight in two or more representations, each serving calls up to a row count (see
+    `matmul_plan`): `weights[i]` takes calls of up to `max_rows[i]` rows, the last any more."""
+
+    max_rows: tuple[int, ...]
+    weights: tuple[WeightMatmul, ...]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        for limit, weight in zip(self.max_rows, self.weights, strict=True):
+            if rows <= limit:
+                return weight.matmul(x)
+        return self.weights[-1].matmul(x)
+
+
 # Bytes of one 32-weight block of each GGUF type the quantized kernel takes.
 QUANT_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,7 @@ from kvfleet.engine import native
 
 
 def warning_when_every_build_fails(load: Callable[[], object], monkeypatch: pytest.MonkeyPatch,
-                                   caplog: pytest.LogCaptureFixture) -> str:
+                                   caplog: pytest.LogCaptureFixture, tmp_path: Path) -> str:
     """Call `load` twice with no compiler: both return None, and one warning (no second build
     attempt) names the cause; returns that warning's text."""
 
@@ -20,6 +21,8 @@ def warning_when_every_build_fails(load: Callable[[], object], monkeypatch: pyte
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
     monkeypatch.setattr(native, "_loaded", {})
+    # An empty kernel cache: nothing built already can be loaded instead.
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert load() is None
         assert load() is None

@@ -4,6 +4,8 @@ refusals, the model on them, and the fallback when they cannot be built."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,7 +143,7 @@ def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_a_failed_build_falls_back_with_one_warning(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    warning = warning_when_every_build_fails(load_fused_ops, monkeypatch, caplog)
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    warning = warning_when_every_build_fails(load_fused_ops, monkeypatch, caplog, tmp_path)
     assert "norms, RoPE and SiLU run as torch ops" in warning
     assert "KVFLEET_FUSED_OPS=torch" in warning

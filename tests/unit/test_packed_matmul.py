@@ -221,6 +221,6 @@ def test_switched_off_by_environment(load: Callable[[], object], off: list[str],
 ])
 def test_a_failed_build_falls_back_with_one_warning(
     load: Callable[[], object], instead: str, monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, tmp_path: Path,
 ) -> None:
-    assert instead in warning_when_every_build_fails(load, monkeypatch, caplog)
+    assert instead in warning_when_every_build_fails(load, monkeypatch, caplog, tmp_path)

@@ -3,6 +3,8 @@ same blocks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -219,7 +221,7 @@ def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_failed_build_falls_back_with_one_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    warning = warning_when_every_build_fails(load_kernel, monkeypatch, caplog)
+    warning = warning_when_every_build_fails(load_kernel, monkeypatch, caplog, tmp_path)
     assert "uses SDPA" in warning

@@ -29,16 +29,41 @@
 
 #include "vec.h"
 
+#ifndef KVFLEET_FEW_ROWS_CHUNK
+#define KVFLEET_FEW_ROWS_CHUNK 8
+#endif
+#ifndef KVFLEET_FEW_ROWS
+#define KVFLEET_FEW_ROWS 16
+#endif
+
 namespace {
 
 using namespace kvfleet;
 constexpr int64_t kBlock = 32;           // weights per block (along the input dimension)
 constexpr int64_t kPanel = 2 * kLanes;   // output features dequantized together
-constexpr int64_t kRows = 12;            // rows per micro-tile: 12 x 2 vector accumulators
-// Up to this many rows skip the panel buffer (`few_rows_times_group`). Measured on all of
-// SmolLM2's layer matmuls and its LM head, 2 threads, AVX-512: 12 vs 19 ms at 1 row, 16 vs 23
-// at 8, 23 vs 32 at 16; at 103 rows the panels take 86 ms where 16-row passes would take ~150.
-constexpr int64_t kFewRows = 16;
+constexpr int64_t kSub = kLanes / kRegLanes;  // registers per 16-feature group
+// Micro-tiles sized to the register file (accumulators + weights + one broadcast must fit, or
+// every accumulator is stored and reloaded on each k): AVX-512, 32 zmm: 12 rows x 2 registers
+// (32 features); AVX2, 16 ymm: 6 rows x 2 registers (16 features); SSE, 16 xmm: 6 x 2 (8).
+#if defined(__AVX512F__)
+constexpr int64_t kRows = 12;
+#else
+constexpr int64_t kRows = 6;
+#endif
+constexpr int64_t kTileRegs = 2;
+constexpr int64_t kTileWidth = kTileRegs * kRegLanes;
+// The register path (`few_rows_times_group`) keeps one register of accumulators per row, plus
+// d, m, the weight and a broadcast: up to 16 rows at once on AVX-512, 8 on AVX2 and SSE.
+#if defined(__AVX512F__)
+constexpr int64_t kFewRowsChunk = 16;
+#else
+constexpr int64_t kFewRowsChunk = KVFLEET_FEW_ROWS_CHUNK;
+#endif
+// Up to this many rows skip the panel buffer, in chunks of kFewRowsChunk rows (each chunk
+// dequantizes the group again). Measured on all of SmolLM2's layer matmuls and its LM head, 2
+// threads, AVX-512: 12 vs 19 ms at 1 row, 16 vs 23 at 8, 23 vs 32 at 16; at 103 rows the
+// panels take 86 ms where 16-row passes would take ~150.
+constexpr int64_t kFewRows = KVFLEET_FEW_ROWS;
 // Bytes of one (16 outputs, one block) group in the packed layouts. Q4_1: d[16], m[16] as
 // float32, then 16 bytes per pair (j, j + 16) of a block's positions, one byte per output
 // feature (j's code in the low nibble). Q8_0: d[16] as float32, then 16 signed bytes per
@@ -47,78 +72,102 @@ constexpr int64_t kQ4GroupBytes = 2 * kLanes * 4 + kLanes * kLanes;
 constexpr int64_t kQ8GroupBytes = kLanes * 4 + kBlock * kLanes;
 enum class Format { kQ4_1, kQ8_0 };
 
-// 16 bytes widened to 16 int32 lanes, zero-extended (T = uint8_t) or sign-extended
+// kRegLanes bytes widened to int32 lanes, zero-extended (T = uint8_t) or sign-extended
 // (T = int8_t). Spelled out per ISA: GCC scalarizes the generic conversion.
 template <typename T>
-inline IVec widen(const T* p) {
+inline IReg widen(const T* p) {
   constexpr bool kSigned = std::is_signed_v<T>;
-  IVec wide;
+  IReg wide;
 #if defined(__AVX512F__)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m512i v = kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
   std::memcpy(&wide, &v, sizeof(wide));
 #elif defined(__AVX2__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i upper = _mm_srli_si128(bytes, 8);
-  const __m256i lo = kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
-  const __m256i hi = kSigned ? _mm256_cvtepi8_epi32(upper) : _mm256_cvtepu8_epi32(upper);
-  std::memcpy(&wide, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&wide) + sizeof(lo), &hi, sizeof(hi));
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i v = kSigned ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  std::memcpy(&wide, &v, sizeof(wide));
 #else
-  for (int64_t i = 0; i < kLanes; ++i) wide[i] = p[i];
+  for (int64_t i = 0; i < kRegLanes; ++i) wide[i] = p[i];
 #endif
   return wide;
 }
+
+inline Reg to_float(IReg v) { return __builtin_convertvector(v, Reg); }
+
+// A group's weights for the register slice s (features s * kRegLanes ...): dequantized one
+// position at a time, `weight(j)` for j in [0, 32).
+template <Format F>
+struct Slice;
+
+template <>
+struct Slice<Format::kQ8_0> {
+  Reg d;
+  const int8_t* codes;
+  Slice(const uint8_t* group, int64_t s)
+      : d(load_reg(reinterpret_cast<const float*>(group) + s * kRegLanes)),
+        codes(reinterpret_cast<const int8_t*>(group + kLanes * 4) + s * kRegLanes) {}
+  Reg low(int64_t j) const { return d * to_float(widen(codes + j * kLanes)); }
+  Reg high(int64_t j) const { return low(j + kLanes); }
+};
+
+template <>
+struct Slice<Format::kQ4_1> {
+  Reg d, m;
+  const uint8_t* codes;
+  Slice(const uint8_t* group, int64_t s)
+      : d(load_reg(reinterpret_cast<const float*>(group) + s * kRegLanes)),
+        m(load_reg(reinterpret_cast<const float*>(group) + kLanes + s * kRegLanes)),
+        codes(group + 2 * kLanes * 4 + s * kRegLanes) {}
+  // Positions 0-15 are the low nibbles, 16-31 the high ones of the same bytes.
+  Reg low(int64_t j) const { return d * to_float(widen(codes + j * kLanes) & 15) + m; }
+  Reg high(int64_t j) const { return d * to_float(widen(codes + j * kLanes) >> 4) + m; }
+};
 
 // Dequantizes 16 output features x all inputs (`blocks` packed groups from `group`) into
 // buf[k * kPanel + lane_offset + n].
 template <Format F>
 void dequantize_16(const uint8_t* group, int64_t blocks, float* buf, int64_t lane_offset) {
-  if constexpr (F == Format::kQ8_0) {
-    for (int64_t b = 0; b < blocks; ++b, group += kQ8GroupBytes) {
-      const Vec d = load(reinterpret_cast<const float*>(group));
-      const int8_t* codes = reinterpret_cast<const int8_t*>(group + kLanes * 4);
-      float* out = buf + b * kBlock * kPanel + lane_offset;
-      for (int64_t j = 0; j < kBlock; ++j)
-        store(out + j * kPanel, d * __builtin_convertvector(widen(codes + j * kLanes), Vec));
-    }
-    return;
-  }
-  for (int64_t b = 0; b < blocks; ++b, group += kQ4GroupBytes) {
-    const Vec d = load(reinterpret_cast<const float*>(group));
-    const Vec m = load(reinterpret_cast<const float*>(group) + kLanes);
-    const uint8_t* codes = group + 2 * kLanes * 4;
+  constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
+  for (int64_t b = 0; b < blocks; ++b, group += group_bytes) {
     float* out = buf + b * kBlock * kPanel + lane_offset;
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const IVec wide = widen(codes + j * kLanes);
-      const Vec lo = __builtin_convertvector(wide & 15, Vec);
-      const Vec hi = __builtin_convertvector(wide >> 4, Vec);
-      store(out + j * kPanel, d * lo + m);
-      store(out + (j + kLanes) * kPanel, d * hi + m);
+    for (int64_t s = 0; s < kSub; ++s) {
+      const Slice<F> slice(group, s);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        store_reg(out + j * kPanel + s * kRegLanes, slice.low(j));
+        store_reg(out + (j + kLanes) * kPanel + s * kRegLanes, slice.high(j));
+      }
     }
   }
 }
 
-// out[r, 0:32] = x[r, :] . panel for `R` rows (R <= kRows), panel = [K][32] float32.
+// out[r, c0 : c0 + C * kRegLanes] = x[r, :] . panel[:, c0 : ...] for R rows; panel [K][32].
+template <int64_t R, int64_t C>
+void tile(const float* x, int64_t x_stride, int64_t k_len, const float* panel, int64_t c0,
+          float* out, int64_t out_stride) {
+  Reg acc[R][C] = {};
+  const float* w = panel + c0;
+  for (int64_t k = 0; k < k_len; ++k, w += kPanel) {
+    Reg wc[C];
+    for (int64_t c = 0; c < C; ++c) wc[c] = load_reg(w + c * kRegLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      const float xr = x[r * x_stride + k];
+      for (int64_t c = 0; c < C; ++c) acc[r][c] += xr * wc[c];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) store_reg(out + r * out_stride + c0 + c * kRegLanes, acc[r][c]);
+}
+
+// out[r, 0:valid] = x[r, :] . panel for R rows (R <= kRows); valid is 32, or 16 for a last
+// panel of 16 features.
 template <int64_t R>
 void rows_times_panel(const float* x, int64_t x_stride, int64_t k_len, const float* panel,
                       float* out, int64_t out_stride, int64_t valid) {
-  Vec acc0[R] = {}, acc1[R] = {};
-  for (int64_t k = 0; k < k_len; ++k) {
-    const Vec w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + kLanes);
-    for (int64_t r = 0; r < R; ++r) {
-      const float xr = x[r * x_stride + k];
-      acc0[r] += xr * w0;
-      acc1[r] += xr * w1;
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    if (valid == kPanel) {
-      store(out + r * out_stride, acc0[r]);
-      store(out + r * out_stride + kLanes, acc1[r]);
-    } else {  // a last panel of 16 features
-      store(out + r * out_stride, acc0[r]);
-    }
+  for (int64_t c0 = 0; c0 < valid; c0 += kTileWidth) {
+    if (valid - c0 >= kTileWidth)
+      tile<R, kTileRegs>(x, x_stride, k_len, panel, c0, out, out_stride);
+    else  // AVX-512's half tile: the last 16 features
+      tile<R, kSub>(x, x_stride, k_len, panel, c0, out, out_stride);
   }
 }
 
@@ -135,45 +184,47 @@ void tail(const float* x, int64_t x_stride, int64_t k_len, const float* panel, f
 // blocks): each weight is dequantized into a register and used at once, no panel buffer. For a
 // few rows (a decode step) the panel's store and reload were most of the work; the weights
 // must stream from memory anyway. The products are summed in the same order (k = 0, 1, ...)
-// with the same multiply-adds as `rows_times_panel`, so a row gets the same bits either way.
+// with the same multiply-adds as `tile`, so a row gets the same bits either way.
 template <Format F, int64_t R>
 void few_rows_times_group(const float* x, int64_t x_stride, const uint8_t* group,
                           int64_t blocks, float* out, int64_t out_stride) {
-  Vec acc[R] = {};
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    const Vec d = load(reinterpret_cast<const float*>(group));
-    if constexpr (F == Format::kQ8_0) {
-      const int8_t* codes = reinterpret_cast<const int8_t*>(group + kLanes * 4);
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const Vec w = d * __builtin_convertvector(widen(codes + j * kLanes), Vec);
+  constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
+  for (int64_t s = 0; s < kSub; ++s) {
+    Reg acc[R] = {};
+    const uint8_t* g = group;
+    for (int64_t b = 0; b < blocks; ++b, g += group_bytes) {
+      const float* xb = x + b * kBlock;
+      const Slice<F> slice(g, s);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const Reg w = slice.low(j);
         for (int64_t r = 0; r < R; ++r) acc[r] += xb[r * x_stride + j] * w;
       }
-      group += kQ8GroupBytes;
-    } else {
-      const Vec m = load(reinterpret_cast<const float*>(group) + kLanes);
-      const uint8_t* codes = group + 2 * kLanes * 4;
-      for (int64_t j = 0; j < kLanes; ++j) {  // positions 0-15: the low nibbles
-        const Vec w = d * __builtin_convertvector(widen(codes + j * kLanes) & 15, Vec) + m;
-        for (int64_t r = 0; r < R; ++r) acc[r] += xb[r * x_stride + j] * w;
-      }
-      for (int64_t j = 0; j < kLanes; ++j) {  // positions 16-31: the high nibbles
-        const Vec w = d * __builtin_convertvector(widen(codes + j * kLanes) >> 4, Vec) + m;
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const Reg w = slice.high(j);
         for (int64_t r = 0; r < R; ++r) acc[r] += xb[r * x_stride + kLanes + j] * w;
       }
-      group += kQ4GroupBytes;
     }
+    for (int64_t r = 0; r < R; ++r) store_reg(out + r * out_stride + s * kRegLanes, acc[r]);
   }
-  for (int64_t r = 0; r < R; ++r) store(out + r * out_stride, acc[r]);
 }
 
 template <Format F, int64_t R>
-void few_rows(const float* x, int64_t x_stride, const uint8_t* group, int64_t blocks,
-              float* out, int64_t out_stride, int64_t rows) {
+void few_rows_chunk(const float* x, int64_t x_stride, const uint8_t* group, int64_t blocks,
+                    float* out, int64_t out_stride, int64_t rows) {
   if constexpr (R > 0) {
     if (rows == R) return few_rows_times_group<F, R>(x, x_stride, group, blocks, out, out_stride);
-    few_rows<F, R - 1>(x, x_stride, group, blocks, out, out_stride, rows);
+    few_rows_chunk<F, R - 1>(x, x_stride, group, blocks, out, out_stride, rows);
   }
+}
+
+// Up to kFewRows rows, kFewRowsChunk at a time (what the registers hold).
+template <Format F>
+void few_rows(const float* x, int64_t x_stride, const uint8_t* group, int64_t blocks,
+              float* out, int64_t out_stride, int64_t rows) {
+  for (int64_t r = 0; r < rows; r += kFewRowsChunk)
+    few_rows_chunk<F, kFewRowsChunk>(x + r * x_stride, x_stride, group, blocks,
+                                     out + r * out_stride, out_stride,
+                                     std::min(kFewRowsChunk, rows - r));
 }
 
 // x rows [m_len, k_len] (stride x_stride) times the packed weight into out [m_len, n_len].
@@ -184,23 +235,21 @@ void multiply(const float* xp, int64_t x_stride, int64_t m_len, int64_t k_len,
   if (m_len <= kFewRows) {
     at::parallel_for(0, n_len / kLanes, 4, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g)
-        few_rows<F, kFewRows>(xp, x_stride, wp + g * blocks * group_bytes, blocks,
-                              op + g * kLanes, n_len, m_len);
+        few_rows<F>(xp, x_stride, wp + g * blocks * group_bytes, blocks, op + g * kLanes,
+                    n_len, m_len);
     });
     return;
   }
   const int64_t panels = (n_len + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     // Not zero-filled: dequantization writes every float the products read, except the upper
-    // half of a last panel of 16 features, zeroed below (its products are not stored).
+    // half of a last panel of 16 features, which no tile reads.
     std::unique_ptr<float[]> buf(new float[k_len * kPanel]);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanel, valid = std::min(kPanel, n_len - n0);
       for (int64_t half = 0; half * kLanes < valid; ++half)
         dequantize_16<F>(wp + (n0 / kLanes + half) * blocks * group_bytes, blocks, buf.get(),
                          half * kLanes);
-      if (valid < kPanel)
-        for (int64_t k = 0; k < k_len; ++k) store(buf.get() + k * kPanel + kLanes, Vec{});
       int64_t r = 0;
       for (; r + kRows <= m_len; r += kRows)
         rows_times_panel<kRows>(xp + r * x_stride, x_stride, k_len, buf.get(),

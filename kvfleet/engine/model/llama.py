@@ -30,13 +30,22 @@ from torch import nn
 from kvfleet.engine import hugepages, native
 from kvfleet.engine.errors import ModelLoadError
 from kvfleet.engine.fused_ops import FusedOps
+from kvfleet.engine.matmul_plan import (
+    MatmulPlan,
+    ShapeChoice,
+    ShapeSample,
+    WeightShape,
+    candidates,
+    routed,
+)
 from kvfleet.engine.model.config import ModelConfig
 from kvfleet.engine.packed_matmul import (
-    PackedWeight,
     Packer,
     QuantBlocks,
     QuantKernel,
     QuantWeight,
+    RowRoutedWeight,
+    TorchWeight,
     WeightMatmul,
 )
 
@@ -132,14 +141,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return invariant_matmul(x, weight.t())
 
 
-class _Float32Weight:
-    """A layer weight neither packing takes: plain `x @ weight_t`."""
+def _parts(weight: WeightMatmul) -> tuple[WeightMatmul, ...]:
+    return weight.weights if isinstance(weight, RowRoutedWeight) else (weight,)
 
-    def __init__(self, weight_t: torch.Tensor) -> None:
-        self.weight_t = weight_t
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight_t)
+# Without a measured plan: the fewest bytes a step streams (routed() falls back in this order).
+_FIXED_ORDER = ShapeChoice((2**62,), ("quant",))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -226,32 +233,71 @@ class LlamaModel(nn.Module):
     def is_packed(self) -> bool:
         return self._packed is not None
 
-    def pack_weights(self, packer: Packer | None, quant: QuantKernel | None = None) -> None:
-        """Multiply by packed weights from now on (see `packed_matmul`): quantized where the
-        file stored a matrix as Q4_1 or Q8_0 and `quant` is given, else MKL-packed float32
-        (`packer`), else plain float32. Drops the [in, out] copies as each layer is packed, so
-        memory does not double. The LM head is packed as well (`torch.mm` re-packs its 113 MB
-        on every call: 16 vs 9 ms at 8 rows, 28 vs 21 at 64 MKL-packed, SmolLM2, 2 threads).
-        Batch-invariant forward passes need the unpacked weights: they refuse afterwards."""
+    _WEIGHT_NAMES = ("qkv", "o", "gate_up", "down")
+
+    def _layer_sample(self, layer: int, index: int) -> ShapeSample:
+        weight_t = (self.qkv_t, self.o_t, self.gate_up_t, self.down_t)[index][layer]
+        parts = [self._quant_blocks.get(f"layers.{layer}.{name}") for name in _FUSED[index]]
+        blocks = (QuantBlocks.concat([p for p in parts if p is not None])
+                  if all(p is not None for p in parts) else None)
+        return ShapeSample(WeightShape(self._WEIGHT_NAMES[index], weight_t.shape[0],
+                                       weight_t.shape[1],
+                                       blocks.ggml_type if blocks is not None else None),
+                           weight_t, blocks)
+
+    def _lm_head_sample(self) -> ShapeSample:
+        name = "embed_tokens" if self.lm_head is self.embed_tokens else "lm_head"
+        blocks = self._quant_blocks.get(name)
+        vocab, hidden = self.lm_head.shape
+        return ShapeSample(WeightShape("lm_head", hidden, vocab,
+                                       blocks.ggml_type if blocks is not None else None),
+                           self.lm_head.t(), blocks)
+
+    def weight_samples(self) -> list[ShapeSample]:
+        """One weight of each distinct shape and storage type (layer weights, the LM head):
+        what `matmul_plan` times. Only before `pack_weights`."""
+        if self._packed is not None:
+            raise RuntimeError("weight_samples: the weights are packed already")
+        samples: dict[str, ShapeSample] = {}
+        for layer in range(self.config.num_layers):
+            for index in range(len(_FUSED)):
+                sample = self._layer_sample(layer, index)
+                samples.setdefault(sample.shape.key, sample)
+        head = self._lm_head_sample()
+        samples.setdefault(head.shape.key, head)
+        return list(samples.values())
+
+    def pack_weights(self, packer: Packer | None, quant: QuantKernel | None = None,
+                     plan: MatmulPlan | None = None) -> None:
+        """Multiply by packed weights from now on (see `packed_matmul`). `plan` (see
+        `matmul_plan`) names each weight's path per row count, as measured on this host;
+        without one (or for a shape it lacks): quantized where the file stored a matrix as
+        Q4_1 or Q8_0 and `quant` is given, else MKL-packed float32 (`packer`), else plain
+        float32. Drops the [in, out] copies as each layer is packed, so memory does not double.
+        The LM head is packed as well (`torch.mm` re-packs its 113 MB on every call: 16 vs 9 ms
+        at 8 rows, 28 vs 21 at 64 MKL-packed, SmolLM2, 2 threads). Batch-invariant forward
+        passes need the unpacked weights: they refuse afterwards."""
         if self._packed is not None:
             return
+
+        def pack(sample: ShapeSample) -> WeightMatmul:
+            choice = (plan.choice(sample.shape) if plan is not None else None) or _FIXED_ORDER
+            return routed(choice, candidates(sample, packer, quant))
+
         packed = []
+        lists = (self.qkv_t, self.o_t, self.gate_up_t, self.down_t)
         for layer in range(self.config.num_layers):
-            lists = (self.qkv_t, self.o_t, self.gate_up_t, self.down_t)
-            packed.append(tuple(self._pack(layer, weights[layer], names, packer, quant)
-                                for weights, names in zip(lists, _FUSED, strict=True)))
+            packed.append(tuple(pack(self._layer_sample(layer, index))
+                                for index in range(len(_FUSED))))
             for weights in lists:
                 weights[layer] = nn.Parameter(torch.empty(0), requires_grad=False)
             # The freed layer goes back to the OS now, not after the last one: packing all
             # layers first would hold both copies at once (peak +400 MiB, measured).
             native.return_freed_memory()
         self._packed = packed
-        lm_head = "embed_tokens" if self.lm_head is self.embed_tokens else "lm_head"
-        blocks = self._quant_blocks.get(lm_head)
-        if quant is not None and blocks is not None and blocks.fits(self.config.hidden_size):
-            self._lm_head_packed = QuantWeight.pack(blocks, self.config.hidden_size, quant)
-        elif packer is not None:
-            self._lm_head_packed = PackedWeight.pack(self.lm_head.t(), packer)
+        head = pack(self._lm_head_sample())
+        # A torch path needs no packed head: compute_logits then multiplies the matrix itself.
+        self._lm_head_packed = None if isinstance(head, TorchWeight) else head
         self._quant_blocks.clear()
         self._move_to_huge_pages()
         native.return_freed_memory()  # the raw blocks, the transposed copy packing read from
@@ -264,29 +310,20 @@ class LlamaModel(nn.Module):
         weights = [w for layer in self._packed for w in layer]
         if self._lm_head_packed is not None:
             weights.append(self._lm_head_packed)
-        movable = [w for w in weights if isinstance(w, QuantWeight)]
+        movable = [q for w in weights for q in _parts(w) if isinstance(q, QuantWeight)]
         moved = dict(zip(map(id, movable), hugepages.gather([w.packed for w in movable]),
                          strict=True))
 
         def rehomed(w: WeightMatmul) -> WeightMatmul:
             if isinstance(w, QuantWeight):
                 return dataclasses.replace(w, packed=moved[id(w)])
+            if isinstance(w, RowRoutedWeight):
+                return dataclasses.replace(w, weights=tuple(map(rehomed, w.weights)))
             return w
 
         self._packed = [tuple(map(rehomed, layer)) for layer in self._packed]
         if self._lm_head_packed is not None:
             self._lm_head_packed = rehomed(self._lm_head_packed)
-
-    def _pack(self, layer: int, weight_t: torch.Tensor, names: tuple[str, ...],
-              packer: Packer | None, quant: QuantKernel | None) -> WeightMatmul:
-        parts = [self._quant_blocks.get(f"layers.{layer}.{name}") for name in names]
-        if quant is not None and all(part is not None for part in parts):
-            fused = QuantBlocks.concat([part for part in parts if part is not None])
-            if fused is not None and fused.fits(weight_t.shape[0]):
-                return QuantWeight.pack(fused, weight_t.shape[0], quant)
-        if packer is not None:
-            return PackedWeight.pack(weight_t, packer)
-        return _Float32Weight(weight_t.detach())
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, head_dim] for `positions`, from a table grown on demand.

@@ -1,0 +1,104 @@
+"""Weight-matmul paths side by side, on every ISA level this CPU runs.
+
+    .venv/bin/python bench/matmul_paths.py [--targets x86_64_v3,generic] [--threads N]
+
+For each level (a subprocess with KVFLEET_CPU_TARGET set, so each builds and runs that level's
+kernels), the 4-bit/8-bit kernel (`quant`), MKL-packed float32 (`mkl`) and `torch.mm` are timed
+on the embedded SmolLM2's real weights (each distinct weight shape, the paths taking turns) at
+the row counts the engine's path choice times (`kvfleet.engine.matmul_plan`). Prints, per level,
+the per-shape table the engine would log, then one forward pass's weight matmuls (every layer
+and the LM head) per path and row count, as milliseconds and as a ratio to `torch.mm` in the
+same run, with `plan` = the measured choice per shape (what the engine runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+
+def child(threads: int | None) -> None:
+    import torch
+
+    from kvfleet.engine import native
+    from kvfleet.engine.matmul_plan import measure
+    from kvfleet.engine.model import load_model
+    from kvfleet.engine.packed_matmul import load_packer, load_quant_kernel
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_model(None, show_progress=False).model
+    samples = model.weight_samples()
+    # How many weights of each shape one forward pass multiplies by.
+    uses = Counter(model._layer_sample(layer, index).shape.key
+                   for layer in range(model.config.num_layers) for index in range(4))
+    uses[model._lm_head_sample().shape.key] += 1
+    packer, quant = load_packer(), load_quant_kernel()
+    plan = measure(samples, packer, quant,
+                   lambda key: print(f"  timed {key}", file=sys.stderr, flush=True))
+    print(plan.table(), file=sys.stderr, flush=True)
+    result = {"target": native.cpu_target()[0], "threads": torch.get_num_threads(),
+              "uses": dict(uses), "timings": plan.timings,
+              "choices": {k: [c.max_rows, c.paths] for k, c in plan.choices.items()}}
+    print("RESULT " + json.dumps(result))
+
+
+def forward_pass(result: dict) -> dict[int, dict[str, float]]:
+    """Seconds of one forward pass's weight matmuls per row count and path (+ "plan")."""
+    totals: dict[int, dict[str, float]] = {}
+    for key, timings in result["timings"].items():
+        uses = result["uses"][key]
+        limits, paths = result["choices"][key]
+        for rows_text, by_path in timings.items():
+            rows = int(rows_text)
+            chosen = next((p for limit, p in zip(limits, paths, strict=True) if rows <= limit),
+                          paths[-1])
+            row = totals.setdefault(rows, {})
+            for path, seconds in [*by_path.items(), ("plan", by_path[chosen])]:
+                row[path] = row.get(path, 0.0) + uses * seconds
+    # Row counts the LM head was not timed at leave it out of every path alike.
+    return totals
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", default=None,
+                        help="comma-separated levels (default: every level this CPU runs)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.threads)
+        return 0
+    from kvfleet.engine import native
+
+    targets = args.targets.split(",") if args.targets else native.supported_targets()
+    print(f"CPU: {native.cpu_model()}; levels it runs: {', '.join(native.supported_targets())}")
+    for target in targets:
+        print(f"\n== {target}", flush=True)
+        env = dict(os.environ, **{native.TARGET_ENV: target})
+        cmd = [sys.executable, __file__, "--child"] + (
+            ["--threads", str(args.threads)] if args.threads else [])
+        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            print(f"{target}: the measurement failed (exit {done.returncode})")
+            continue
+        result = json.loads(lines[-1][len("RESULT "):])
+        print(f"one forward pass's weight matmuls, {result['threads']} threads "
+              "(ms; ratio to torch.mm in this run):")
+        for rows, by_path in sorted(forward_pass(result).items()):
+            torch_s = by_path["torch"]
+            cells = "  ".join(f"{p} {by_path[p] * 1e3:8.2f} ({by_path[p] / torch_s:4.2f}x)"
+                              for p in ("quant", "mkl", "torch", "plan") if p in by_path)
+            print(f"  {rows:5d} rows: {cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

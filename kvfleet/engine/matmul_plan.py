@@ -1,0 +1,269 @@
+"""Which weight-matmul path serves each weight shape and row count, chosen by timing on this host.
+
+A path that is fastest on one CPU can be many times slower on another (the 4-bit kernel was
+15x slower than MKL at prefill on an AVX2 host, while ahead on the AVX-512 host it was tuned
+on), so the engine does not assume: at its first start on a host it times every path it has
+(`quant`: the 4-bit/8-bit kernel, `mkl`: MKL-packed float32, `torch`: `torch.mm`) on the
+model's real weight shapes at a few row counts, in this process with its threads, and each
+weight then uses the fastest path for the row count of each call. The timings are cached per
+CPU model, ISA level, thread count, kernel sources and torch version
+(`$KVFLEET_KERNEL_CACHE/matmul-plans/`), so later starts read them, and the table chosen is
+logged. A weight keeps a second representation (e.g. MKL's float32 beside its 4-bit blocks,
+~4x the bytes) only where the single best path would be more than `SECOND_PATH_GAIN` slower at
+some measured row count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvfleet.engine import native
+from kvfleet.engine.packed_matmul import (
+    PackedWeight,
+    Packer,
+    QuantBlocks,
+    QuantKernel,
+    QuantWeight,
+    RowRoutedWeight,
+    TorchWeight,
+    WeightMatmul,
+)
+
+log = logging.getLogger(__name__)
+
+# Row counts timed: a decode step at 1-64 running, prefill chunks up to the step's budget.
+ROW_COUNTS = (1, 4, 16, 64, 256, 1024)
+# The LM head multiplies only the rows that are sampled: at most the running requests.
+LM_HEAD_ROW_COUNTS = (1, 4, 16, 64, 256)
+# A second representation of a weight must save more than this fraction somewhere.
+SECOND_PATH_GAIN = 0.15
+PLAN_VERSION = 1
+
+Timings = dict[int, dict[str, float]]  # rows -> path -> seconds per call
+
+
+@dataclass(frozen=True, slots=True)
+class WeightShape:
+    """One kind of weight of the model: e.g. "qkv", 576 -> 960, stored as Q4_1."""
+
+    name: str
+    in_features: int
+    out_features: int
+    ggml_type: str | None  # None: float weights only
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:{self.in_features}x{self.out_features}:{self.ggml_type or 'f32'}"
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeSample:
+    """A weight of one shape: float32 [in, out] (a transposed view is fine) and its raw
+    blocks, if the file stored it quantized."""
+
+    shape: WeightShape
+    weight_t: torch.Tensor
+    blocks: QuantBlocks | None
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeChoice:
+    """The paths one shape uses: `paths[i]` for calls of up to `max_rows[i]` rows (the last
+    entry has no limit)."""
+
+    max_rows: tuple[int, ...]
+    paths: tuple[str, ...]
+
+    def path_for(self, rows: int) -> str:
+        for limit, path in zip(self.max_rows, self.paths, strict=True):
+            if rows <= limit:
+                return path
+        return self.paths[-1]
+
+
+def choose(timings: Timings) -> ShapeChoice:
+    """The single path that is never more than SECOND_PATH_GAIN slower than the best at any
+    row count (the fastest overall of those), else the fastest per row count, with the limit
+    between two measured counts at their geometric mean."""
+    counts = sorted(timings)
+    paths = sorted(set.intersection(*(set(timings[r]) for r in counts)))
+    if not paths:
+        raise ValueError("no matmul path was timed at every row count")
+    best = {r: min(timings[r][p] for p in paths) for r in counts}
+    single = [p for p in paths
+              if all(timings[r][p] <= best[r] * (1 + SECOND_PATH_GAIN) for r in counts)]
+    if single:
+        path = min(single, key=lambda p: sum(timings[r][p] / best[r] for r in counts))
+        return ShapeChoice((2**62,), (path,))
+    fastest = [min(paths, key=timings[r].__getitem__) for r in counts]
+    limits: list[int] = []
+    chosen: list[str] = []
+    for i, path in enumerate(fastest):
+        limit = int((counts[i] * counts[i + 1]) ** 0.5) if i + 1 < len(counts) else 2**62
+        if chosen and chosen[-1] == path:
+            limits[-1] = limit
+        else:
+            chosen.append(path)
+            limits.append(limit)
+    return ShapeChoice(tuple(limits), tuple(chosen))
+
+
+def candidates(sample: ShapeSample, packer: Packer | None, quant: QuantKernel | None
+               ) -> dict[str, Callable[[], WeightMatmul]]:
+    """Builders of every path this weight can take here."""
+    weight_t = sample.weight_t
+    built: dict[str, Callable[[], WeightMatmul]] = {"torch": lambda: TorchWeight(weight_t)}
+    if packer is not None:
+        built["mkl"] = lambda: PackedWeight.pack(weight_t, packer)
+    blocks = sample.blocks
+    if quant is not None and blocks is not None and blocks.fits(sample.shape.in_features):
+        built["quant"] = lambda: QuantWeight.pack(blocks, sample.shape.in_features, quant)
+    return built
+
+
+def time_paths(weights: Mapping[str, WeightMatmul], rows: int, in_features: int,
+               repeats: int = 5, min_seconds: float = 0.004) -> dict[str, float]:
+    """Seconds per call of each path at `rows` rows: the paths take turns (so a slow phase of
+    the host hits all alike), each turn long enough to time, and the median turn counts."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    calls: dict[str, int] = {}
+    for name, weight in weights.items():  # warm up, and size each turn
+        weight.matmul(x)
+        started = time.perf_counter()
+        weight.matmul(x)
+        once = max(time.perf_counter() - started, 1e-6)
+        calls[name] = max(1, min(200, int(min_seconds / once)))
+    samples: dict[str, list[float]] = {name: [] for name in weights}
+    for _ in range(repeats):
+        for name, weight in weights.items():
+            started = time.perf_counter()
+            for _ in range(calls[name]):
+                weight.matmul(x)
+            samples[name].append((time.perf_counter() - started) / calls[name])
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulPlan:
+    """Timings and choices for every weight shape of one model on this host."""
+
+    timings: dict[str, Timings]  # shape key -> timings
+    choices: dict[str, ShapeChoice]
+
+    def choice(self, shape: WeightShape) -> ShapeChoice | None:
+        return self.choices.get(shape.key)
+
+    def table(self) -> str:
+        """The timings and the choice per shape, for a log or a terminal."""
+        lines = []
+        for key, timings in self.timings.items():
+            choice = self.choices[key]
+            lines.append(f"{key}: " + (" | ".join(
+                f"{choice.paths[i]} up to {limit} rows" if limit < 2**62 else
+                f"{choice.paths[i]}" for i, limit in enumerate(choice.max_rows))))
+            for rows, by_path in sorted(timings.items()):
+                cells = "  ".join(f"{p} {t * 1e3:8.3f} ms" for p, t in sorted(by_path.items()))
+                lines.append(f"    {rows:5d} rows: {cells}")
+        return "\n".join(lines)
+
+
+def measure(samples: Sequence[ShapeSample], packer: Packer | None, quant: QuantKernel | None,
+            progress: Callable[[str], None] | None = None) -> MatmulPlan:
+    timings: dict[str, Timings] = {}
+    for sample in samples:
+        weights = {name: build() for name, build in candidates(sample, packer, quant).items()}
+        counts = LM_HEAD_ROW_COUNTS if sample.shape.name == "lm_head" else ROW_COUNTS
+        timings[sample.shape.key] = {
+            rows: time_paths(weights, rows, sample.shape.in_features) for rows in counts}
+        if progress is not None:
+            progress(sample.shape.key)
+        del weights
+    return MatmulPlan(timings, {key: choose(t) for key, t in timings.items()})
+
+
+def _cache_file(samples: Sequence[ShapeSample], paths: Sequence[str]) -> Path:
+    target, _ = native.cpu_target()
+    kernels = [native.build_name(stem, target) for stem in ("quant_matmul", "packed_matmul")]
+    identity = json.dumps({
+        "version": PLAN_VERSION, "cpu": native.cpu_model(), "target": target,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": kernels,
+        "shapes": [s.shape.key for s in samples], "paths": sorted(paths),
+        "rows": [ROW_COUNTS, LM_HEAD_ROW_COUNTS], "gain": SECOND_PATH_GAIN,
+    }, sort_keys=True)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return native.cache_root() / "matmul-plans" / f"{target}-{digest}.json"
+
+
+def _read(path: Path) -> MatmulPlan | None:
+    try:
+        data = json.loads(path.read_text())
+        timings = {key: {int(rows): {p: float(t) for p, t in by_path.items()}
+                         for rows, by_path in shape.items()}
+                   for key, shape in data["timings"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return MatmulPlan(timings, {key: choose(t) for key, t in timings.items()})
+
+
+def _write(path: Path, plan: MatmulPlan) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"timings": plan.timings}, indent=1))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache: measure again next start
+        log.warning("matmul plan not cached (%s); the next start measures again", exc)
+
+
+def plan_for(samples: Sequence[ShapeSample], packer: Packer | None, quant: QuantKernel | None
+             ) -> MatmulPlan:
+    """The cached plan for these shapes on this host, or a fresh measurement (then cached).
+    The chosen table is logged either way."""
+    paths = ["torch"] + (["mkl"] if packer is not None else []) + (
+        ["quant"] if quant is not None else [])
+    path = _cache_file(samples, paths)
+    plan = _read(path)
+    if plan is None:
+        started = time.monotonic()
+        log.info("timing the weight matmul paths (%s) on %d weight shapes at up to %d rows; "
+                 "the first start on this host does this once", ", ".join(paths), len(samples),
+                 max(ROW_COUNTS))
+        plan = measure(samples, packer, quant,
+                       lambda key: log.info("timed the matmul paths of %s", key))
+        _write(path, plan)
+        log.info("matmul paths timed in %.1f s (cached in %s)", time.monotonic() - started, path)
+    log.info("weight matmul paths for %s, %s, %d threads:\n%s", native.cpu_model(),
+             native.cpu_target()[0], torch.get_num_threads(), plan.table())
+    return plan
+
+
+def routed(choice: ShapeChoice, build: Mapping[str, Callable[[], WeightMatmul]]
+           ) -> WeightMatmul:
+    """One weight on the paths `choice` names (a path not buildable here falls back to the
+    first one that is, in the order quant, mkl, torch)."""
+    def make(path: str) -> WeightMatmul:
+        for name in (path, "quant", "mkl", "torch"):
+            if name in build:
+                return build[name]()
+        raise ValueError("no matmul path can be built for this weight")
+
+    if len(choice.paths) == 1:
+        return make(choice.paths[0])
+    made: dict[str, WeightMatmul] = {}
+    weights = []
+    for path in choice.paths:
+        if path not in made:
+            made[path] = make(path)
+        weights.append(made[path])
+    return RowRoutedWeight(choice.max_rows, tuple(weights))
