@@ -182,7 +182,27 @@ inline void transpose16(Vec (&square)[kLanes]) {
   swap_blocks<1>(square);
 }
 
-constexpr int64_t kTileRows = 12;  // query rows sharing each loaded K chunk (24 accumulators)
+// Register budgets of a tile, per ISA (accumulators + loaded operands + one broadcast must fit
+// the register file, or GCC moves every accumulator through the stack on each use: the
+// 16-float Vec arrays this code first used made prefill attention 1.6x slower than SDPA on
+// AVX2, where a Vec is two ymm). Scores: kTileRows query rows x kPassRegs registers of
+// positions per pass. Weighted sums of V: kPvAcc accumulator registers, a row's head_dim
+// split into slices of at most kPvSliceMax registers.
+#if defined(__AVX512F__)
+constexpr int64_t kTileRows = 12;   // 12 rows x 32 positions: 24 zmm + 2 K
+constexpr int64_t kPvSliceMax = 16, kPvAcc = 24;
+#else
+constexpr int64_t kTileRows = 6;    // 6 rows x 2 registers: 12 ymm (16 positions) + 2 K
+constexpr int64_t kPvSliceMax = 2, kPvAcc = 12;
+#endif
+constexpr int64_t kPassRegs = 2;
+constexpr int64_t kPassPositions = kPassRegs * kRegLanes;
+
+inline float register_max(Reg v) {
+  float m = v[0];
+  for (int64_t i = 1; i < kRegLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
 
 // One tile: up to kTileRows consecutive GQA-folded query rows (row = token * group + g) of
 // kv head `h`, against the causal prefix of each. K comes pre-transposed in 16-position
@@ -194,7 +214,6 @@ void prefill_tile(const float* q, int64_t q_stride, int64_t heads, int64_t group
                   const int64_t* slots, int64_t token_stride, float scale, float* out,
                   std::vector<float>& scores) {
   constexpr int64_t dim = V * kLanes;
-  constexpr int64_t kPvRows = V >= 24 ? 1 : 24 / V;  // accumulators: kPvRows * V <= 24 vectors
   const float* qrow[kTileRows];
   int64_t len[kTileRows];  // positions row r attends to: [0, len[r])
   for (int64_t r = 0; r < kTileRows; ++r) {
@@ -206,56 +225,71 @@ void prefill_tile(const float* q, int64_t q_stride, int64_t heads, int64_t group
   const int64_t max_len = len[kTileRows - 1];
   const int64_t chunks = (max_len + kLanes - 1) / kLanes, width = chunks * kLanes;
   scores.resize(kTileRows * width);
-  const IVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  // Two 16-position chunks per pass: 24 accumulators, 2 K loads + 12 broadcasts per 24 FMAs.
-  Vec row_max[kTileRows];
-  for (int64_t r = 0; r < kTileRows; ++r) row_max[r] = splat(-INFINITY);
-  for (int64_t c = 0; c < chunks; c += 2) {
-    const float* kc0 = k_t + c * dim * kLanes;
-    const float* kc1 = kc0 + (c + 1 < chunks ? dim * kLanes : 0);
-    Vec acc0[kTileRows] = {}, acc1[kTileRows] = {};
+  IReg lane;
+  for (int64_t i = 0; i < kRegLanes; ++i) lane[i] = static_cast<int32_t>(i);
+  // kPassRegs registers of positions per pass: kTileRows * kPassRegs accumulators, kPassRegs
+  // K loads + kTileRows broadcasts per kTileRows * kPassRegs FMAs. Position p of the
+  // transposed K is at chunk p / 16, lane p % 16; a pass past the last chunk reads chunk 0
+  // again (finite values, masked below, never stored).
+  Reg row_max[kTileRows];
+  for (int64_t r = 0; r < kTileRows; ++r) row_max[r] = Reg{} - INFINITY;
+  for (int64_t p0 = 0; p0 < width; p0 += kPassPositions) {
+    const float* kr[kPassRegs];
+    for (int64_t i = 0; i < kPassRegs; ++i) {
+      const int64_t pos = p0 + i * kRegLanes;
+      kr[i] = pos < width ? k_t + (pos / kLanes) * dim * kLanes + pos % kLanes : k_t;
+    }
+    Reg acc[kTileRows][kPassRegs] = {};
     for (int64_t d = 0; d < dim; ++d) {
-      const Vec k0 = load(kc0 + d * kLanes), k1 = load(kc1 + d * kLanes);
+      Reg kv[kPassRegs];
+      for (int64_t i = 0; i < kPassRegs; ++i) kv[i] = load_reg(kr[i] + d * kLanes);
       for (int64_t r = 0; r < kTileRows; ++r) {
         const float qd = qrow[r][d];
-        acc0[r] += qd * k0;
-        acc1[r] += qd * k1;
+        for (int64_t i = 0; i < kPassRegs; ++i) acc[r][i] += qd * kv[i];
       }
     }
-    for (int64_t half = 0; half < 2 && c + half < chunks; ++half) {
-      const IVec pos = lane + static_cast<int32_t>((c + half) * kLanes);
+    for (int64_t i = 0; i < kPassRegs && p0 + i * kRegLanes < width; ++i) {
+      const IReg pos = lane + static_cast<int32_t>(p0 + i * kRegLanes);
       for (int64_t r = 0; r < kTileRows; ++r) {
-        const Vec s = (half ? acc1[r] : acc0[r]) * scale;
-        const IVec keep = pos < static_cast<int32_t>(len[r]);
-        const Vec masked = keep ? s : splat(-INFINITY);
+        const Reg sc = acc[r][i] * scale;
+        const IReg keep = pos < static_cast<int32_t>(len[r]);
+        const Reg masked = keep ? sc : Reg{} - INFINITY;
         row_max[r] = row_max[r] > masked ? row_max[r] : masked;
-        store(scores.data() + r * width + (c + half) * kLanes, masked);
+        store_reg(scores.data() + r * width + p0 + i * kRegLanes, masked);
       }
     }
   }
   float inv[kTileRows];
   for (int64_t r = 0; r < rows; ++r)
-    inv[r] = exp_weights(scores.data() + r * width, chunks, horizontal_max(row_max[r]));
-  // Weighted sums of V, kPvRows rows at a time so each loaded V row feeds kPvRows * V FMAs. A
-  // row's weights past its own causal end are exactly 0 (vexp of -inf), so they add nothing.
+    inv[r] = exp_weights(scores.data() + r * width, chunks, register_max(row_max[r]));
+  // Weighted sums of V, kPvRows rows x one slice of head_dim at a time, so each loaded V
+  // register feeds kPvRows FMAs. A row's weights past its own causal end are exactly 0 (vexp
+  // of -inf), so they add nothing.
+  constexpr int64_t kRowRegs = dim / kRegLanes;
+  constexpr int64_t kSlice = std::min(kRowRegs, kPvSliceMax);
+  static_assert(kRowRegs % kSlice == 0, "head_dim slices must tile the row");
+  constexpr int64_t kPvRows = std::max<int64_t>(1, kPvAcc / kSlice);
   for (int64_t r0 = 0; r0 < rows; r0 += kPvRows) {
     const int64_t n = std::min(kPvRows, rows - r0);
-    Vec acc[kPvRows][V] = {};
-    const float* p[kPvRows];
+    const float* pr[kPvRows];
     for (int64_t r = 0; r < kPvRows; ++r)
-      p[r] = scores.data() + (r0 + std::min(r, n - 1)) * width;  // extra rows repeat the last
+      pr[r] = scores.data() + (r0 + std::min(r, n - 1)) * width;  // extra rows repeat the last
     const int64_t end = len[r0 + n - 1];
-    for (int64_t t = 0; t < end; ++t) {
-      const float* v = v_cache + slots[t] * token_stride + h * dim;
-      Vec vv[V];
-      for (int64_t i = 0; i < V; ++i) vv[i] = load(v + i * kLanes);
-      for (int64_t r = 0; r < kPvRows; ++r)
-        for (int64_t i = 0; i < V; ++i) acc[r][i] += p[r][t] * vv[i];
-    }
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t row = row0 + r0 + r, token = row / group, g = row % group;
-      float* o = out + (token * heads + h * group + g) * dim;
-      for (int64_t i = 0; i < V; ++i) store(o + i * kLanes, acc[r][i] * inv[r0 + r]);
+    for (int64_t c0 = 0; c0 < kRowRegs; c0 += kSlice) {
+      Reg acc[kPvRows][kSlice] = {};
+      for (int64_t t = 0; t < end; ++t) {
+        const float* v = v_cache + slots[t] * token_stride + h * dim + c0 * kRegLanes;
+        Reg vv[kSlice];
+        for (int64_t i = 0; i < kSlice; ++i) vv[i] = load_reg(v + i * kRegLanes);
+        for (int64_t r = 0; r < kPvRows; ++r)
+          for (int64_t i = 0; i < kSlice; ++i) acc[r][i] += pr[r][t] * vv[i];
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t row = row0 + r0 + r, token = row / group, g = row % group;
+        float* o = out + (token * heads + h * group + g) * dim + c0 * kRegLanes;
+        for (int64_t i = 0; i < kSlice; ++i)
+          store_reg(o + i * kRegLanes, acc[r][i] * inv[r0 + r]);
+      }
     }
   }
 }
