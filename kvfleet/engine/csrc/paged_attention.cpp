@@ -47,6 +47,80 @@ inline float exp_weights(float* s, int64_t chunks, float m) {
   return 1.f / horizontal_sum(sum);
 }
 
+// A sum of one register's lanes by a fixed tree (so a row's result does not depend on others).
+inline float register_sum(Reg v) {
+#if defined(__AVX512F__)
+  return horizontal_sum(v);
+#elif defined(__AVX2__)
+  const Vec4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) +
+                 __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (a[0] + a[2]) + (a[1] + a[3]);
+#else
+  return (v[0] + v[2]) + (v[1] + v[3]);
+#endif
+}
+
+// Every (sequence, kv head) task of a decode call, for a head_dim of V * 16. The query and the
+// accumulators are ISA registers (Reg), dim / kRegLanes of them, indexed by compile-time loops
+// so they stay in registers: 16-float Vec arrays indexed at run time went through the stack.
+template <int64_t V>
+void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int64_t kv_heads,
+            const float* kp, const float* vp, const int64_t* tables, int64_t max_blocks,
+            const int64_t* lens, int64_t block_size, float scale, float* op) {
+  constexpr int64_t dim = V * kLanes, regs = dim / kRegLanes;
+  const int64_t group = heads / kv_heads;
+  const int64_t token_stride = kv_heads * dim;  // floats between slots of a block
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, inv(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads, ctx = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      const float* qh = qp + b * q_stride + h * group * dim;
+      // Each head's scores padded to whole vectors with -inf, which the softmax turns into
+      // weights of exactly 0.
+      const int64_t chunks = (ctx + kLanes - 1) / kLanes, width = chunks * kLanes;
+      scores.resize(group * width);
+      for (int64_t g = 0; g < group; ++g) {
+        Reg qv[regs];
+        for (int64_t i = 0; i < regs; ++i) qv[i] = load_reg(qh + g * dim + i * kRegLanes);
+        float* s = scores.data() + g * width;
+        for (int64_t t = 0; t < ctx; ++t) {
+          const float* k = kp + (table[t / block_size] * block_size + t % block_size) *
+                                    token_stride + h * dim;
+          Reg prod = qv[0] * load_reg(k);
+          for (int64_t i = 1; i < regs; ++i) prod += qv[i] * load_reg(k + i * kRegLanes);
+          s[t] = register_sum(prod) * scale;
+        }
+        std::fill(s + ctx, s + width, -INFINITY);
+      }
+      // Softmax 16 positions at a time (vexp): a scalar exp per position was more than half
+      // of a decode step's attention at short contexts.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * width;
+        Vec vmax = load(s);
+        for (int64_t c = 1; c < chunks; ++c) {
+          const Vec x = load(s + c * kLanes);
+          vmax = vmax > x ? vmax : x;
+        }
+        inv[g] = exp_weights(s, chunks, horizontal_max(vmax));
+      }
+      // Per query head, the weighted sum of V in registers; V is re-read per head of the
+      // group from L1/L2, where the first pass left it.
+      for (int64_t g = 0; g < group; ++g) {
+        Reg acc[regs] = {};
+        const float* p = scores.data() + g * width;
+        for (int64_t t = 0; t < ctx; ++t) {
+          const float* v = vp + (table[t / block_size] * block_size + t % block_size) *
+                                    token_stride + h * dim;
+          for (int64_t i = 0; i < regs; ++i) acc[i] += p[t] * load_reg(v + i * kRegLanes);
+        }
+        float* o = op + (b * heads + h * group + g) * dim;
+        for (int64_t i = 0; i < regs; ++i) store_reg(o + i * kRegLanes, acc[i] * inv[g]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // q: [B, H, D] (rows may be strided, e.g. a view into the fused QKV projection); k_cache,
@@ -75,7 +149,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(heads % kv_heads == 0, "paged_decode_attention: heads % kv_heads != 0");
   TORCH_CHECK(block_tables.size(0) == batch && context_lens.size(0) == batch,
               "paged_decode_attention: one block table and context length per sequence");
-  const int64_t group = heads / kv_heads;
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
@@ -94,58 +167,18 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   torch::Tensor out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  const int64_t token_stride = kv_heads * dim;  // floats between slots of a block
-
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, inv(group);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, ctx = lens[b];
-      const int64_t* table = tables + b * max_blocks;
-      const float* qh = qp + b * q.stride(0) + h * group * dim;
-      const int64_t vecs = dim / kLanes;
-      // Each head's scores padded to whole vectors with -inf, which the softmax turns into
-      // weights of exactly 0.
-      const int64_t chunks = (ctx + kLanes - 1) / kLanes, width = chunks * kLanes;
-      scores.resize(group * width);
-      for (int64_t g = 0; g < group; ++g) {
-        Vec qv[kMaxVecs];
-        for (int64_t i = 0; i < vecs; ++i) qv[i] = load(qh + g * dim + i * kLanes);
-        float* s = scores.data() + g * width;
-        for (int64_t t = 0; t < ctx; ++t) {
-          const float* k = kp + (table[t / block_size] * block_size + t % block_size) *
-                                    token_stride + h * dim;
-          Vec prod = qv[0] * load(k);
-          for (int64_t i = 1; i < vecs; ++i) prod += qv[i] * load(k + i * kLanes);
-          s[t] = horizontal_sum(prod) * fscale;
-        }
-        std::fill(s + ctx, s + width, -INFINITY);
-      }
-      // Softmax 16 positions at a time (vexp): a scalar exp per position was more than half
-      // of a decode step's attention at short contexts.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * width;
-        Vec vmax = load(s);
-        for (int64_t c = 1; c < chunks; ++c) {
-          const Vec x = load(s + c * kLanes);
-          vmax = vmax > x ? vmax : x;
-        }
-        inv[g] = exp_weights(s, chunks, horizontal_max(vmax));
-      }
-      // Per query head, the weighted sum of V in registers (a head is at most kMaxVecs
-      // vectors); V is re-read per head of the group from L1/L2, where the first pass left it.
-      for (int64_t g = 0; g < group; ++g) {
-        Vec acc[kMaxVecs] = {};
-        const float* p = scores.data() + g * width;
-        for (int64_t t = 0; t < ctx; ++t) {
-          const float* v = vp + (table[t / block_size] * block_size + t % block_size) *
-                                    token_stride + h * dim;
-          for (int64_t i = 0; i < vecs; ++i) acc[i] += p[t] * load(v + i * kLanes);
-        }
-        float* o = op + (b * heads + h * group + g) * dim;
-        for (int64_t i = 0; i < vecs; ++i) store(o + i * kLanes, acc[i] * inv[g]);
-      }
-    }
-  });
+  switch (dim / kLanes) {
+#define KVFLEET_DECODE(V)                                                                   \
+  case V:                                                                                   \
+    decode<V>(qp, q.stride(0), batch, heads, kv_heads, kp, vp, tables, max_blocks, lens,    \
+              block_size, fscale, op);                                                      \
+    break;
+    KVFLEET_DECODE(1) KVFLEET_DECODE(2) KVFLEET_DECODE(3) KVFLEET_DECODE(4)
+    KVFLEET_DECODE(5) KVFLEET_DECODE(6) KVFLEET_DECODE(7) KVFLEET_DECODE(8)
+    KVFLEET_DECODE(9) KVFLEET_DECODE(10) KVFLEET_DECODE(11) KVFLEET_DECODE(12)
+    KVFLEET_DECODE(13) KVFLEET_DECODE(14) KVFLEET_DECODE(15) KVFLEET_DECODE(16)
+#undef KVFLEET_DECODE
+  }
   return out;
 }
 
