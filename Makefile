@@ -1,7 +1,10 @@
 .PHONY: run generate test bootstrap lint
 
 # The main job: the engine serving the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000.
+# The compiled kernels first, saying what is built and how long it took (once per source and
+# ISA level; later runs find them built).
 run: bootstrap
+	.venv/bin/kvfleet kernels build
 	.venv/bin/kvfleet serve
 
 # One offline generation with the same engine, no server.

@@ -17,6 +17,7 @@ from kvfleet import __version__
 # Modules under kvfleet.commands, in the order their commands appear in --help.
 COMMAND_MODULES: tuple[str, ...] = (
     "engine",
+    "kernels",
     "devcluster",
     "operator",
     "serve",

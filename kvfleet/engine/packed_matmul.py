@@ -25,6 +25,11 @@ at 64, 101 vs 130 at 103, 403 vs 444 at 512; inside engine decode steps, two run
 but not always bit for bit (MKL may sum a long row in another order), so batch-invariant
 mode keeps `torch.mm` on the unpacked weights.
 
+The figures above are from an AVX-512 host. Which of the quantized kernel, MKL and
+`torch.mm` serves a weight at a given row count is measured on each host (`matmul_plan`):
+`RowRoutedWeight` holds a weight in two representations where the measurement says one would
+cost too much at some row count, `TorchWeight` is the plain path.
+
 Both are built on first use like every compiled part of the engine (see `native`).
 `KVFLEET_MATMUL=mkl` keeps Q4_1/Q8_0 matrices on MKL too, `KVFLEET_MATMUL=torch` turns packing off;
 when one cannot be built (or torch has no MKL) the engine logs why once and uses the next.

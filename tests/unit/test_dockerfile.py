@@ -26,3 +26,13 @@ def test_image_ships_the_compat_matrix_and_serves_by_default() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "KVFLEET_COMPAT_MATRIX=/opt/kvfleet/compat_matrix/matrix.yaml" in text
     assert 'ENTRYPOINT ["kvfleet"]' in text
+
+
+def test_image_prebuilds_every_kernel_for_every_level_before_dropping_root() -> None:
+    from kvfleet.engine import native
+
+    text = (ROOT / "Dockerfile").read_text()
+    assert f"ENV {native.CACHE_ENV}=/opt/kvfleet/kernels" in text
+    build = text.index("RUN kvfleet kernels build --all-targets")
+    assert build < text.index("USER 10001")  # the folder stays read-only to the engine
+    assert text.index(f"ENV {native.CACHE_ENV}") < build

@@ -1,0 +1,212 @@
+"""The weight-matmul path choice: picked from timings, cached per host, applied per row count;
+and the kernel cache keyed by sources and ISA level."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_runner import ContiguousAttention
+from test_packed_matmul import quant_matrix
+from tiny_llama import random_weights, tiny_config
+
+from kvfleet.engine import matmul_plan, native
+from kvfleet.engine.matmul_plan import (
+    MatmulPlan,
+    ShapeChoice,
+    ShapeSample,
+    WeightShape,
+    choose,
+    plan_for,
+)
+from kvfleet.engine.model.llama import LlamaModel
+from kvfleet.engine.packed_matmul import (
+    PackedWeight,
+    QuantKernel,
+    QuantWeight,
+    RowRoutedWeight,
+    TorchWeight,
+    load_packer,
+    load_quant_kernel,
+)
+
+NO_LIMIT = 2**62
+
+
+def test_one_path_within_the_margin_everywhere_serves_every_row_count() -> None:
+    timings = {1: {"quant": 1.0, "mkl": 3.0, "torch": 3.0},
+               64: {"quant": 1.1, "mkl": 1.0, "torch": 1.2}}  # quant 10 % behind at 64
+    assert choose(timings) == ShapeChoice((NO_LIMIT,), ("quant",))
+
+
+def test_paths_split_by_row_count_where_one_path_would_cost_too_much() -> None:
+    timings = {1: {"quant": 1.0, "mkl": 3.0}, 4: {"quant": 1.0, "mkl": 2.0},
+               16: {"quant": 3.0, "mkl": 1.0}, 64: {"quant": 9.0, "mkl": 1.0}}
+    choice = choose(timings)
+    # Limits at the geometric mean between measured counts; runs of one path merged.
+    assert choice == ShapeChoice((8, NO_LIMIT), ("quant", "mkl"))
+    assert [choice.path_for(rows) for rows in (1, 8, 9, 1000)] == ["quant", "quant", "mkl",
+                                                                    "mkl"]
+
+
+def test_a_path_not_timed_at_every_row_count_is_not_chosen() -> None:
+    assert choose({1: {"quant": 1.0, "torch": 2.0}, 4: {"torch": 2.0}}).paths == ("torch",)
+    with pytest.raises(ValueError, match="no matmul path was timed at every row count"):
+        choose({1: {"quant": 1.0}, 4: {"torch": 1.0}})
+
+
+def test_a_routed_weight_sends_each_call_to_the_path_for_its_rows() -> None:
+    calls: list[str] = []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def matmul(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(self.name)
+            return x
+
+    weight = RowRoutedWeight((2, 32, NO_LIMIT), (Recorder("a"), Recorder("b"), Recorder("c")))
+    for rows in (1, 2, 3, 32, 33, 500):
+        weight.matmul(torch.zeros(rows, 4))
+    assert calls == ["a", "a", "b", "b", "c", "c"]
+
+
+@pytest.fixture
+def quant() -> QuantKernel:
+    built = load_quant_kernel()
+    assert built is not None, "the quantized matmul did not build (see the log)"
+    return built
+
+
+def sample(quant_type: str = "Q4_1", out_features: int = 64, in_features: int = 96
+           ) -> ShapeSample:
+    blocks, weight = quant_matrix(quant_type, out_features, in_features, seed=3)
+    return ShapeSample(WeightShape("o", in_features, out_features, quant_type), weight.t(),
+                       blocks)
+
+
+def test_measured_plans_are_cached_per_host_and_logged(
+    quant: QuantKernel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(matmul_plan, "ROW_COUNTS", (1, 8))
+    measured: list[int] = []
+    real_measure = matmul_plan.measure
+
+    def counting_measure(*args: object, **kwargs: object) -> MatmulPlan:
+        measured.append(1)
+        return real_measure(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(matmul_plan, "measure", counting_measure)
+    samples = [sample()]
+    with caplog.at_level(logging.INFO, logger=matmul_plan.__name__):
+        first = plan_for(samples, None, quant)
+        second = plan_for(samples, None, quant)
+    assert measured == [1]  # the second start read the cache
+    assert first == second and set(first.timings["o:96x64:Q4_1"]) == {1, 8}
+    assert set(first.timings["o:96x64:Q4_1"][1]) == {"quant", "torch"}
+    assert len(list((tmp_path / "matmul-plans").glob("*.json"))) == 1
+    tables = [r.getMessage() for r in caplog.records if "weight matmul paths for" in r.getMessage()]
+    assert len(tables) == 2 and "o:96x64:Q4_1" in tables[0] and "1 rows" in tables[0]
+    # Another set of paths (here: MKL available too) is another plan, measured anew.
+    packer = load_packer()
+    if packer is not None:
+        plan_for(samples, packer, quant)
+        assert measured == [1, 1]
+
+
+def test_a_corrupt_cache_file_is_measured_again(
+    quant: QuantKernel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(matmul_plan, "ROW_COUNTS", (1,))
+    plan_for([sample()], None, quant)
+    [cached] = (tmp_path / "matmul-plans").glob("*.json")
+    cached.write_text("{not json")
+    plan = plan_for([sample()], None, quant)
+    assert set(plan.timings["o:96x64:Q4_1"]) == {1}
+
+
+@torch.inference_mode()
+def test_a_model_packed_by_a_plan_runs_each_weight_on_its_chosen_paths(
+    quant: QuantKernel,
+) -> None:
+    packer = load_packer()
+    if packer is None:
+        pytest.skip("no MKL in this torch build or no C++ compiler")
+    config = tiny_config()
+    weights = random_weights(config, seed=5)
+    plain = LlamaModel(config, weights).eval()
+    routed = LlamaModel(config, weights).eval()
+    keys = {s.shape.key for s in routed.weight_samples()}
+    split = ShapeChoice((2, NO_LIMIT), ("torch", "mkl"))
+    plan = MatmulPlan({}, {key: split if key.startswith("qkv") else
+                           ShapeChoice((NO_LIMIT,), ("torch",)) for key in keys})
+    routed.pack_weights(packer, quant, plan)
+    qkv = routed._packed[0][0] if routed._packed else None
+    assert isinstance(qkv, RowRoutedWeight)
+    assert [type(w) for w in qkv.weights] == [TorchWeight, PackedWeight]
+    assert isinstance(routed._packed[0][1] if routed._packed else None, TorchWeight)
+    assert routed._lm_head_packed is None  # a torch head: compute_logits multiplies itself
+    for ids in ([7], [3, 17, 5, 9, 30, 2, 11]):  # 1 row: torch; 7 rows: MKL
+        tokens = torch.tensor(ids)
+        positions = torch.arange(len(ids))
+        want = plain.compute_logits(plain(tokens, positions, ContiguousAttention(plain)))
+        got = routed.compute_logits(routed(tokens, positions, ContiguousAttention(routed)))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_without_a_plan_the_fewest_bytes_path_serves(quant: QuantKernel) -> None:
+    choice = ShapeChoice((NO_LIMIT,), ("quant",))
+    built = matmul_plan.routed(choice, matmul_plan.candidates(sample(), None, quant))
+    assert isinstance(built, QuantWeight)
+    no_quant = matmul_plan.routed(choice, matmul_plan.candidates(sample(), None, None))
+    assert isinstance(no_quant, TorchWeight)  # falls back in the order quant, mkl, torch
+
+
+def test_a_target_the_cpu_cannot_run_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.TARGET_ENV, "x86_64_v9")
+    with pytest.raises(native.KernelTargetError, match="'x86_64_v9' is not a level"):
+        native.cpu_target()
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "bmi2", "f16c", "movbe"})
+    monkeypatch.setenv(native.TARGET_ENV, "x86_64_v4")
+    with pytest.raises(native.KernelTargetError, match="cannot run it; it runs x86_64_v3, generic"):
+        native.cpu_target()
+    monkeypatch.setenv(native.TARGET_ENV, "generic")
+    assert native.cpu_target() == ("generic", [])
+    monkeypatch.delenv(native.TARGET_ENV)
+    assert native.cpu_target()[0] == "x86_64_v3"
+
+
+def test_kernel_builds_are_keyed_by_source_content_and_level(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for source in ("fused_ops.cpp", "vec.h"):
+        (tmp_path / source).write_bytes((native.CSRC / source).read_bytes())
+    monkeypatch.setattr(native, "CSRC", tmp_path)
+    name = native.build_name("fused_ops", "generic")
+    assert name.startswith("kvfleet_fused_ops_generic_")
+    assert native.build_name("fused_ops", "x86_64_v3") != name
+    assert native.build_name("fused_ops", "generic") == name  # same sources, same folder
+    (tmp_path / "vec.h").write_text((tmp_path / "vec.h").read_text() + "\n// edited\n")
+    assert native.build_name("fused_ops", "generic") != name  # a header is part of the key
+
+
+def test_a_finished_build_loads_without_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Built (or found) once, then imported as it is, without the builder (which would take a
+    # lock file in the folder: an image's prebuilt folder is read-only to the engine).
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.build("fused_ops", "fused ops", "torch ops", "X") is not None
+    folder = native.cache_root() / native.build_name("fused_ops", native.cpu_target()[0])
+    assert (folder / "complete").exists()
+
+    def no_compiler(**_: object) -> None:
+        raise AssertionError("a finished build must not be compiled again")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.build("fused_ops", "fused ops", "torch ops", "X") is not None
