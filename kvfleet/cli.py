@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "devcluster",
     "operator",
     "serve",
+    "router",
     "artifact", "check", "capacity", "crds", "webhook",
 )
 

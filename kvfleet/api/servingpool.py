@@ -184,6 +184,30 @@ class PoolCapacity(KubeModel):
     )
 
 
+class TrafficRole(StrEnum):
+    """What a revision's traffic is: the one serving (stable), the one being tried on a share of
+    live traffic (canary), or one that gets copies of live requests whose answers are discarded
+    (shadow)."""
+
+    STABLE = "stable"
+    CANARY = "canary"
+    SHADOW = "shadow"
+
+
+class TrafficTarget(KubeModel):
+    """One revision of the pool in the router's traffic table."""
+
+    revision: str = Field(pattern=SHA256_PATTERN, description="Artifact manifest hash.")
+    role: TrafficRole = Field(description="stable, canary or shadow.")
+    weight: int = Field(
+        default=0, ge=0, le=100,
+        description="Percent of live conversations routed here (stable and canary entries add "
+        "up to 100; shadow entries take none).")
+    shadow_percent: int = Field(
+        default=0, ge=0, le=100,
+        description="For a shadow entry: percent of live requests copied to it.")
+
+
 class ServingPoolStatus(KubeModel):
     """Observed state of the pool."""
 
@@ -195,6 +219,10 @@ class ServingPoolStatus(KubeModel):
         pattern=SHA256_PATTERN,
         description="Manifest hash of the artifact the replicas serve.",
     )
+    traffic: list[TrafficTarget] = Field(
+        default_factory=list, max_length=4,
+        description="The router's traffic table, written by the Rollout controller; empty: "
+        "every request goes to servingRevision.")
     observed_generation: int | None = Field(default=None, ge=0, description="Generation seen.")
     conditions: list[Condition] = conditions_field()
 

@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from kvfleet.engine.admission import AdmissionLimits
@@ -75,6 +77,11 @@ def register(subparsers: Any) -> None:
     tenancy.add_argument("--tenant-header", default="x-kvfleet-tenant",
                          help="trusted header carrying the tenant (set by the kvfleet router)")
     tenancy.add_argument("--default-tenant", default="default")
+    tenancy.add_argument("--router-token-file", default=os.environ.get("KVFLEET_ROUTER_TOKEN_FILE"),
+                         metavar="PATH",
+                         help="serve only requests carrying this token (the kvfleet router's "
+                              "proof that it authenticated the tenant); default: "
+                              "$KVFLEET_ROUTER_TOKEN_FILE, else trust the tenant header")
     tenancy.add_argument("--shared-prefix-tenants", type=_csv, default=frozenset(),
                          help="comma-separated tenants that share one prefix-cache scope")
     tenancy.add_argument("--tenant-weights", type=_weights, default={},
@@ -121,7 +128,20 @@ def run(args: argparse.Namespace) -> int:
     configure_json_logging(getattr(logging, args.log_level.upper()))
     from kvfleet.engine.serving_core import build_loader  # imports torch: only when serving
 
+    router_token = None
+    if args.router_token_file:
+        try:
+            router_token = Path(args.router_token_file).read_text().strip()
+        except OSError as exc:
+            print(f"kvfleet serve: --router-token-file {args.router_token_file}: {exc.strerror}",
+                  file=sys.stderr)
+            return 2
+        if len(router_token) < 16:
+            print(f"kvfleet serve: --router-token-file {args.router_token_file}: the token needs "
+                  "at least 16 characters", file=sys.stderr)
+            return 2
     settings = ServerSettings(
+        router_token=router_token,
         tenant_header=args.tenant_header.lower(), default_tenant=args.default_tenant,
         shared_prefix_tenants=args.shared_prefix_tenants, max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens)

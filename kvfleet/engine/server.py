@@ -13,6 +13,7 @@ another tenant's cached KV; tenants named with `--shared-prefix-tenants` share o
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -59,6 +60,7 @@ STATUS_BY_CODE: dict[str, int] = {
     "context_length_exceeded": 400,
     "kv_capacity_exceeded": 400,
     "invalid_tenant": 400,
+    "router_proof_required": 401,
     "model_not_found": 404,
     "method_not_allowed": 405,
     "idempotency_key_reused": 409,
@@ -70,6 +72,10 @@ STATUS_BY_CODE: dict[str, int] = {
 }
 _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 DEADLINE_HEADER = "x-kvfleet-deadline-seconds"
+ROUTER_TOKEN_HEADER = "x-kvfleet-router-token"
+# Set by the router, believed only with its token: the tenant's TenantQuota allows a prefix
+# cache shared with other tenants so allowed.
+SHARED_PREFIX_HEADER = "x-kvfleet-shared-prefix"
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 404, 409, 413, 429, 503)
 }
@@ -79,6 +85,10 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 class ServerSettings:
     tenant_header: str = "x-kvfleet-tenant"
     default_tenant: str = "default"
+    # With a router token set, only requests that carry it (ROUTER_TOKEN_HEADER) are served:
+    # the router authenticated their tenant. Others are refused with 401, since serving them
+    # as any tenant would bypass the TenantQuota the router enforces.
+    router_token: str | None = None
     shared_prefix_tenants: frozenset[str] = field(default_factory=frozenset)
     shared_prefix_scope: str = "kvfleet-shared"
     max_body_bytes: int = 4 * 1024 * 1024
@@ -284,7 +294,18 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
         return error_response("internal_error", f"internal error ({type(exc).__name__}); "
                               "see the engine log")
 
+    def from_router(request: Request) -> bool:
+        if cfg.router_token is None:
+            return False
+        proof = request.headers.get(ROUTER_TOKEN_HEADER, "")
+        if not hmac.compare_digest(proof.encode(), cfg.router_token.encode()):
+            raise ApiError("router_proof_required", "this engine serves only requests that come "
+                           "through the kvfleet router (send them to the router's Service)",
+                           ROUTER_TOKEN_HEADER)
+        return True
+
     def tenant_of(request: Request) -> str:
+        from_router(request)
         tenant = request.headers.get(cfg.tenant_header, cfg.default_tenant)
         if not _TENANT_RE.match(tenant):
             raise ApiError("invalid_tenant", f"header {cfg.tenant_header} must match "
@@ -307,7 +328,9 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
                    prompt_ids: list[int], max_tokens: int, prompt_text: str | None
                    ) -> GenerationSpec:
         tenant = tenant_of(request)
-        scope = cfg.shared_prefix_scope if tenant in cfg.shared_prefix_tenants else tenant
+        shared = tenant in cfg.shared_prefix_tenants or (
+            cfg.router_token is not None and request.headers.get(SHARED_PREFIX_HEADER) == "1")
+        scope = cfg.shared_prefix_scope if shared else tenant
         deadlines = [d for d in (headers.deadline_seconds, body.deadline_seconds) if d]
         return GenerationSpec(
             prompt_token_ids=tuple(prompt_ids), sampling=_sampling(body, max_tokens),

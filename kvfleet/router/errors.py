@@ -1,0 +1,82 @@
+"""What the router refuses, as types; each maps to an HTTP status and an OpenAI error body.
+
+    RouterError
+    ├── Unauthorized        401: no API key, or one no Secret holds
+    ├── PoolNotAllowed      403: the tenant's TenantQuota does not list the pool
+    ├── UnknownPool         404: `model` names no ServingPool the router knows
+    ├── BadRequest          400: a body the router cannot read
+    ├── QuotaExceeded       429: over one of the TenantQuota's limits (with Retry-After)
+    └── NoEndpoint          503: the revision has no Ready replica, or every one failed
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class RouterError(Exception):
+    status = 500
+    code = "router_error"
+    kind = "server_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+class Unauthorized(RouterError):
+    status = 401
+    code = "invalid_api_key"
+    kind = "invalid_request_error"
+
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": 'Bearer realm="kvfleet"'}
+
+
+class PoolNotAllowed(RouterError):
+    status = 403
+    code = "model_not_allowed"
+    kind = "invalid_request_error"
+
+
+class UnknownPool(RouterError):
+    status = 404
+    code = "model_not_found"
+    kind = "invalid_request_error"
+
+
+class BadRequest(RouterError):
+    status = 400
+    code = "invalid_request"
+    kind = "invalid_request_error"
+
+
+class QuotaExceeded(RouterError):
+    status = 429
+    code = "rate_limit_exceeded"
+    kind = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after: float, limit: str) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.limit = limit
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, math.ceil(self.retry_after)))}
+
+
+class NoEndpoint(RouterError):
+    status = 503
+    code = "no_ready_replica"
+    kind = "server_error"
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": "1"}

@@ -1,0 +1,215 @@
+"""TenantQuota enforcement before the engine: rates by token bucket, concurrency by count,
+output tokens by reservation.
+
+Each per-minute limit is a bucket holding up to one minute's allowance and refilling at
+limit / 60 a second, so a tenant may burst its whole minute at once and then runs at the rate.
+A request needs, at admission: 1 from the requests bucket, its prompt tokens from the input
+bucket, its `max_tokens` from the output bucket (a reservation), and a free concurrency slot.
+When it ends (finished, failed or the client gone) the output reservation is settled to the
+tokens really generated and the slot is freed. A refused request takes nothing.
+
+Borrowing: for a limit listed in the quota's `borrowing.resources`, a tenant may go over by up
+to `maxPercent` of the limit, as far as the other tenants leave that resource idle (the sum of
+their unused allowance on this router).
+
+Several router replicas: each enforces `1 / replicas` of every limit (rounded up, at least 1),
+`replicas` being the Ready routers in its own Endpoints. The fleet-wide limit then holds as long
+as clients' requests spread over the replicas (the Service balances connections); a client
+pinned to one replica gets that replica's share. Restarting a router resets its buckets to full:
+at most one minute's allowance (its share) can be spent twice across a restart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvfleet.api.tenantquota import BorrowableResource, TenantQuotaSpec
+from kvfleet.router.errors import QuotaExceeded
+
+RPM = BorrowableResource.REQUESTS_PER_MINUTE
+INPUT_TPM = BorrowableResource.INPUT_TOKENS_PER_MINUTE
+OUTPUT_TPM = BorrowableResource.OUTPUT_TOKENS_PER_MINUTE
+CONCURRENCY = BorrowableResource.MAX_CONCURRENT_REQUESTS
+
+
+@dataclass(slots=True)
+class Bucket:
+    capacity: float
+    level: float
+    updated: float
+
+    @property
+    def rate(self) -> float:
+        return self.capacity / 60.0
+
+    def refill(self, now: float) -> None:
+        if now > self.updated:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+            self.updated = now
+
+    def wait_for(self, amount: float, ceiling: float) -> float:
+        """Seconds until `amount` is available (infinite if it exceeds `ceiling`)."""
+        if amount > ceiling:
+            return math.inf
+        return max(0.0, (amount - self.level) / self.rate) if self.rate > 0 else math.inf
+
+
+@dataclass(slots=True)
+class TenantState:
+    tenant: str
+    quota_name: str  # namespace/name of the TenantQuota, for messages
+    spec: TenantQuotaSpec
+    buckets: dict[BorrowableResource, Bucket] = field(default_factory=dict)
+    in_flight: int = 0
+    requests_total: int = 0
+    tokens_total: int = 0
+
+
+@dataclass(slots=True)
+class Reservation:
+    """What an admitted request holds until `QuotaLedger.settle`."""
+
+    tenant: str
+    input_tokens: int
+    output_reserved: int
+    settled: bool = False
+
+
+def _share(limit: int, replicas: int) -> int:
+    return max(1, math.ceil(limit / replicas)) if limit > 0 else 0
+
+
+class QuotaLedger:
+    """The limits of every tenant with a TenantQuota, on this router replica."""
+
+    def __init__(self, replicas: int = 1) -> None:
+        self.replicas = max(1, replicas)
+        self._tenants: dict[str, TenantState] = {}
+
+    def set_quotas(self, quotas: dict[str, tuple[str, TenantQuotaSpec]], now: float) -> None:
+        """tenant -> (TenantQuota namespace/name, spec). Usage of kept tenants carries over;
+        a changed limit resizes its bucket (never above the new capacity)."""
+        tenants: dict[str, TenantState] = {}
+        for tenant, (name, spec) in quotas.items():
+            state = self._tenants.get(tenant) or TenantState(tenant, name, spec)
+            state.quota_name, state.spec = name, spec
+            for resource, limit in self._limits(spec).items():
+                bucket = state.buckets.get(resource)
+                if limit is None:
+                    state.buckets.pop(resource, None)
+                elif bucket is None:
+                    state.buckets[resource] = Bucket(limit, limit, now)
+                else:
+                    bucket.refill(now)
+                    bucket.capacity, bucket.level = limit, min(bucket.level, limit)
+            tenants[tenant] = state
+        self._tenants = tenants
+
+    def set_replicas(self, replicas: int, now: float) -> None:
+        if max(1, replicas) != self.replicas:
+            self.replicas = max(1, replicas)
+            self.set_quotas({t: (s.quota_name, s.spec) for t, s in self._tenants.items()}, now)
+
+    def _limits(self, spec: TenantQuotaSpec) -> dict[BorrowableResource, int | None]:
+        limits = spec.limits
+        raw = {RPM: limits.requests_per_minute, INPUT_TPM: limits.input_tokens_per_minute,
+               OUTPUT_TPM: limits.output_tokens_per_minute}
+        return {r: None if v is None else _share(v, self.replicas) for r, v in raw.items()}
+
+    def quota(self, tenant: str) -> TenantQuotaSpec | None:
+        state = self._tenants.get(tenant)
+        return state.spec if state is not None else None
+
+    def _concurrency_limit(self, state: TenantState) -> int | None:
+        limit = state.spec.limits.max_concurrent_requests
+        return None if limit is None else _share(limit, self.replicas)
+
+    def _idle(self, resource: BorrowableResource, tenant: str, now: float) -> float:
+        """Unused allowance of `resource` over every other tenant on this replica."""
+        idle = 0.0
+        for other in self._tenants.values():
+            if other.tenant == tenant:
+                continue
+            if resource is CONCURRENCY:
+                limit = self._concurrency_limit(other)
+                idle += 0 if limit is None else max(0, limit - other.in_flight)
+            elif (bucket := other.buckets.get(resource)) is not None:
+                bucket.refill(now)
+                idle += bucket.level
+        return idle
+
+    def _borrowable(self, state: TenantState, resource: BorrowableResource, limit: float,
+                    now: float) -> float:
+        borrowing = state.spec.borrowing
+        if borrowing is None or resource not in borrowing.resources:
+            return 0.0
+        return min(limit * borrowing.max_percent / 100.0, self._idle(resource, state.tenant, now))
+
+    def _refuse(self, state: TenantState, resource: BorrowableResource, limit: float,
+                wait: float, detail: str) -> QuotaExceeded:
+        share = f" (this router's 1/{self.replicas} share)" if self.replicas > 1 else ""
+        retry = "; it can never fit: lower it" if math.isinf(wait) else (
+            f"; retry after {max(1, math.ceil(wait))} s")
+        return QuotaExceeded(
+            f"tenant {state.tenant!r} is over {resource.value} = {limit:g}{share} of "
+            f"TenantQuota {state.quota_name}: {detail}{retry}",
+            retry_after=wait if not math.isinf(wait) else 60.0, limit=resource.value)
+
+    def admit(self, tenant: str, input_tokens: int, max_output_tokens: int, now: float
+              ) -> Reservation:
+        """Takes the request's allowance, or raises QuotaExceeded taking nothing. A tenant
+        without a TenantQuota is unlimited."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return Reservation(tenant, input_tokens, max_output_tokens)
+        concurrency = self._concurrency_limit(state)
+        if concurrency is not None:
+            ceiling = concurrency + self._borrowable(state, CONCURRENCY, concurrency, now)
+            if state.in_flight + 1 > ceiling:
+                raise self._refuse(state, CONCURRENCY, concurrency, 1.0,
+                                   f"{state.in_flight} requests in flight")
+        needs = {RPM: 1.0, INPUT_TPM: float(input_tokens), OUTPUT_TPM: float(max_output_tokens)}
+        what = {RPM: "1 request", INPUT_TPM: f"{input_tokens} prompt tokens",
+                OUTPUT_TPM: f"max_tokens {max_output_tokens}"}
+        for resource, need in needs.items():
+            bucket = state.buckets.get(resource)
+            if bucket is None:
+                continue
+            bucket.refill(now)
+            extra = self._borrowable(state, resource, bucket.capacity, now)
+            # Borrowed allowance lets the level go below zero, by at most `extra`.
+            if bucket.level + extra < need:
+                wait = bucket.wait_for(need - extra, bucket.capacity + extra)
+                raise self._refuse(state, resource, bucket.capacity, wait,
+                                   f"needs {what[resource]}, {max(0.0, bucket.level):.0f} left")
+        for resource, need in needs.items():
+            if (bucket := state.buckets.get(resource)) is not None:
+                bucket.level -= need
+        state.in_flight += 1
+        state.requests_total += 1
+        return Reservation(tenant, input_tokens, max_output_tokens)
+
+    def settle(self, reservation: Reservation, output_tokens: int, now: float) -> None:
+        """The request ended having generated `output_tokens`: unused reserved output goes
+        back, the concurrency slot is freed. Idempotent."""
+        if reservation.settled:
+            return
+        reservation.settled = True
+        state = self._tenants.get(reservation.tenant)
+        if state is None:
+            return
+        state.in_flight = max(0, state.in_flight - 1)
+        state.tokens_total += reservation.input_tokens + output_tokens
+        bucket = state.buckets.get(OUTPUT_TPM)
+        if bucket is not None:
+            bucket.refill(now)
+            refund = max(0, reservation.output_reserved - output_tokens)
+            bucket.level = min(bucket.capacity, bucket.level + refund)
+
+    def usage(self, tenant: str) -> tuple[int, int, int] | None:
+        """(requests admitted, tokens used, in flight) since this router started."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return None
+        return state.requests_total, state.tokens_total, state.in_flight

@@ -1,0 +1,428 @@
+"""The router's HTTP edge: the OpenAI API in front of the pools.
+
+Per request: authenticate the key (401), find the pool named by `model` (404) and check the
+tenant may use it (403), take the TenantQuota's allowance (429 with Retry-After; nothing reaches
+an engine), pick the revision (traffic table) and the replica (load, then prefix affinity),
+forward with the router's proof, the tenant and its priority, and stream the answer back as it
+comes. A replica that fails before the first byte went to the client is retried on another; one
+that fails mid-stream ends the client's stream with an error event. The quota reservation is
+settled with the engine's own token count when the answer ends or the client goes away. A
+sampled share of requests is copied to the shadow revision in the background (never charged,
+never delaying the live answer, shed first) and compared with the live answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvfleet.api.tenantquota import PriorityClass
+from kvfleet.router.errors import (
+    BadRequest,
+    NoEndpoint,
+    PoolNotAllowed,
+    QuotaExceeded,
+    RouterError,
+    Unauthorized,
+    UnknownPool,
+)
+from kvfleet.router.metrics import RouterMetrics
+from kvfleet.router.picker import EndpointLoad, pick
+from kvfleet.router.quota import QuotaLedger, Reservation
+from kvfleet.router.state import PoolRoute, RouterState, short
+
+log = logging.getLogger(__name__)
+
+TENANT_HEADER = "x-kvfleet-tenant"
+ROUTER_TOKEN_HEADER = "x-kvfleet-router-token"
+SHARED_PREFIX_HEADER = "x-kvfleet-shared-prefix"
+SESSION_HEADER = "x-session-id"
+REVISION_HEADER = "x-kvfleet-revision"
+# vLLM's convention: lower is scheduled first.
+PRIORITY = {PriorityClass.CRITICAL: -2, PriorityClass.HIGH: -1, PriorityClass.STANDARD: 0,
+            PriorityClass.BATCH: 1}
+# Engines' default for a chat request without max_tokens, reserved at admission.
+DEFAULT_MAX_TOKENS = {"/v1/chat/completions": 1024, "/v1/completions": 16}
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RouterOptions:
+    max_attempts: int = 3  # replicas tried before the first byte
+    shadow_max_in_flight: int = 8
+    shadow_max_tokens: int = 256
+    scrape_interval: float = 0.2
+    stale_after: float = 1.0
+    connect_timeout: float = 2.0
+
+
+def estimate_tokens(text: str) -> int:
+    """Prompt tokens reserved at admission: one per 3 UTF-8 bytes, rounded up (BPE tokenizers
+    of the supported families average ~4 bytes a token on English text, fewer on code and
+    other scripts). The reservation is settled to the engine's own count when the answer
+    ends."""
+    return max(1, -(-len(text.encode()) // 3))
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        parts = []
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts += [p.get("text", "") for p in content if isinstance(p, dict)]
+        return "\n".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return " ".join(str(p) for p in prompt)
+    return str(prompt or "")
+
+
+class Router:
+    def __init__(self, state: RouterState, options: RouterOptions | None = None) -> None:
+        self.options = options or RouterOptions()
+        self.metrics = RouterMetrics()
+        self.ledger = QuotaLedger()
+        self.state = RouterState()
+        self._session: aiohttp.ClientSession | None = None
+        self._shadow_in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.update(state)
+
+    # ---- state
+
+    def update(self, state: RouterState) -> None:
+        from kvfleet.router.state import carry_loads
+
+        carry_loads(state, self.state)
+        self.state = state
+        self.ledger.set_quotas(state.quotas, time.monotonic())
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout)
+            self._session = aiohttp.ClientSession(
+                timeout=timeout, auto_decompress=False,
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
+        return self._session
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- endpoint load
+
+    async def scrape_forever(self) -> None:
+        while True:
+            endpoints = self.state.all_endpoints()
+            await asyncio.gather(*(self._scrape(e) for e in endpoints))
+            await asyncio.sleep(self.options.scrape_interval)
+
+    async def _scrape(self, endpoint: EndpointLoad) -> None:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.options.stale_after)
+            async with self.session.get(f"http://{endpoint.address}/metrics",
+                                        timeout=timeout) as resp:
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError):
+            endpoint.failures += 1
+            return
+        values = {}
+        for line in text.splitlines():
+            if line.startswith(("kvfleet_engine_requests_waiting", "kvfleet_engine_requests_"
+                                "running", "kvfleet_engine_kv_cache_usage_ratio")):
+                name, _, value = line.rpartition(" ")
+                values[name.split("{", 1)[0]] = float(value)
+        endpoint.waiting = values.get("kvfleet_engine_requests_waiting", 0.0)
+        endpoint.running = values.get("kvfleet_engine_requests_running", 0.0)
+        endpoint.kv_usage = values.get("kvfleet_engine_kv_cache_usage_ratio", 0.0)
+        endpoint.scraped_at = time.monotonic()
+        endpoint.failures = 0
+
+    # ---- requests
+
+    def _pool(self, tenant: str, model: object) -> PoolRoute:
+        if not isinstance(model, str) or not model:
+            raise BadRequest("model: name the ServingPool to use (GET /v1/models lists them)",
+                             "model")
+        pool = self.state.pools.get(model)
+        if pool is None:
+            raise UnknownPool(f"model {model!r} is no ServingPool this router serves; "
+                              "GET /v1/models lists them", "model")
+        quota = self.ledger.quota(tenant)
+        if quota is not None and quota.allowed_pools and model not in quota.allowed_pools:
+            raise PoolNotAllowed(f"tenant {tenant!r} may not use pool {model!r}: its "
+                                 "TenantQuota's allowedPools does not list it", "model")
+        return pool
+
+    def models(self, authorization: str | None) -> dict[str, Any]:
+        tenant = self.state.keys.tenant_for(authorization)
+        quota = self.ledger.quota(tenant)
+        names = [n for n in self.state.pools
+                 if quota is None or not quota.allowed_pools or n in quota.allowed_pools]
+        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "kvfleet"}
+                                           for n in sorted(names)]}
+
+    async def handle(self, request: Request) -> Response:
+        path = request.url.path
+        pool_name = "-"
+        try:
+            tenant = self.state.keys.tenant_for(request.headers.get("authorization"))
+            raw = await request.body()
+            if len(raw) > MAX_BODY_BYTES:
+                raise BadRequest(f"the body is over {MAX_BODY_BYTES} bytes")
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                raise BadRequest("the body is not JSON") from None
+            if not isinstance(body, dict):
+                raise BadRequest("the body must be a JSON object")
+            pool = self._pool(tenant, body.get("model"))
+            pool_name = pool.name
+            if pool.table is None:
+                raise NoEndpoint(f"pool {pool.name!r} serves no revision yet")
+            text = prompt_text(body)
+            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or \
+                DEFAULT_MAX_TOKENS[path]
+            if not isinstance(max_tokens, int) or max_tokens < 1:
+                raise BadRequest("max_tokens: must be a positive integer", "max_tokens")
+            reservation = self.ledger.admit(tenant, estimate_tokens(text), max_tokens,
+                                            time.monotonic())
+        except RouterError as exc:
+            reason = exc.limit if isinstance(exc, QuotaExceeded) else exc.code
+            if isinstance(exc, Unauthorized):
+                reason = "unauthorized"
+            self.metrics.rejections.labels(pool_name, reason).inc()
+            return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+        request_id = request.headers.get("x-request-id") or f"rtr-{uuid.uuid4().hex[:16]}"
+        session = str(body.get("user") or request.headers.get(SESSION_HEADER) or request_id)
+        plan = pool.table.route(pool.name, tenant, session, request_id)
+        quota = self.ledger.quota(tenant)
+        body.pop("model", None)  # the engine serves one model under its own name
+        if quota is not None:
+            body.setdefault("priority", PRIORITY[quota.priority_class])
+        headers = {TENANT_HEADER: tenant, "x-request-id": request_id,
+                   "content-type": "application/json"}
+        if pool.router_token is not None:
+            headers[ROUTER_TOKEN_HEADER] = pool.router_token
+        if quota is not None and quota.shared_prefix_cache:
+            headers[SHARED_PREFIX_HEADER] = "1"
+        payload = json.dumps(body).encode()
+        if plan.shadow is not None:
+            self._spawn(self._shadow(pool, plan.shadow, path, body, headers, text, tenant))
+        return await self._live(pool, plan.live, path, payload, headers, text, tenant,
+                                reservation, bool(body.get("stream")))
+
+    async def _connect(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
+                       headers: dict[str, str], text: str, tenant: str
+                       ) -> tuple[aiohttp.ClientResponse, EndpointLoad]:
+        """An upstream response with status < 500 (or the last failure), trying up to
+        max_attempts replicas."""
+        tried: set[str] = set()
+        last: str = "no Ready replica"
+        for _ in range(self.options.max_attempts):
+            endpoint = pick(pool.ready(revision), tenant, text, time.monotonic(),
+                            stale_after=self.options.stale_after, exclude=frozenset(tried))
+            if endpoint is None:
+                break
+            tried.add(endpoint.address)
+            endpoint.in_flight += 1
+            try:
+                resp = await self.session.post(f"http://{endpoint.address}{path}",
+                                               data=payload, headers=headers)
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                endpoint.in_flight -= 1
+                endpoint.failures += 1
+                last = f"{endpoint.address}: {type(exc).__name__}"
+                continue
+            if resp.status >= 500:
+                last = f"{endpoint.address}: HTTP {resp.status}"
+                resp.release()
+                endpoint.in_flight -= 1
+                continue
+            return resp, endpoint
+        raise NoEndpoint(f"pool {pool.name!r} revision {short(revision)}: no replica answered "
+                         f"({last}); retry shortly")
+
+    async def _live(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
+                    headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
+                    stream: bool) -> Response:
+        labels = (pool.name, short(revision), "live")
+        started = time.monotonic()
+        try:
+            resp, endpoint = await self._connect(pool, revision, path, payload, headers, text,
+                                                 tenant)
+        except RouterError as exc:
+            self.ledger.settle(reservation, 0, time.monotonic())
+            self.metrics.requests.labels(*labels, str(exc.status)).inc()
+            return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+        out_headers = {REVISION_HEADER: short(revision)}
+        if not stream or resp.status != 200:
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+                endpoint.in_flight -= 1
+            generated = 0
+            if resp.status == 200:
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                    usage = json.loads(data)["usage"]
+                    generated = int(usage["completion_tokens"])
+                    self._count_tokens(labels, int(usage["prompt_tokens"]), generated)
+                elapsed = time.monotonic() - started
+                self.metrics.e2e.labels(*labels).observe(elapsed)
+            self.ledger.settle(reservation, generated, time.monotonic())
+            self.metrics.requests.labels(*labels, str(resp.status)).inc()
+            return Response(data, resp.status, headers=out_headers,
+                            media_type=resp.headers.get("content-type", "application/json"))
+        return StreamingResponse(
+            self._relay(resp, endpoint, labels, reservation, started),
+            headers={**out_headers, "cache-control": "no-cache"},
+            media_type="text/event-stream")
+
+    def _count_tokens(self, labels: tuple[str, str, str], prompt: int, generated: int) -> None:
+        self.metrics.tokens.labels(*labels, "prompt").inc(prompt)
+        self.metrics.tokens.labels(*labels, "generation").inc(generated)
+
+    async def _relay(self, resp: aiohttp.ClientResponse, endpoint: EndpointLoad,
+                     labels: tuple[str, str, str], reservation: Reservation, started: float
+                     ) -> AsyncIterator[bytes]:
+        """The engine's SSE frames, passed on as they arrive; usage read from the last one."""
+        first: float | None = None
+        generated = 0
+        code = "200"
+        buffer = b""
+        try:
+            async for chunk in resp.content.iter_any():
+                if first is None:
+                    first = time.monotonic()
+                    self.metrics.ttft.labels(*labels).observe(first - started)
+                buffer += chunk
+                if b"\n\n" in buffer:
+                    frames, _, buffer = buffer.rpartition(b"\n\n")
+                    if b'"usage"' in frames:
+                        generated = self._usage_of(frames, labels) or generated
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            code = "stream_error"
+            error = {"error": {"message": f"the replica failed mid-stream ({type(exc).__name__})"
+                               "; the answer is incomplete", "type": "server_error",
+                               "code": "upstream_failed"}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+        finally:
+            resp.release()
+            endpoint.in_flight -= 1
+            now = time.monotonic()
+            self.ledger.settle(reservation, generated, now)
+            self.metrics.requests.labels(*labels, code).inc()
+            self.metrics.e2e.labels(*labels).observe(now - started)
+            if first is not None and generated > 1:
+                self.metrics.tpot.labels(*labels).observe((now - first) / (generated - 1))
+
+    def _usage_of(self, frames: bytes, labels: tuple[str, str, str]) -> int | None:
+        for line in frames.split(b"\n"):
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    usage = json.loads(line[6:])["usage"]
+                    self._count_tokens(labels, int(usage["prompt_tokens"]),
+                                       int(usage["completion_tokens"]))
+                    return int(usage["completion_tokens"])
+        return None
+
+    async def _shadow(self, pool: PoolRoute, revision: str, path: str, body: dict[str, Any],
+                      headers: dict[str, str], text: str, tenant: str) -> None:
+        """A discarded copy on the shadow revision (non-streaming, capped), compared with the
+        live answer of the same request when it is greedy (temperature 0)."""
+        labels = (pool.name, short(revision))
+        if self._shadow_in_flight >= self.options.shadow_max_in_flight:
+            self.metrics.shadow.labels(*labels, "shed").inc()
+            return
+        self._shadow_in_flight += 1
+        started = time.monotonic()
+        shadow_body = {**body, "stream": False}
+        shadow_body.pop("stream_options", None)
+        limit = self.options.shadow_max_tokens
+        for key in ("max_tokens", "max_completion_tokens"):
+            if key in shadow_body:
+                shadow_body[key] = min(int(shadow_body[key]), limit)
+        shadow_body.setdefault("max_tokens", limit)
+        try:
+            resp, endpoint = await self._connect(pool, revision, path,
+                                                 json.dumps(shadow_body).encode(),
+                                                 {**headers, "x-kvfleet-traffic": "shadow"},
+                                                 text, tenant)
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+                endpoint.in_flight -= 1
+            status = str(resp.status)
+            outcome = "answered" if resp.status == 200 else "error"
+        except RouterError:
+            status, outcome = "503", "error"
+        self._shadow_in_flight -= 1
+        shadow_labels = (pool.name, short(revision), "shadow")
+        self.metrics.requests.labels(*shadow_labels, status).inc()
+        self.metrics.e2e.labels(*shadow_labels).observe(time.monotonic() - started)
+        self.metrics.shadow.labels(*labels, outcome).inc()
+        if outcome == "answered":
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                usage = json.loads(data)["usage"]
+                self._count_tokens(shadow_labels, int(usage["prompt_tokens"]),
+                                   int(usage["completion_tokens"]))
+
+
+def build_app(router: Router, ready: Callable[[], bool] = lambda: True) -> Starlette:
+    async def completions(request: Request) -> Response:
+        return await router.handle(request)
+
+    async def models(request: Request) -> Response:
+        try:
+            return JSONResponse(router.models(request.headers.get("authorization")))
+        except RouterError as exc:
+            return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+
+    async def metrics(_: Request) -> Response:
+        return Response(router.metrics.exposition(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readiness(_: Request) -> Response:
+        ok = ready() and bool(router.state.pools)
+        return JSONResponse({"ready": ok, "pools": len(router.state.pools)},
+                            200 if ok else 503)
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", readiness, methods=["GET"]),
+    ])

@@ -1,0 +1,147 @@
+"""What the router routes by: pools (traffic table, endpoints per revision, the engines' router
+token), tenants' keys and quotas. Filled from a config file (`load_config`) or, in a cluster,
+from the API server; replaced whole on each change, read per request without locks (one event
+loop).
+
+The config file (YAML; keys are what `kubectl get -o yaml` shows for the same facts):
+
+    pools:
+      - name: smollm                       # what clients send as `model`
+        status:                            # a ServingPool's status: servingRevision, traffic
+          servingRevision: <64 hex>
+          traffic: [{revision: <64 hex>, role: stable, weight: 90}, ...]
+        endpoints:                         # per revision (full or 12-digit short hash)
+          <hash>: ["127.0.0.1:8101", "127.0.0.1:8102"]
+        routerTokenFile: /path/to/token    # the token the pool's engines want (or routerToken)
+    tenants:
+      - tenant: team-a
+        keys: ["sk-..."]                   # plain keys (local use), or keysFile: one per line
+        quota:                             # a TenantQuota's spec (tenant taken from above)
+          limits: {requestsPerMinute: 600, maxConcurrentRequests: 16}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from kvfleet.api.servingpool import ServingPoolStatus
+from kvfleet.api.tenantquota import TenantQuotaSpec
+from kvfleet.router.keys import KeyRing
+from kvfleet.router.picker import EndpointLoad
+from kvfleet.router.traffic import TrafficTable
+
+SHORT_REVISION = 12
+
+
+class ConfigError(ValueError):
+    """The router's config file is unusable; the message names the field."""
+
+
+def short(revision: str) -> str:
+    return revision[:SHORT_REVISION]
+
+
+@dataclass(slots=True)
+class PoolRoute:
+    name: str
+    table: TrafficTable | None
+    # short revision -> endpoints; EndpointLoad objects are kept across updates (their load).
+    endpoints: dict[str, list[EndpointLoad]] = field(default_factory=dict)
+    router_token: str | None = None
+
+    def ready(self, revision: str) -> list[EndpointLoad]:
+        return self.endpoints.get(short(revision), [])
+
+
+@dataclass(slots=True)
+class RouterState:
+    pools: dict[str, PoolRoute] = field(default_factory=dict)
+    keys: KeyRing = field(default_factory=KeyRing)
+    quotas: dict[str, tuple[str, TenantQuotaSpec]] = field(default_factory=dict)
+
+    def all_endpoints(self) -> list[EndpointLoad]:
+        return [e for pool in self.pools.values() for eps in pool.endpoints.values() for e in eps]
+
+
+def carry_loads(new: RouterState, old: RouterState) -> None:
+    """Endpoints that stay keep what the router knows of their load."""
+    known = {e.address: e for e in old.all_endpoints()}
+    for pool in new.pools.values():
+        for revision, endpoints in pool.endpoints.items():
+            pool.endpoints[revision] = [known.get(e.address, e) for e in endpoints]
+
+
+def _read_token(entry: Mapping[str, Any], where: str, base: Path) -> str | None:
+    if "routerToken" in entry:
+        return str(entry["routerToken"])
+    if "routerTokenFile" in entry:
+        path = base / str(entry["routerTokenFile"])
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{where}.routerTokenFile: cannot read {path}: {exc.strerror}") \
+                from None
+    return None
+
+
+def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
+    if not isinstance(data, dict):
+        raise ConfigError("the router config must be a mapping with `pools` and `tenants`")
+    state = RouterState()
+    for i, entry in enumerate(data.get("pools") or []):
+        where = f"pools[{i}]"
+        if not isinstance(entry, dict) or not entry.get("name"):
+            raise ConfigError(f"{where}.name: every pool needs a name")
+        try:
+            status = ServingPoolStatus.model_validate(entry.get("status") or {})
+        except ValidationError as exc:
+            raise ConfigError(f"{where}.status: {exc.errors()[0]['msg']} at "
+                              f"{'.'.join(map(str, exc.errors()[0]['loc']))}") from None
+        endpoints = {short(str(rev)): [EndpointLoad(str(a)) for a in addresses]
+                     for rev, addresses in (entry.get("endpoints") or {}).items()}
+        state.pools[str(entry["name"])] = PoolRoute(
+            str(entry["name"]), TrafficTable.from_status(status), endpoints,
+            _read_token(entry, where, base))
+    keys: dict[str, str] = {}
+    for i, entry in enumerate(data.get("tenants") or []):
+        where = f"tenants[{i}]"
+        tenant = entry.get("tenant") if isinstance(entry, dict) else None
+        if not tenant:
+            raise ConfigError(f"{where}.tenant: every tenant needs a name")
+        plain = list(entry.get("keys") or [])
+        if "keysFile" in entry:
+            try:
+                plain += (base / str(entry["keysFile"])).read_text().split()
+            except OSError as exc:
+                raise ConfigError(f"{where}.keysFile: {exc.strerror}") from None
+        for key in plain:
+            if len(str(key)) < 16:
+                raise ConfigError(f"{where}.keys: an API key needs at least 16 characters")
+            keys[str(key)] = str(tenant)
+        if "quota" in entry:
+            try:
+                spec = TenantQuotaSpec.model_validate({**(entry["quota"] or {}),
+                                                       "tenant": tenant})
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                raise ConfigError(f"{where}.quota.{'.'.join(map(str, err['loc']))}: "
+                                  f"{err['msg']}") from None
+            state.quotas[str(tenant)] = (f"config/{tenant}", spec)
+    state.keys = KeyRing.from_keys(keys)
+    return state
+
+
+def load_config(path: Path) -> RouterState:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not YAML ({exc})") from None
+    return parse_config(data, path.parent)

@@ -1,0 +1,73 @@
+"""Which revision a request goes to, from the pool's traffic table (`status.traffic`).
+
+A conversation is bucketed by a hash of (pool, tenant, session key) into 0-99; buckets below
+the canary's weight go to the canary. Raising the weight only adds buckets to the canary, so a
+conversation changes revision at most once during a canary (and never back unless the canary is
+aborted). The session key is the request's `user` field or its `x-session-id` header, else the
+request id (then each request is its own conversation). Shadow copies are picked by a second
+hash with another salt, so which requests are mirrored does not follow the canary split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from kvfleet.api.servingpool import ServingPoolStatus, TrafficRole
+
+
+def bucket(*parts: str) -> int:
+    """0-99, stable for the same parts on every router."""
+    text = "\x1f".join(parts).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "big") % 100
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    live: str  # revision (manifest hash) that answers the client
+    shadow: str | None  # revision that gets a discarded copy, if any
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficTable:
+    stable: str
+    canary: str | None = None
+    canary_weight: int = 0
+    shadow: str | None = None
+    shadow_percent: int = 0
+
+    @classmethod
+    def from_status(cls, status: ServingPoolStatus | None) -> TrafficTable | None:
+        """The table in `status.traffic`, or all traffic to `servingRevision` when the table is
+        empty; None when the pool serves nothing yet. A table without a stable entry is
+        ignored in favour of servingRevision (the Rollout controller never writes one)."""
+        if status is None:
+            return None
+        entries = {t.role: t for t in status.traffic}
+        stable = entries.get(TrafficRole.STABLE)
+        if stable is None:
+            return cls(status.serving_revision) if status.serving_revision else None
+        canary = entries.get(TrafficRole.CANARY)
+        shadow = entries.get(TrafficRole.SHADOW)
+        return cls(
+            stable=stable.revision,
+            canary=canary.revision if canary is not None and canary.weight > 0 else None,
+            canary_weight=canary.weight if canary is not None else 0,
+            shadow=shadow.revision if shadow is not None and shadow.shadow_percent > 0 else None,
+            shadow_percent=shadow.shadow_percent if shadow is not None else 0,
+        )
+
+    @property
+    def revisions(self) -> set[str]:
+        return {r for r in (self.stable, self.canary, self.shadow) if r is not None}
+
+    def route(self, pool: str, tenant: str, session: str, request_id: str) -> RoutePlan:
+        live = self.stable
+        if self.canary is not None and bucket("canary", pool, tenant, session) < \
+                self.canary_weight:
+            live = self.canary
+        shadow = None
+        if self.shadow is not None and self.shadow != live and \
+                bucket("shadow", pool, request_id) < self.shadow_percent:
+            shadow = self.shadow
+        return RoutePlan(live, shadow)

@@ -1,0 +1,213 @@
+"""The router's pure core: keys, quotas, traffic split, replica choice, config."""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvfleet.api.servingpool import ServingPoolStatus, TrafficRole, TrafficTarget
+from kvfleet.api.tenantquota import Borrowing, BorrowableResource, Limits, TenantQuotaSpec
+from kvfleet.router.errors import QuotaExceeded, Unauthorized
+from kvfleet.router.keys import KeyRing
+from kvfleet.router.picker import EndpointLoad, pick
+from kvfleet.router.quota import QuotaLedger
+from kvfleet.router.state import ConfigError, parse_config
+from kvfleet.router.traffic import TrafficTable
+
+STABLE, CANARY, SHADOW = "a" * 64, "b" * 64, "c" * 64
+KEY = "sk-team-a-0123456789abcdef"
+
+
+def secret(name: str, tenant: str | None, key: str | None) -> dict[str, object]:
+    labels = {"kvfleet.io/tenant": tenant} if tenant else {}
+    data = {"key": base64.b64encode(key.encode()).decode()} if key else {}
+    return {"metadata": {"name": name, "namespace": "llm", "labels": labels}, "data": data}
+
+
+def test_keys_from_secrets_authenticate_tenants_and_never_log_a_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        ring = KeyRing.from_secrets([secret("a", "team-a", KEY), secret("b", None, "x" * 20),
+                                     secret("c", "team-c", "short")])
+    assert len(ring) == 1
+    assert ring.tenant_for(f"Bearer {KEY}") == "team-a"
+    assert ring.tenant_for(f"bearer  {KEY} ") == "team-a"
+    assert "Secret llm/b" in caplog.text and "Secret llm/c" in caplog.text
+    assert "x" * 20 not in caplog.text and "short" not in caplog.text.replace("skipped", "")
+    for header, message in [(None, "no API key"), ("Basic abc", "must be 'Bearer <key>'"),
+                            (f"Bearer {KEY}x", "invalid API key")]:
+        with pytest.raises(Unauthorized, match=message) as info:
+            ring.tenant_for(header)
+        assert info.value.status == 401 and KEY not in info.value.message
+
+
+def quota(**limits: int) -> TenantQuotaSpec:
+    return TenantQuotaSpec(tenant="team-a", limits=Limits(**limits))
+
+
+def test_rates_are_token_buckets_and_a_refusal_names_the_limit_and_quota() -> None:
+    ledger = QuotaLedger()
+    ledger.set_quotas({"team-a": ("llm/team-a", quota(requests_per_minute=60))}, now=0.0)
+    for _ in range(60):  # a whole minute's allowance at once
+        ledger.settle(ledger.admit("team-a", 10, 10, now=0.0), 10, now=0.0)
+    with pytest.raises(QuotaExceeded) as info:
+        ledger.admit("team-a", 10, 10, now=0.0)
+    assert "requestsPerMinute = 60 of TenantQuota llm/team-a" in info.value.message
+    assert info.value.headers() == {"retry-after": "1"}  # one request refills in 1 s
+    ledger.admit("team-a", 10, 10, now=1.0)
+    assert ledger.admit("other", 10**9, 10**9, now=0.0)  # no TenantQuota: unlimited
+
+
+def test_output_tokens_are_reserved_then_settled_to_the_real_count() -> None:
+    ledger = QuotaLedger()
+    ledger.set_quotas({"team-a": ("llm/team-a", quota(output_tokens_per_minute=1000))}, 0.0)
+    first = ledger.admit("team-a", 5, 800, now=0.0)
+    with pytest.raises(QuotaExceeded, match="outputTokensPerMinute") as info:
+        ledger.admit("team-a", 5, 300, now=0.0)  # 800 reserved, 200 left
+    assert 5 <= info.value.retry_after <= 7  # 100 tokens at 1000/60 a second
+    ledger.settle(first, 50, now=0.0)  # only 50 generated: 750 come back
+    ledger.settle(first, 50, now=0.0)  # idempotent
+    ledger.admit("team-a", 5, 900, now=0.0)
+    with pytest.raises(QuotaExceeded, match="it can never fit"):
+        ledger.admit("team-a", 5, 5000, now=0.0)
+
+
+def test_concurrency_counts_in_flight_requests_until_settled() -> None:
+    ledger = QuotaLedger()
+    ledger.set_quotas({"team-a": ("llm/team-a", quota(max_concurrent_requests=2))}, 0.0)
+    held = [ledger.admit("team-a", 1, 1, 0.0), ledger.admit("team-a", 1, 1, 0.0)]
+    with pytest.raises(QuotaExceeded, match="maxConcurrentRequests = 2 .*2 requests in flight"):
+        ledger.admit("team-a", 1, 1, 0.0)
+    ledger.settle(held[0], 1, 0.0)
+    ledger.admit("team-a", 1, 1, 0.0)
+    assert ledger.usage("team-a") == (3, 2, 2)
+
+
+def test_borrowing_uses_other_tenants_idle_allowance_up_to_max_percent() -> None:
+    borrower = TenantQuotaSpec(tenant="team-a", limits=Limits(max_concurrent_requests=2),
+                               borrowing=Borrowing(resources=[
+                                   BorrowableResource.MAX_CONCURRENT_REQUESTS], max_percent=50))
+    lender = TenantQuotaSpec(tenant="team-b", limits=Limits(max_concurrent_requests=1))
+    ledger = QuotaLedger()
+    ledger.set_quotas({"team-a": ("llm/a", borrower), "team-b": ("llm/b", lender)}, 0.0)
+    for _ in range(3):  # 2 + 50 %
+        ledger.admit("team-a", 1, 1, 0.0)
+    with pytest.raises(QuotaExceeded):
+        ledger.admit("team-a", 1, 1, 0.0)
+    # team-b busy: nothing idle to borrow.
+    ledger2 = QuotaLedger()
+    ledger2.set_quotas({"team-a": ("llm/a", borrower), "team-b": ("llm/b", lender)}, 0.0)
+    ledger2.admit("team-b", 1, 1, 0.0)
+    ledger2.admit("team-a", 1, 1, 0.0)
+    ledger2.admit("team-a", 1, 1, 0.0)
+    with pytest.raises(QuotaExceeded):
+        ledger2.admit("team-a", 1, 1, 0.0)
+
+
+def test_each_router_replica_enforces_its_share() -> None:
+    ledger = QuotaLedger(replicas=2)
+    ledger.set_quotas({"team-a": ("llm/team-a", quota(requests_per_minute=5))}, 0.0)
+    for _ in range(3):  # ceil(5 / 2)
+        ledger.admit("team-a", 1, 1, 0.0)
+    with pytest.raises(QuotaExceeded, match="this router's 1/2 share"):
+        ledger.admit("team-a", 1, 1, 0.0)
+    # The other replica went away: the full limit from now on (refilling at 5 a minute, one
+    # request every 12 s), what was spent stays spent.
+    ledger.set_replicas(1, 0.0)
+    with pytest.raises(QuotaExceeded, match="= 5 of TenantQuota llm/team-a: .*retry after 12 s"):
+        ledger.admit("team-a", 1, 1, 0.0)
+    ledger.admit("team-a", 1, 1, 12.0)
+
+
+def status(canary: int = 0, shadow: int = 0) -> ServingPoolStatus:
+    traffic = [TrafficTarget(revision=STABLE, role=TrafficRole.STABLE, weight=100 - canary)]
+    if canary:
+        traffic.append(TrafficTarget(revision=CANARY, role=TrafficRole.CANARY, weight=canary))
+    if shadow:
+        traffic.append(TrafficTarget(revision=SHADOW, role=TrafficRole.SHADOW,
+                                     shadow_percent=shadow))
+    return ServingPoolStatus(serving_revision=STABLE, traffic=traffic)
+
+
+@pytest.mark.parametrize("weight", [0, 10, 50, 100])
+def test_canary_weights_are_realised_by_conversation(weight: int) -> None:
+    table = TrafficTable.from_status(status(canary=weight))
+    assert table is not None
+    routes = Counter(table.route("pool", "t", f"s{i}", f"r{i}").live for i in range(4000))
+    assert abs(routes[CANARY] / 4000 * 100 - weight) <= 3
+
+
+def test_raising_the_weight_never_moves_a_conversation_back() -> None:
+    sessions = [f"s{i}" for i in range(2000)]
+    previous = {s: STABLE for s in sessions}
+    for weight in (5, 10, 25, 50, 75, 100):
+        table = TrafficTable.from_status(status(canary=weight))
+        assert table is not None
+        now = {s: table.route("pool", "t", s, "r").live for s in sessions}
+        assert all(now[s] == CANARY for s in sessions if previous[s] == CANARY)
+        previous = now
+
+
+def test_shadow_copies_a_share_of_requests_and_never_the_live_revision() -> None:
+    table = TrafficTable.from_status(status(shadow=20))
+    assert table is not None
+    shadows = [table.route("pool", "t", "s", f"r{i}").shadow for i in range(4000)]
+    assert abs(shadows.count(SHADOW) / 4000 * 100 - 20) <= 3
+    assert TrafficTable.from_status(ServingPoolStatus(serving_revision=STABLE)) == \
+        TrafficTable(STABLE)
+    assert TrafficTable.from_status(ServingPoolStatus()) is None
+
+
+def loaded(address: str, waiting: float = 0, running: float = 0, at: float | None = 0.0
+           ) -> EndpointLoad:
+    return EndpointLoad(address, waiting=waiting, running=running, scraped_at=at)
+
+
+def test_load_comes_first_then_prefix_affinity_agreed_without_coordination() -> None:
+    endpoints = [loaded("a:1"), loaded("b:1"), loaded("c:1", running=20)]
+    prompts = [f"system prompt {i} " * 20 for i in range(200)]
+    chosen = [pick(endpoints, "t", p, now=0.1) for p in prompts]
+    assert all(c is not None and c.address != "c:1" for c in chosen)
+    # Same tenant and prefix -> same replica, from any router (a fresh copy of the list).
+    again = [pick([loaded("a:1"), loaded("b:1"), loaded("c:1", running=20)], "t", p, 0.1)
+             for p in prompts]
+    assert [c.address for c in chosen if c] == [c.address for c in again if c]
+    spread = Counter(c.address for c in chosen if c)
+    assert spread["a:1"] > 50 and spread["b:1"] > 50
+
+
+def test_stale_endpoints_count_as_saturated_and_all_stale_means_least_in_flight() -> None:
+    fresh, stale = loaded("a:1", running=5, at=10.0), loaded("b:1", at=1.0)
+    assert pick([fresh, stale], "t", "p", now=10.2) is fresh
+    one, two = loaded("a:1", at=None), loaded("b:1", at=None)
+    one.in_flight = 3
+    assert pick([one, two], "t", "p", now=10.0) is two
+    assert pick([one], "t", "p", 10.0, exclude=frozenset({"a:1"})) is None
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"pools\[0\].name"):
+        parse_config({"pools": [{}]})
+    with pytest.raises(ConfigError, match=r"pools\[0\].status: .*servingRevision"):
+        parse_config({"pools": [{"name": "p", "status": {"servingRevision": "nope"}}]})
+    with pytest.raises(ConfigError, match=r"tenants\[0\].keys: .*16 characters"):
+        parse_config({"tenants": [{"tenant": "a", "keys": ["short"]}]})
+    with pytest.raises(ConfigError, match=r"tenants\[0\].quota.limits.requestsPerMinute"):
+        parse_config({"tenants": [{"tenant": "a", "quota": {"limits": {
+            "requestsPerMinute": -1}}}]})
+    (tmp_path / "token").write_text("t" * 32 + "\n")
+    state = parse_config({"pools": [{"name": "p", "status": {"servingRevision": STABLE},
+                                     "endpoints": {STABLE: ["127.0.0.1:1"]},
+                                     "routerTokenFile": "token"}],
+                          "tenants": [{"tenant": "a", "keys": [KEY],
+                                       "quota": {"limits": {"requestsPerMinute": 5}}}]},
+                         tmp_path)
+    assert state.pools["p"].router_token == "t" * 32
+    assert [e.address for e in state.pools["p"].ready(STABLE)] == ["127.0.0.1:1"]
+    assert state.keys.tenant_for(f"Bearer {KEY}") == "a"
+    assert state.quotas["a"][1].limits.requests_per_minute == 5
