@@ -1,0 +1,229 @@
+"""The router in front of real `kvfleet serve` engines (two revisions), as separate processes:
+keys, quotas, the engines' router proof, revision weights with sticky sessions, streaming,
+shadow copies and a config change applied while serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from engine_server import ROOT, EngineServer, free_port, running_server
+
+pytestmark = pytest.mark.slow
+
+STABLE, CANARY = "a" * 64, "b" * 64
+KEY_A, KEY_B = "sk-team-a-0123456789abcdef", "sk-team-b-0123456789abcdef"
+TOKEN = "router-proof-0123456789abcdef0123"
+
+
+def config(engines: dict[str, EngineServer], canary: int, shadow: int, token_file: Path
+           ) -> dict[str, Any]:
+    traffic: list[dict[str, Any]] = [{"revision": STABLE, "role": "stable",
+                                      "weight": 100 - canary}]
+    if canary:
+        traffic.append({"revision": CANARY, "role": "canary", "weight": canary})
+    if shadow:
+        traffic.append({"revision": CANARY, "role": "shadow", "shadowPercent": shadow})
+    return {
+        "pools": [{"name": "smol", "status": {"servingRevision": STABLE, "traffic": traffic},
+                   "endpoints": {rev: [server.base_url.removeprefix("http://")]
+                                 for rev, server in engines.items()},
+                   "routerTokenFile": str(token_file)}],
+        "tenants": [
+            {"tenant": "team-a", "keys": [KEY_A],
+             "quota": {"limits": {"requestsPerMinute": 1000, "maxConcurrentRequests": 8}}},
+            {"tenant": "team-b", "keys": [KEY_B],
+             "quota": {"limits": {"requestsPerMinute": 3}, "allowedPools": ["smol"]}},
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def token_file() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvfleet-router-") as tmp:
+        path = Path(tmp) / "token"
+        path.write_text(TOKEN)
+        yield path
+
+
+@pytest.fixture(scope="module")
+def engines(token_file: Path) -> Iterator[dict[str, EngineServer]]:
+    flags = ("--kv-cache-memory-mib", "64", "--router-token-file", str(token_file))
+    with running_server(*flags, "--revision", STABLE[:12], torch_threads=1) as stable, \
+            running_server(*flags, "--revision", CANARY[:12], torch_threads=1) as canary:
+        yield {STABLE: stable, CANARY: canary}
+
+
+class RouterProcess:
+    def __init__(self, config_path: Path, port: int, process: subprocess.Popen[bytes]) -> None:
+        self.config_path, self.process = config_path, process
+        self.url = f"http://127.0.0.1:{port}"
+
+    def reconfigure(self, data: dict[str, Any]) -> None:
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(data))
+        tmp.replace(self.config_path)
+        time.sleep(1.6)  # the router checks the file every second
+
+    def metric(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line
+                                                   for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@pytest.fixture(scope="module")
+def router(engines: dict[str, EngineServer], token_file: Path) -> Iterator[RouterProcess]:
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="kvfleet-router-") as tmp:
+        path = Path(tmp) / "router.yaml"
+        path.write_text(yaml.safe_dump(config(engines, 50, 0, token_file)))
+        log = (Path(tmp) / "router.log").open("wb")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvfleet", "router", "--config", str(path), "--port",
+             str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = RouterProcess(path, port, process)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(proc.url + "/ready", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert process.poll() is None, (Path(tmp) / "router.log").read_text()
+                assert time.monotonic() < deadline, "router not ready in 60 s"
+                time.sleep(0.2)
+            time.sleep(0.5)  # a first scrape of the engines' load
+            yield proc
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+            log.close()
+
+
+def chat(router: RouterProcess, key: str | None, **extra: Any) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    headers.update(extra.pop("headers", {}))
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Say hi."}],
+            "max_tokens": 4, "temperature": 0, **extra}
+    return httpx.post(router.url + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=60)
+
+
+def served(engines: dict[str, EngineServer]) -> float:
+    return sum(e.metrics().get("kvfleet_engine_requests_total", 0.0) for e in engines.values())
+
+
+def test_unknown_keys_get_401_and_engines_refuse_requests_without_the_router_proof(
+    router: RouterProcess, engines: dict[str, EngineServer],
+) -> None:
+    for key in (None, "sk-not-a-key-0123456789abcdef"):
+        resp = chat(router, key)
+        assert resp.status_code == 401, resp.text
+        assert resp.json()["error"]["code"] == "invalid_api_key"
+    direct = httpx.post(engines[STABLE].base_url + "/v1/chat/completions",
+                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                        headers={"x-kvfleet-tenant": "team-a"}, timeout=30)
+    assert direct.status_code == 401 and "kvfleet router" in direct.text
+    resp = httpx.get(router.url + "/v1/models", headers={"authorization": f"Bearer {KEY_B}"})
+    assert [m["id"] for m in resp.json()["data"]] == ["smol"]
+
+
+def test_a_spoofed_tenant_header_does_not_change_the_tenant(
+    router: RouterProcess, engines: dict[str, EngineServer],
+) -> None:
+    ids = []
+    for i in range(4):  # team-b allows 3 a minute: these would be refused if charged to it
+        resp = chat(router, KEY_A, user=f"spoof-{i}", headers={"x-kvfleet-tenant": "team-b"})
+        assert resp.status_code == 200, resp.text
+        ids.append(resp.json()["id"])
+    logged = [json.loads(line) for e in engines.values() for line in e.log_lines()
+              if line.startswith("{") and '"request_id"' in line]
+    tenants = {r["request_id"]: r.get("tenant") for r in logged if r["request_id"] in ids}
+    assert tenants and set(tenants.values()) == {"team-a"}, tenants
+
+
+def test_over_quota_gets_429_with_retry_after_and_never_reaches_an_engine(
+    router: RouterProcess, engines: dict[str, EngineServer],
+) -> None:
+    for _ in range(3):
+        assert chat(router, KEY_B).status_code == 200
+    before = served(engines)
+    resp = chat(router, KEY_B)
+    assert resp.status_code == 429, resp.text
+    assert int(resp.headers["retry-after"]) >= 1
+    message = resp.json()["error"]["message"]
+    assert "requestsPerMinute = 3 of TenantQuota config/team-b" in message
+    time.sleep(0.3)
+    assert served(engines) == before
+    assert router.metric("kvfleet_router_rejections_total", reason="requestsPerMinute") >= 1
+
+
+def test_weights_split_conversations_and_a_conversation_stays_on_its_revision(
+    router: RouterProcess,
+) -> None:
+    revisions = Counter()
+    first: dict[str, str] = {}
+    for i in range(24):
+        user = f"user-{i % 12}"
+        resp = chat(router, KEY_A, user=user, max_tokens=1)
+        assert resp.status_code == 200, resp.text
+        revision = resp.headers["x-kvfleet-revision"]
+        assert first.setdefault(user, revision) == revision  # sticky
+        revisions[revision] += 1
+    assert set(revisions) == {STABLE[:12], CANARY[:12]}  # 50/50 over 12 conversations
+
+
+def test_streams_are_relayed_and_measured_per_revision(router: RouterProcess) -> None:
+    with httpx.stream("POST", router.url + "/v1/chat/completions",
+                      headers={"authorization": f"Bearer {KEY_A}"},
+                      json={"model": "smol", "stream": True, "max_tokens": 8,
+                            "messages": [{"role": "user", "content": "Count to five."}]},
+                      timeout=60) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        frames = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]"
+    last = json.loads(frames[-2][6:])
+    assert last["usage"]["completion_tokens"] >= 1
+    assert router.metric("kvfleet_router_time_to_first_token_seconds_count",
+                         traffic="live") >= 1
+    assert router.metric("kvfleet_router_tokens_total", kind="generation") >= 1
+
+
+def test_shadow_copies_are_served_discarded_and_not_charged(
+    router: RouterProcess, engines: dict[str, EngineServer], token_file: Path,
+) -> None:
+    router.reconfigure(config(engines, 0, 100, token_file))
+    canary_before = engines[CANARY].metrics()["kvfleet_engine_requests_total"]
+    for i in range(3):
+        resp = chat(router, KEY_A, user=f"shadowed-{i}")
+        assert resp.status_code == 200
+        assert resp.headers["x-kvfleet-revision"] == STABLE[:12]  # live: stable only
+    deadline = time.monotonic() + 30
+    while router.metric("kvfleet_router_requests_total", traffic="shadow") < 3:
+        assert time.monotonic() < deadline, "the shadow copies were not served"
+        time.sleep(0.2)
+    assert engines[CANARY].metrics()["kvfleet_engine_requests_total"] >= canary_before + 3
+    assert router.metric("kvfleet_router_shadow_comparisons_total", outcome="answered") >= 3
+    router.reconfigure(config(engines, 50, 0, token_file))
