@@ -53,7 +53,7 @@ from kvfleet.devcluster.cluster import (  # noqa: E402
     node_lease_seconds_for,
 )
 from kvfleet.devcluster.kube import KubeClient  # noqa: E402
-from kvfleet.operator.kube import path_of  # noqa: E402
+from kvfleet.kube.api import path_of  # noqa: E402
 
 NAMESPACE = "bench"
 # Every pool has a ClusterIP Service; the harness's /24 service range holds only 254 of them,

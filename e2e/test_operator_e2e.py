@@ -30,8 +30,8 @@ from kvfleet.api.builders import make_artifact, make_pool
 from kvfleet.devcluster import fleet
 from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
 from kvfleet.devcluster.kube import KubeClient
+from kvfleet.kube.api import path_of
 from kvfleet.operator import naming
-from kvfleet.operator.kube import path_of
 
 pytestmark = pytest.mark.e2e
 

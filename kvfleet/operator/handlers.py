@@ -32,10 +32,10 @@ import aiohttp
 import kopf
 
 from kvfleet.compat import Matrix
+from kvfleet.kube.api import JsonObj, KubeApi, KubeError, connection_from_kopf
+from kvfleet.kube.informer import Informer
 from kvfleet.operator import cache, metrics, naming, podwatch
 from kvfleet.operator.builders import EngineOptions
-from kvfleet.operator.informer import Informer
-from kvfleet.operator.kube import JsonObj, KubeApi, KubeError, connection_from_kopf
 from kvfleet.operator.runtime import InvalidObjectError, Key, Runtime
 
 log = logging.getLogger("kvfleet.operator")
@@ -213,9 +213,11 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 "no credentials: run in a pod with a service account, or set KUBECONFIG"
             )
         if state.runtime is None:
-            api = KubeApi(connection_from_kopf(info), metrics.count_request)
+            api = KubeApi(connection_from_kopf(info), metrics.count_request,
+                          field_manager=naming.FIELD_MANAGER)
             state.informers = [
-                Informer(api, kind, selector, pod_changed if kind == "Pod" else child_changed)
+                Informer(api, kind, selector, pod_changed if kind == "Pod" else child_changed,
+                         index=cache.index_entry, on_list=metrics.count_informer_list)
                 for kind, selector in INFORMED.items()
             ]
             # kopf hands every handler its indices as keyword arguments named by index id.

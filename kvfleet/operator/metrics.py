@@ -38,3 +38,7 @@ OBJECTS_APPLIED = Counter(
 
 def count_request(verb: str) -> None:
     API_REQUESTS.labels(verb=verb).inc()
+
+
+def count_informer_list(kind: str) -> None:
+    INFORMER_LISTS.labels(kind=kind).inc()

@@ -22,11 +22,11 @@ from pydantic import ValidationError
 
 from kvfleet.api import ModelArtifact, ServingPool, manifest_hash
 from kvfleet.compat import Matrix
+from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.operator import metrics, naming
 from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.cache import Cache
 from kvfleet.operator.coalesce import Coalescer
-from kvfleet.operator.kube import JsonObj, KubeApi, KubeError
 from kvfleet.operator.modelartifact import reconcile_artifact
 from kvfleet.operator.servingpool import (
     Event,

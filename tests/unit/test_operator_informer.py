@@ -18,11 +18,11 @@ from operator_fakes import artifact, pool
 from test_operator_cache import FakeCluster, _converge  # the cache tests' fake apiserver
 
 from kvfleet.compat import default_matrix
+from kvfleet.kube.api import Connection, JsonObj, KubeApi, KubeError, api_version_of
+from kvfleet.kube.informer import Informer, Store
 from kvfleet.operator import naming
-from kvfleet.operator.cache import INDEX_IDS, Cache
+from kvfleet.operator.cache import INDEX_IDS, Cache, index_entry
 from kvfleet.operator.handlers import drift_forever
-from kvfleet.operator.informer import Informer, Store
-from kvfleet.operator.kube import Connection, JsonObj, KubeApi, KubeError, api_version_of
 from kvfleet.operator.runtime import Runtime
 
 NS = "default"
@@ -60,7 +60,8 @@ class FakeWatchApi:
         self.proceed = asyncio.Event()  # scripted watches start once this is set
         self.proceed.set()
 
-    async def list_page(self, kind: str, params: dict[str, str]) -> JsonObj:
+    async def list_page(self, kind: str, params: dict[str, str],
+                        namespace: str | None = None) -> JsonObj:
         self.calls.append(("list", params))
         start = int(params.get("continue", "0"))
         end = start + self.page_size
@@ -70,7 +71,8 @@ class FakeWatchApi:
         items = [{k: v for k, v in o.items() if k != "kind"} for o in self.objects[start:end]]
         return {"items": items, "metadata": meta}
 
-    async def watch(self, kind: str, params: dict[str, str]) -> AsyncIterator[JsonObj]:
+    async def watch(self, kind: str, params: dict[str, str],
+                    namespace: str | None = None) -> AsyncIterator[JsonObj]:
         self.calls.append(("watch", params))
         if not self.scripts:
             self.watch_ended.set()
@@ -101,7 +103,7 @@ def recorder() -> tuple[Events, Any]:
 async def test_lists_every_page_then_watches_from_the_lists_version_with_the_selector() -> None:
     api = FakeWatchApi([child("a", 1), child("b", 2), child("c", 3)])
     events, on_event = recorder()
-    informer = Informer(api, "Service", SELECTOR, on_event)
+    informer = Informer(api, "Service", SELECTOR, on_event, index=index_entry)
     await run_until(informer, api)
     assert informer.synced.is_set()
     assert events == [(None, "a"), (None, "b"), (None, "c")]  # the first listing, as kopf's
@@ -126,7 +128,7 @@ async def test_watch_events_update_the_store_and_a_bookmark_moves_the_version() 
         ]
     ]
     events, on_event = recorder()
-    informer = Informer(api, "Service", SELECTOR, on_event)
+    informer = Informer(api, "Service", SELECTOR, on_event, index=index_entry)
     await run_until(informer, api)
     assert events == [(None, "a"), ("ADDED", "b"), ("MODIFIED", "a"), ("DELETED", "b")]
     (only,) = informer.store[(NS, "uid-chat")]
@@ -145,7 +147,7 @@ async def test_after_410_gone_a_relist_reports_what_changed_while_the_watch_was_
         [gone] if expiry == "event" else KubeError("GET", "/api/v1/services", 410, "Gone")
     ]
     events, on_event = recorder()
-    informer = Informer(api, "Service", SELECTOR, on_event)
+    informer = Informer(api, "Service", SELECTOR, on_event, index=index_entry)
     api.proceed.clear()
     task = asyncio.create_task(informer.run())
     await asyncio.wait_for(informer.synced.wait(), 2)
@@ -172,10 +174,10 @@ async def test_a_failed_list_is_retried_after_a_backoff() -> None:
     real_list = api.list_page
     failures = [KubeError("GET", "/api/v1/services", 503, "unavailable")]
 
-    async def flaky(kind: str, params: dict[str, str]) -> JsonObj:
+    async def flaky(kind: str, params: dict[str, str], namespace: str | None = None) -> JsonObj:
         if failures:
             raise failures.pop()
-        return await real_list(kind, params)
+        return await real_list(kind, params, namespace)
 
     api.list_page = flaky  # type: ignore[method-assign]
     slept: list[float] = []
@@ -183,13 +185,13 @@ async def test_a_failed_list_is_retried_after_a_backoff() -> None:
     async def sleep(seconds: float) -> None:
         slept.append(seconds)
 
-    informer = Informer(api, "Service", SELECTOR, lambda *_: None, sleep=sleep)
+    informer = Informer(api, "Service", SELECTOR, lambda *_: None, index=index_entry, sleep=sleep)
     await run_until(informer, api)
     assert slept == [1.0] and informer.synced.is_set()
 
 
 def test_store_files_children_by_controlling_pool_and_pods_by_pool_label() -> None:
-    services, pods = Store("Service"), Store("Pod")
+    services, pods = Store("Service", index_entry), Store("Pod", index_entry)
     services.put(child("a", 1))
     services.put(child("a", 2, pool_uid="uid-other"))  # the controller changed: refiled
     assert list(services) == [(NS, "uid-other")]
@@ -232,7 +234,7 @@ async def test_a_child_deleted_while_the_watch_was_away_is_recreated() -> None:
             runtime.cache.seen_deleted(obj)
             triggered.append(obj["metadata"]["ownerReferences"][0]["name"])
 
-    informer = Informer(api, "Service", SELECTOR, on_event)
+    informer = Informer(api, "Service", SELECTOR, on_event, index=index_entry)
     cluster.indices[INDEX_IDS["Service"]] = informer.store  # type: ignore[assignment]
     api.scripts = [[{"type": "ERROR", "object": {"code": 410, "message": "too old"}}]]
     api.proceed.clear()

@@ -15,9 +15,9 @@ import yaml
 
 from kvfleet.cli import build_parser
 from kvfleet.devcluster.pki import create_pki
+from kvfleet.kube.api import connection_from_kopf
 from kvfleet.operator.coalesce import Coalescer
 from kvfleet.operator.handlers import CHILD_KINDS, PODS
-from kvfleet.operator.kube import connection_from_kopf
 from kvfleet.operator.rbac import build_rbac
 
 ROOT = Path(__file__).resolve().parents[2]

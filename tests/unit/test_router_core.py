@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvfleet.api.servingpool import ServingPoolStatus, TrafficRole, TrafficTarget
-from kvfleet.api.tenantquota import Borrowing, BorrowableResource, Limits, TenantQuotaSpec
+from kvfleet.api.tenantquota import BorrowableResource, Borrowing, Limits, TenantQuotaSpec
 from kvfleet.router.errors import QuotaExceeded, Unauthorized
 from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad, pick
@@ -81,7 +81,7 @@ def test_concurrency_counts_in_flight_requests_until_settled() -> None:
     ledger = QuotaLedger()
     ledger.set_quotas({"team-a": ("llm/team-a", quota(max_concurrent_requests=2))}, 0.0)
     held = [ledger.admit("team-a", 1, 1, 0.0), ledger.admit("team-a", 1, 1, 0.0)]
-    with pytest.raises(QuotaExceeded, match="maxConcurrentRequests = 2 .*2 requests in flight"):
+    with pytest.raises(QuotaExceeded, match=r"maxConcurrentRequests = 2 .*2 requests in flight"):
         ledger.admit("team-a", 1, 1, 0.0)
     ledger.settle(held[0], 1, 0.0)
     ledger.admit("team-a", 1, 1, 0.0)
@@ -119,7 +119,7 @@ def test_each_router_replica_enforces_its_share() -> None:
     # The other replica went away: the full limit from now on (refilling at 5 a minute, one
     # request every 12 s), what was spent stays spent.
     ledger.set_replicas(1, 0.0)
-    with pytest.raises(QuotaExceeded, match="= 5 of TenantQuota llm/team-a: .*retry after 12 s"):
+    with pytest.raises(QuotaExceeded, match=r"= 5 of TenantQuota llm/team-a: .*retry after 12 s"):
         ledger.admit("team-a", 1, 1, 0.0)
     ledger.admit("team-a", 1, 1, 12.0)
 

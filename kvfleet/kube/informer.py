@@ -1,10 +1,11 @@
-"""List-and-watch of the operator's child kinds into a store: client-go's reflector, small.
+"""List-and-watch of one kind into a store: client-go's reflector, small.
 
 The operator reads its Deployments, Services, ConfigMaps, PodDisruptionBudgets and engine pods
-from memory (see `cache`). These kinds need no kopf handler machinery: nothing is ever
-persisted on them, no handler retries. Watching them through kopf cost a per-object memory,
-worker task and event queue for five objects per pool (most of the operator's memory at 1,000
-pools); an `Informer` keeps only the slimmed object (`cache.index_entry`) and calls
+from memory (see `operator.cache`); the router its pools, engine pods, key Secrets and
+TenantQuotas. These need no kopf handler machinery: nothing is ever persisted on them, no
+handler retries. Watching them through kopf cost a per-object memory, worker task and event
+queue for five objects per pool (most of the operator's memory at 1,000 pools); an `Informer`
+keeps only what its `index` files for an object (the operator: a slimmed copy) and calls
 `on_event` inline.
 
 It also gives the guarantee controller-runtime users expect: after a watch expires (`410
@@ -17,7 +18,7 @@ list's resourceVersion with bookmarks; a watch that ends is resumed from the las
 seen; `410 Gone` (as an HTTP status or an ERROR event) → LIST again; any other failure →
 LIST again after a back-off.
 
-Store views are what `cache.Cache` reads: key -> the objects filed under it.
+Store views are what the operator's `cache.Cache` reads: key -> the objects filed under it.
 """
 
 from __future__ import annotations
@@ -29,13 +30,19 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from kvfleet.operator import metrics
-from kvfleet.operator.cache import index_entry
-from kvfleet.operator.kube import JsonObj, KubeError, api_version_of
+from kvfleet.kube.api import JsonObj, KubeError, api_version_of
 
-log = logging.getLogger("kvfleet.operator")
+log = logging.getLogger("kvfleet.kube")
 # Events as the watch names them; None for an object of the first listing (as kopf does).
 OnEvent = Callable[[str | None, JsonObj], None]
+# What the store files for an object of a kind: {key: value}, {} for nothing.
+Index = Callable[[str, JsonObj], Mapping[Any, JsonObj]]
+
+
+def by_namespaced_name(kind: str, obj: JsonObj) -> dict[Any, JsonObj]:
+    """The whole object under (namespace, name)."""
+    meta = obj.get("metadata") or {}
+    return {(str(meta.get("namespace") or ""), str(meta.get("name"))): obj}
 PAGE_SIZE = 500
 WATCH_TIMEOUT_SECONDS = 300  # the apiserver ends the watch; it is resumed from its version
 BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
@@ -44,9 +51,11 @@ BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
 class WatchApi(Protocol):
     """The two reads an informer needs (kube.KubeApi has them)."""
 
-    def list_page(self, kind: str, params: dict[str, str]) -> Awaitable[JsonObj]: ...
+    def list_page(self, kind: str, params: dict[str, str],
+                  namespace: str | None = None) -> Awaitable[JsonObj]: ...
 
-    def watch(self, kind: str, params: dict[str, str]) -> AsyncIterator[JsonObj]: ...
+    def watch(self, kind: str, params: dict[str, str],
+              namespace: str | None = None) -> AsyncIterator[JsonObj]: ...
 
 
 class WatchExpiredError(Exception):
@@ -54,17 +63,18 @@ class WatchExpiredError(Exception):
 
 
 class Store(Mapping[Any, list[JsonObj]]):
-    """Key -> the objects filed under it (`cache.index_entry`), plus each object by uid."""
+    """Key -> the objects filed under it (by `index`), plus each object by uid."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, index: Index = by_namespaced_name) -> None:
         self.kind = kind
+        self._index = index
         self._by_uid: dict[str, tuple[Any, JsonObj]] = {}
         self._by_key: dict[Any, dict[str, JsonObj]] = {}
 
     def put(self, obj: JsonObj) -> None:
         uid = _uid(obj)
         self.discard(uid)
-        for key, value in index_entry(self.kind, obj).items():
+        for key, value in self._index(self.kind, obj).items():
             self._by_uid[uid] = (key, value)
             self._by_key.setdefault(key, {})[uid] = value
 
@@ -97,7 +107,8 @@ class Store(Mapping[Any, list[JsonObj]]):
 
 
 class Informer:
-    """One kind, cluster-wide, filtered by a server-side label selector; see the module doc."""
+    """One kind, cluster-wide or in one namespace, filtered by a server-side label selector;
+    see the module doc. `on_list(kind)` is called after each complete listing."""
 
     def __init__(
         self,
@@ -106,10 +117,15 @@ class Informer:
         selector: str,
         on_event: OnEvent,
         *,
+        index: Index = by_namespaced_name,
+        namespace: str | None = None,
+        on_list: Callable[[str], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.kind = kind
-        self.store = Store(kind)
+        self.store = Store(kind, index)
+        self._namespace = namespace
+        self._on_list = on_list
         self.synced = asyncio.Event()
         self.num_lists = 0
         self._api = api
@@ -138,7 +154,7 @@ class Informer:
         items: list[JsonObj] = []
         params = {"labelSelector": self._selector, "limit": str(PAGE_SIZE)}
         while True:
-            page = await self._api.list_page(self.kind, params)
+            page = await self._api.list_page(self.kind, params, self._namespace)
             items.extend(page.get("items") or [])
             meta = page.get("metadata") or {}
             if not meta.get("continue"):
@@ -146,7 +162,8 @@ class Informer:
             params = {**params, "continue": str(meta["continue"])}
         self._replace(items)
         self.num_lists += 1
-        metrics.INFORMER_LISTS.labels(kind=self.kind).inc()
+        if self._on_list is not None:
+            self._on_list(self.kind)
         self.synced.set()
         return str(meta.get("resourceVersion") or "")
 
@@ -181,7 +198,7 @@ class Informer:
             "resourceVersion": version,
         }
         try:
-            async for event in self._api.watch(self.kind, params):
+            async for event in self._api.watch(self.kind, params, self._namespace):
                 version = self._apply(event) or version
         except KubeError as exc:
             if exc.status == 410:

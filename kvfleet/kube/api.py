@@ -1,9 +1,10 @@
-"""The operator's own async Kubernetes client: the few verbs the reconcilers' plans need.
+"""The control plane's async Kubernetes client (operator and router): the few verbs they need.
 
-kopf watches and keeps its own session; this client does the reads and writes of a reconcile
-(server-side apply of owned objects, status patches, events). It is built from the same
-`kopf.ConnectionInfo` that kopf logged in with, so there is one source of credentials, and it
-counts every request so the operator can report apiserver requests per reconcile.
+In the operator, kopf watches and keeps its own session; this client does the reads and writes
+of a reconcile (server-side apply of owned objects, status patches, events) and the informers'
+lists and watches. It is built from a `kopf.ConnectionInfo` (the one kopf logged in with, or
+`kopf.login_via_*`'s for the router), so there is one source of credentials, and it counts every
+request so the operator can report apiserver requests per reconcile.
 
 KubeError            a request failed (status code, the server's message, the path)
 """
@@ -23,13 +24,12 @@ from typing import Any
 
 import aiohttp
 
-from kvfleet.operator.naming import FIELD_MANAGER
-
 JsonObj = dict[str, Any]
 
-# kind -> (API prefix, plural); the kinds the operator reads or writes.
+# kind -> (API prefix, plural); the kinds the operator and the router read or write.
 RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
+    "Secret": ("/api/v1", "secrets"),
     "Service": ("/api/v1", "services"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),
@@ -38,6 +38,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ServingPool": ("/apis/kvfleet.io/v1alpha1", "servingpools"),
     "ModelArtifact": ("/apis/kvfleet.io/v1alpha1", "modelartifacts"),
     "Rollout": ("/apis/kvfleet.io/v1alpha1", "rollouts"),
+    "TenantQuota": ("/apis/kvfleet.io/v1alpha1", "tenantquotas"),
 }
 
 
@@ -138,9 +139,11 @@ class KubeApi:
         connection: Connection,
         on_request: Callable[[str], None] | None = None,
         *,
+        field_manager: str = "kvfleet-operator",
         max_connections: int = 32,
         timeout_seconds: float = 30.0,
     ) -> None:
+        self._field_manager = field_manager
         self._connection = connection
         self._on_request = on_request
         self._max_connections = max_connections
@@ -199,19 +202,24 @@ class KubeApi:
         items: list[JsonObj] = (found or {}).get("items", [])
         return items
 
-    async def list_page(self, kind: str, params: dict[str, str]) -> JsonObj:
-        """One page of a cluster-wide list (an informer's; not counted as a reconcile's)."""
-        async with self._client().get(cluster_path_of(kind), params=params) as response:
+    async def list_page(self, kind: str, params: dict[str, str],
+                        namespace: str | None = None) -> JsonObj:
+        """One page of a list, cluster-wide or in `namespace` (an informer's; not counted as
+        a reconcile's)."""
+        path = cluster_path_of(kind) if namespace is None else path_of(kind, namespace)
+        async with self._client().get(path, params=params) as response:
             status, raw = response.status, await response.read()
         if status >= 400:
-            raise _error("GET", cluster_path_of(kind), status, raw)
+            raise _error("GET", path, status, raw)
         page: JsonObj = json.loads(raw)
         return page
 
-    async def watch(self, kind: str, params: dict[str, str]) -> AsyncIterator[JsonObj]:
-        """The events of a cluster-wide watch, one JSON object per line, until the server ends
-        it (`timeoutSeconds`); no total timeout, but a silent connection is dropped."""
-        path = cluster_path_of(kind)
+    async def watch(self, kind: str, params: dict[str, str],
+                    namespace: str | None = None) -> AsyncIterator[JsonObj]:
+        """The events of a watch, cluster-wide or in `namespace`, one JSON object per line,
+        until the server ends it (`timeoutSeconds`); no total timeout, but a silent connection
+        is dropped."""
+        path = cluster_path_of(kind) if namespace is None else path_of(kind, namespace)
         idle = float(params.get("timeoutSeconds", "300")) + 60
         timeout = aiohttp.ClientTimeout(total=None, sock_read=idle)
         async with self._client().get(path, params=params, timeout=timeout) as response:
@@ -234,7 +242,7 @@ class KubeApi:
         result = await self._send(
             "PATCH",
             path_of(obj["kind"], meta["namespace"], meta["name"]),
-            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            params={"fieldManager": self._field_manager, "force": "true"},
             body=obj,
             content_type="application/apply-patch+yaml",
         )
