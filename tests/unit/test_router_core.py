@@ -211,3 +211,46 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
     assert [e.address for e in state.pools["p"].ready(STABLE)] == ["127.0.0.1:1"]
     assert state.keys.tenant_for(f"Bearer {KEY}") == "a"
     assert state.quotas["a"][1].limits.requests_per_minute == 5
+
+
+def engine_pod(name: str, pool: str, revision: str, ip: str, ready: bool = True,
+               namespace: str = "llm") -> dict[str, object]:
+    return {"metadata": {"name": name, "namespace": namespace,
+                         "labels": {"kvfleet.io/pool": pool, "kvfleet.io/revision": revision,
+                                    "app.kubernetes.io/component": "engine"}},
+            "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8000}]}]},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready",
+                                                    "status": "True" if ready else "False"}]}}
+
+
+def pool_object(name: str, namespace: str = "llm") -> dict[str, object]:
+    return {"metadata": {"name": name, "namespace": namespace},
+            "status": {"servingRevision": STABLE}}
+
+
+def test_cluster_objects_become_the_routing_state() -> None:
+    from kvfleet.router.cluster import state_from_objects
+
+    token = {"metadata": {"name": "smol-router-token", "namespace": "llm",
+                          "labels": {"kvfleet.io/router-token-for": "smol"}},
+             "data": {"token": base64.b64encode(b"t" * 32).decode()}}
+    quotas = [{"metadata": {"name": "a", "namespace": "llm", "creationTimestamp": "2026-01-01"},
+               "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 5}}},
+              {"metadata": {"name": "dup", "namespace": "llm",
+                            "creationTimestamp": "2026-02-01"},
+               "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 500}}}]
+    state = state_from_objects(
+        [pool_object("smol"), pool_object("smol", "other")],
+        [engine_pod("p1", "smol", STABLE[:12], "10.0.0.1"),
+         engine_pod("p2", "smol", STABLE[:12], "10.0.0.2", ready=False),
+         engine_pod("p3", "smol", STABLE[:12], "10.0.0.3", namespace="other")],
+        [secret("k", "team-a", KEY)], [token], quotas, cluster_wide=False)
+    route = state.pools["smol"]
+    assert [e.address for e in route.ready(STABLE)] == ["10.0.0.1:8000"]  # Ready pods only
+    assert route.router_token == "t" * 32
+    assert state.keys.tenant_for(f"Bearer {KEY}") == "team-a"
+    assert state.quotas["team-a"][0] == "llm/a"  # the older of two quotas for one tenant
+    wide = state_from_objects([pool_object("smol"), pool_object("smol", "other"),
+                               pool_object("solo", "other")], [], [], [], [],
+                              cluster_wide=True)
+    assert set(wide.pools) == {"llm/smol", "other/smol", "other/solo", "solo"}
