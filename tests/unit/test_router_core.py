@@ -240,7 +240,7 @@ def test_cluster_objects_become_the_routing_state() -> None:
                             "creationTimestamp": "2026-02-01"},
                "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 500}}}]
     state = state_from_objects(
-        [pool_object("smol"), pool_object("smol", "other")],
+        [pool_object("smol")],
         [engine_pod("p1", "smol", STABLE[:12], "10.0.0.1"),
          engine_pod("p2", "smol", STABLE[:12], "10.0.0.2", ready=False),
          engine_pod("p3", "smol", STABLE[:12], "10.0.0.3", namespace="other")],
