@@ -35,6 +35,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Event": ("/api/v1", "events"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "ServingPool": ("/apis/kvfleet.io/v1alpha1", "servingpools"),
     "ModelArtifact": ("/apis/kvfleet.io/v1alpha1", "modelartifacts"),
     "Rollout": ("/apis/kvfleet.io/v1alpha1", "rollouts"),

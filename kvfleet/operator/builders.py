@@ -8,6 +8,7 @@ settings change rolls the Deployment (a ConfigMap edit alone would not restart a
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ from kvfleet.operator import naming
 from kvfleet.operator.placement import node_affinity, node_selector, tolerations
 
 ENGINE_PORT = 8000
+# Where engine pods find their pool's router token (`kvfleet serve --router-token-file`).
+ROUTER_TOKEN_DIR = "/etc/kvfleet/router"
+ROUTER_TOKEN_KEY = "token"
 ENGINE_PORT_NAME = "http"
 # The engine drains in-flight requests for this long after SIGTERM (`--drain-grace-seconds`).
 DRAIN_SECONDS = 30
@@ -132,6 +136,7 @@ def _container(
         "--long-prefill-token-threshold=$(KVFLEET_LONG_PREFILL_TOKEN_THRESHOLD)",
         "$(KVFLEET_PREFIX_CACHING)",
         "--drain-grace-seconds=$(KVFLEET_DRAIN_GRACE_SECONDS)",
+        f"--router-token-file={ROUTER_TOKEN_DIR}/{ROUTER_TOKEN_KEY}",
     ]
     if "KVFLEET_MAX_MODEL_LEN" in settings:
         args.append("--max-model-len=$(KVFLEET_MAX_MODEL_LEN)")
@@ -146,6 +151,8 @@ def _container(
         "args": args,
         "env": env,
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "volumeMounts": [{"name": "router-token", "mountPath": ROUTER_TOKEN_DIR,
+                          "readOnly": True}],
         # Extended resources must have requests == limits; CPU and memory are left to the
         # namespace's LimitRange because they depend on the node shape, not on the model.
         "resources": {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}},
@@ -189,6 +196,8 @@ def build_deployment(
         "tolerations": tolerations(),
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "enableServiceLinks": False,
+        "volumes": [{"name": "router-token", "secret": {
+            "secretName": naming.router_secret_name(name), "defaultMode": 0o440}}],
     }
     affinity = node_affinity(pool.spec)
     if affinity is not None:
@@ -253,5 +262,54 @@ def build_pdb(pool: ServingPool) -> dict[str, Any]:
         "spec": {
             "maxUnavailable": max(1, pool.spec.reserves.failover),
             "selector": {"matchLabels": naming.pool_selector(name)},
+        },
+    }
+
+
+def build_router_secret(pool: ServingPool, token: str) -> dict[str, Any]:
+    """The token the pool's engines want from the router (`kvfleet serve --router-token-file`):
+    with it, a request's tenant header is believed; without it, the engine refuses."""
+    name = pool.metadata.name
+    labels = {**naming.pool_labels(name), naming.ROUTER_TOKEN_LABEL: naming.label_value(name)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(naming.router_secret_name(name), pool, labels),
+        "type": "Opaque",
+        "data": {ROUTER_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def router_token_of(secret: dict[str, Any] | None) -> str | None:
+    """The token an existing router Secret holds, if it holds a usable one."""
+    encoded = ((secret or {}).get("data") or {}).get(ROUTER_TOKEN_KEY)
+    try:
+        token = base64.b64decode(encoded, validate=True).decode() if encoded else ""
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return token if len(token) >= 32 else None
+
+
+def build_network_policy(pool: ServingPool) -> dict[str, Any]:
+    """Engine pods take traffic only from router pods (any namespace, for a cluster-wide
+    router) and from Prometheus (its /metrics scrapes), on the engine port. Enforced where the
+    cluster's network plugin implements NetworkPolicy."""
+    name = pool.metadata.name
+
+    def pods_named(app: str) -> dict[str, Any]:
+        return {"namespaceSelector": {},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": app}}}
+
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(naming.network_policy_name(name), pool, naming.pool_labels(name)),
+        "spec": {
+            "podSelector": {"matchLabels": naming.pool_selector(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{
+                "from": [pods_named(naming.ROUTER_APP), pods_named("prometheus")],
+                "ports": [{"port": ENGINE_PORT_NAME, "protocol": "TCP"}],
+            }],
         },
     }

@@ -47,10 +47,13 @@ INDEX_IDS: dict[str, str] = {
     "Service": "service_index",
     "ConfigMap": "config_map_index",
     "PodDisruptionBudget": "pdb_index",
+    "Secret": "secret_index",
+    "NetworkPolicy": "network_policy_index",
     "Pod": "pod_index",
 }
 TOP_LEVEL = frozenset({"ServingPool", "ModelArtifact"})
-CHILD_KINDS = frozenset({"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"})
+CHILD_KINDS = frozenset({"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "Secret",
+                         "NetworkPolicy"})
 # An index as kopf exposes it: key -> the values of every object filed under that key.
 IndexView = Mapping[Any, Iterable[JsonObj]]
 

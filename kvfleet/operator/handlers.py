@@ -47,6 +47,8 @@ CHILD_KINDS = {
     ("", "v1", "services"): "Service",
     ("", "v1", "configmaps"): "ConfigMap",
     ("policy", "v1", "poddisruptionbudgets"): "PodDisruptionBudget",
+    ("", "v1", "secrets"): "Secret",
+    ("networking.k8s.io", "v1", "networkpolicies"): "NetworkPolicy",
 }
 MANAGED = {"app.kubernetes.io/managed-by": naming.MANAGED_BY}
 PODS = ("", "v1", "pods")

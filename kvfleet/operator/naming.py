@@ -20,6 +20,10 @@ ENGINE_CONFIG_HASH_ANNOTATION = f"{GROUP}/engine-config-hash"
 MANAGED_BY = "kvfleet-operator"
 FIELD_MANAGER = "kvfleet-operator"
 ENGINE_COMPONENT = "engine"
+# The Secret holding a pool's router token carries this label, valued with the pool's name:
+# the router finds each pool's token by it.
+ROUTER_TOKEN_LABEL = f"{GROUP}/router-token-for"
+ROUTER_APP = "kvfleet-router"  # app.kubernetes.io/name of router pods
 
 REVISION_LENGTH = 12
 MAX_NAME = 63
@@ -58,6 +62,14 @@ def service_name(pool: str) -> str:
 
 def pdb_name(pool: str) -> str:
     return bounded_name(pool)
+
+
+def network_policy_name(pool: str) -> str:
+    return bounded_name(pool)
+
+
+def router_secret_name(pool: str) -> str:
+    return bounded_name(pool, "router-token")
 
 
 def pool_labels(pool: str) -> dict[str, str]:

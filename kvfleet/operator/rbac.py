@@ -37,6 +37,17 @@ def cluster_role_rules() -> list[dict[str, Any]]:
             "resources": ["services", "configmaps"],
             "verbs": [*WATCH, "create", "patch", "delete"],
         },
+        # Each pool's router token (the operator writes it once; engines mount it).
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "verbs": [*WATCH, "create", "patch", "delete"],
+        },
+        {
+            "apiGroups": ["networking.k8s.io"],
+            "resources": ["networkpolicies"],
+            "verbs": [*WATCH, "create", "patch", "delete"],
+        },
         {
             "apiGroups": ["policy"],
             "resources": ["poddisruptionbudgets"],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -108,6 +109,9 @@ class Runtime:
             config_map=self._owned_named("ConfigMap", ns, uid, naming.config_map_name(name)),
             service=self._owned_named("Service", ns, uid, naming.service_name(name)),
             pdb=self._owned_named("PodDisruptionBudget", ns, uid, naming.pdb_name(name)),
+            router_secret=self._owned_named("Secret", ns, uid, naming.router_secret_name(name)),
+            network_policy=self._owned_named("NetworkPolicy", ns, uid,
+                                             naming.network_policy_name(name)),
             pods=tuple(pods),
             rollouts=rollouts,
         )
@@ -136,7 +140,8 @@ class Runtime:
         artifact = _parse(ModelArtifact, raw_artifact) if raw_artifact else None
         observed = await self._observe(pool, artifact)
         plan = reconcile(
-            pool, artifact, observed, matrix=self.matrix, now=_now(), options=self.options
+            pool, artifact, observed, matrix=self.matrix, now=_now(), options=self.options,
+            new_router_token=secrets.token_hex(24),
         )
         # Every write is independent of the others (a pod waits for its ConfigMap by itself;
         # the status describes what was decided, and is corrected below if an apply fails),

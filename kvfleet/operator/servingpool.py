@@ -37,6 +37,8 @@ class Observed:
     config_map: dict[str, Any] | None = None
     service: dict[str, Any] | None = None
     pdb: dict[str, Any] | None = None
+    router_secret: dict[str, Any] | None = None
+    network_policy: dict[str, Any] | None = None
     pods: tuple[dict[str, Any], ...] = ()
     rollouts: tuple[str, ...] = ()  # names of Rollouts whose poolRef is this pool
 
@@ -130,12 +132,15 @@ def _desired(
     revision: str,
     plan: MemoryPlan,
     options: builders.EngineOptions,
+    router_token: str,
 ) -> list[dict[str, Any]]:
     return [
         builders.build_config_map(pool, plan),
+        builders.build_router_secret(pool, router_token),
         builders.build_deployment(pool, artifact, revision, plan, options),
         builders.build_service(pool),
         builders.build_pdb(pool),
+        builders.build_network_policy(pool),
     ]
 
 
@@ -147,6 +152,8 @@ def _observed_for(obj: dict[str, Any], observed: Observed) -> dict[str, Any] | N
         "ConfigMap": observed.config_map,
         "Service": observed.service,
         "PodDisruptionBudget": observed.pdb,
+        "Secret": observed.router_secret,
+        "NetworkPolicy": observed.network_policy,
     }[kind]
 
 
@@ -158,7 +165,10 @@ def reconcile(
     matrix: Matrix,
     now: datetime,
     options: builders.EngineOptions = builders.EngineOptions(),  # noqa: B008 (frozen)
+    new_router_token: str = "",
 ) -> Plan:
+    """`new_router_token`: the pool's router token if it has none yet (random, from the
+    caller: this function stays pure); an existing token is kept."""
     previous = pool.status.to_wire() if pool.status is not None else {}
     generation = pool.metadata.generation
     plan, capacity = (None, None) if artifact is None else _capacity(pool, artifact, matrix)
@@ -179,7 +189,8 @@ def reconcile(
         and plan is not None
     ):
         created: list[str] = []
-        for desired in _desired(pool, artifact, revision, plan, options):
+        token = builders.router_token_of(observed.router_secret) or new_router_token
+        for desired in _desired(pool, artifact, revision, plan, options, token):
             current = _observed_for(desired, observed)
             name = f"{desired['kind']} {desired['metadata']['name']}"
             if current is None:

@@ -196,7 +196,9 @@ async def test_a_new_pool_is_written_in_one_round_trip_without_reads(cluster: Fa
     assert sorted(_writes(requests)) == [
         ("PATCH", "ConfigMap chat-engine"),
         ("PATCH", f"Deployment {_deployment_name(cluster)}"),
+        ("PATCH", "NetworkPolicy chat"),
         ("PATCH", "PodDisruptionBudget chat"),
+        ("PATCH", "Secret chat-router-token"),
         ("PATCH", "Service chat"),
         ("PATCH", "ServingPool chat/status"),
     ]

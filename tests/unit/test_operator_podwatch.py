@@ -161,7 +161,8 @@ def test_the_operator_watches_pods_and_children_through_label_selectors() -> Non
     (the informers send these selectors with every list and watch: test_operator_informer)."""
     assert handlers.INFORMED["Pod"] == podwatch.POD_SELECTOR
     managed = f"app.kubernetes.io/managed-by={naming.MANAGED_BY}"
-    for kind in ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget"):
+    children = ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "Secret",
+                "NetworkPolicy")
+    for kind in children:
         assert handlers.INFORMED[kind] == managed
-    assert set(handlers.INFORMED) == {"Pod", "Deployment", "Service", "ConfigMap",
-                                      "PodDisruptionBudget"}  # fmt: skip
+    assert set(handlers.INFORMED) == {"Pod", *children}

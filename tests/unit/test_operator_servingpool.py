@@ -18,7 +18,11 @@ from kvfleet.operator.servingpool import Observed, Plan, reconcile
 MATRIX = default_matrix()
 
 
+ROUTER_TOKEN = "t" * 48
+
+
 def _run(p: ServingPool, a: ModelArtifact | None, observed: Observed, **kw: Any) -> Plan:
+    kw.setdefault("new_router_token", ROUTER_TOKEN)
     return reconcile(p, a, observed, matrix=MATRIX, now=kw.pop("now", NOW), **kw)
 
 
@@ -41,6 +45,8 @@ def _converged(p: ServingPool, a: ModelArtifact, ready: int | None = None) -> Ob
         config_map=objs["ConfigMap"],
         service=objs["Service"],
         pdb=objs["PodDisruptionBudget"],
+        router_secret=objs["Secret"],
+        network_policy=objs["NetworkPolicy"],
     )
 
 
@@ -49,7 +55,9 @@ def test_new_pool_creates_its_objects_and_is_progressing() -> None:
     assert sorted(o["kind"] for o in plan.apply) == [
         "ConfigMap",
         "Deployment",
+        "NetworkPolicy",
         "PodDisruptionBudget",
+        "Secret",
         "Service",
     ]
     assert not plan.delete
@@ -91,7 +99,7 @@ def test_hand_scaling_is_restored() -> None:
 def test_deleted_service_is_recreated_and_availability_holds() -> None:
     p, a = pool(), artifact()
     observed = _converged(p, a)
-    plan = _run(p, a, Observed(observed.deployments, observed.config_map, None, observed.pdb))
+    plan = _run(p, a, replace(observed, service=None))
     assert [o["kind"] for o in plan.apply] == ["Service"]
     assert _cond(plan, "Available")["status"] == "True"
 
@@ -127,13 +135,7 @@ def test_unschedulable_pods_name_the_gpu_product_and_warn_once() -> None:
     observed = _converged(p, a, ready=0)
     labels = observed.deployments[0]["spec"]["template"]["metadata"]["labels"]
     scheduler = "0/6 nodes are available: 6 node(s) didn't match Pod's node affinity/selector."
-    observed = Observed(
-        observed.deployments,
-        observed.config_map,
-        observed.service,
-        observed.pdb,
-        pods=(pod(labels, unschedulable=scheduler),),
-    )
+    observed = replace(observed, pods=(pod(labels, unschedulable=scheduler),))
     plan = _run(p, a, observed)
     available = _cond(plan, "Available")
     assert (available["status"], available["reason"]) == ("False", "Unschedulable")
@@ -156,9 +158,7 @@ def test_crash_looping_engine_is_degraded_with_its_last_words() -> None:
     plan = _run(
         p,
         a,
-        Observed(
-            observed.deployments, observed.config_map, observed.service, observed.pdb, pods=(bad,)
-        ),
+        replace(observed, pods=(bad,)),
     )
     degraded = _cond(plan, "Degraded")
     assert degraded["reason"] == "CrashLoopBackOff"
@@ -207,12 +207,8 @@ def test_artifact_change_switches_revision_only_when_the_new_one_is_ready() -> N
     assert switching.delete == ()
     assert switching.status["servingRevision"] == manifest_hash(old.spec)
     new_deployment = next(o for o in switching.apply if o["kind"] == "Deployment")
-    both = Observed(
-        (converged.deployments[0], as_observed(new_deployment)),
-        converged.config_map,
-        converged.service,
-        converged.pdb,
-    )
+    both = replace(converged, deployments=(converged.deployments[0],
+                                           as_observed(new_deployment)))
     done = _run(p, new, both)
     assert [d["metadata"]["name"] for d in done.delete] == [
         converged.deployments[0]["metadata"]["name"]
@@ -227,13 +223,7 @@ def test_a_rollout_owns_revision_changes() -> None:
     plan = _run(
         p,
         new,
-        Observed(
-            converged.deployments,
-            converged.config_map,
-            converged.service,
-            converged.pdb,
-            rollouts=("chat-to-v2",),
-        ),
+        replace(converged, rollouts=("chat-to-v2",)),
     )
     assert plan.apply == () and plan.delete == ()
     assert _cond(plan, "Progressing")["reason"] == "ManagedByRollout"
@@ -274,3 +264,26 @@ def test_artifact_deleted_while_serving_keeps_the_replicas() -> None:
     assert _cond(plan, "Degraded")["reason"] == "ArtifactNotFound"
     assert _cond(plan, "Available")["status"] == "True"  # the running revision still serves
     assert plan.status["servingRevision"] == manifest_hash(a.spec)
+
+
+def test_the_router_token_is_made_once_and_mounted_into_every_engine_pod() -> None:
+    p, a = pool(), artifact()
+    converged = _converged(p, a)
+    secret = converged.router_secret
+    assert secret is not None and secret["metadata"]["labels"]["kvfleet.io/router-token-for"] \
+        == "chat"
+    # Another random candidate on every reconcile: the token in the Secret stays.
+    again = _run(p, a, converged, new_router_token="u" * 48)
+    assert again.apply == ()
+    deployment = converged.deployments[0]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--router-token-file=/etc/kvfleet/router/token" in container["args"]
+    assert container["volumeMounts"] == [{"name": "router-token",
+                                          "mountPath": "/etc/kvfleet/router", "readOnly": True}]
+    volume = deployment["spec"]["template"]["spec"]["volumes"][0]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    policy = converged.network_policy
+    assert policy is not None
+    sources = policy["spec"]["ingress"][0]["from"]
+    assert [s["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for s in sources] == [
+        "kvfleet-router", "prometheus"]
