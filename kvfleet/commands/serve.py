@@ -81,7 +81,9 @@ def register(subparsers: Any) -> None:
                          metavar="PATH",
                          help="serve only requests carrying this token (the kvfleet router's "
                               "proof that it authenticated the tenant); default: "
-                              "$KVFLEET_ROUTER_TOKEN_FILE, else trust the tenant header")
+                              "$KVFLEET_ROUTER_TOKEN_FILE, else the token in "
+                              "$KVFLEET_ROUTER_TOKEN (what the operator sets), else trust the "
+                              "tenant header")
     tenancy.add_argument("--shared-prefix-tenants", type=_csv, default=frozenset(),
                          help="comma-separated tenants that share one prefix-cache scope")
     tenancy.add_argument("--tenant-weights", type=_weights, default={},
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     configure_json_logging(getattr(logging, args.log_level.upper()))
     from kvfleet.engine.serving_core import build_loader  # imports torch: only when serving
 
-    router_token = None
+    router_token = os.environ.get("KVFLEET_ROUTER_TOKEN", "").strip() or None
     if args.router_token_file:
         try:
             router_token = Path(args.router_token_file).read_text().strip()
@@ -136,10 +138,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvfleet serve: --router-token-file {args.router_token_file}: {exc.strerror}",
                   file=sys.stderr)
             return 2
-        if len(router_token) < 16:
-            print(f"kvfleet serve: --router-token-file {args.router_token_file}: the token needs "
-                  "at least 16 characters", file=sys.stderr)
-            return 2
+    if router_token is not None and len(router_token) < 16:
+        print("kvfleet serve: the router token (--router-token-file or $KVFLEET_ROUTER_TOKEN) "
+              "needs at least 16 characters", file=sys.stderr)
+        return 2
     settings = ServerSettings(
         router_token=router_token,
         tenant_header=args.tenant_header.lower(), default_tenant=args.default_tenant,

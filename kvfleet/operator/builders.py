@@ -20,8 +20,9 @@ from kvfleet.operator import naming
 from kvfleet.operator.placement import node_affinity, node_selector, tolerations
 
 ENGINE_PORT = 8000
-# Where engine pods find their pool's router token (`kvfleet serve --router-token-file`).
-ROUTER_TOKEN_DIR = "/etc/kvfleet/router"
+# The engine reads its pool's router token from this variable (a secretKeyRef): an env entry
+# works on every pod runtime, including the dev cluster's local runner, which has no volumes.
+ROUTER_TOKEN_ENV = "KVFLEET_ROUTER_TOKEN"
 ROUTER_TOKEN_KEY = "token"
 ENGINE_PORT_NAME = "http"
 # The engine drains in-flight requests for this long after SIGTERM (`--drain-grace-seconds`).
@@ -120,6 +121,8 @@ def _container(
             "value": ",".join(f.sha256 for f in artifact.spec.weights.files),
         },
     ]
+    env.append({"name": ROUTER_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+        "name": naming.router_secret_name(pool.metadata.name), "key": ROUTER_TOKEN_KEY}}})
     env += [
         {"name": key, "valueFrom": {"configMapKeyRef": {"name": cm, "key": key}}}
         for key in sorted(settings)
@@ -136,7 +139,6 @@ def _container(
         "--long-prefill-token-threshold=$(KVFLEET_LONG_PREFILL_TOKEN_THRESHOLD)",
         "$(KVFLEET_PREFIX_CACHING)",
         "--drain-grace-seconds=$(KVFLEET_DRAIN_GRACE_SECONDS)",
-        f"--router-token-file={ROUTER_TOKEN_DIR}/{ROUTER_TOKEN_KEY}",
     ]
     if "KVFLEET_MAX_MODEL_LEN" in settings:
         args.append("--max-model-len=$(KVFLEET_MAX_MODEL_LEN)")
@@ -151,8 +153,6 @@ def _container(
         "args": args,
         "env": env,
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "volumeMounts": [{"name": "router-token", "mountPath": ROUTER_TOKEN_DIR,
-                          "readOnly": True}],
         # Extended resources must have requests == limits; CPU and memory are left to the
         # namespace's LimitRange because they depend on the node shape, not on the model.
         "resources": {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}},
@@ -196,8 +196,6 @@ def build_deployment(
         "tolerations": tolerations(),
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "enableServiceLinks": False,
-        "volumes": [{"name": "router-token", "secret": {
-            "secretName": naming.router_secret_name(name), "defaultMode": 0o440}}],
     }
     affinity = node_affinity(pool.spec)
     if affinity is not None:
@@ -267,8 +265,8 @@ def build_pdb(pool: ServingPool) -> dict[str, Any]:
 
 
 def build_router_secret(pool: ServingPool, token: str) -> dict[str, Any]:
-    """The token the pool's engines want from the router (`kvfleet serve --router-token-file`):
-    with it, a request's tenant header is believed; without it, the engine refuses."""
+    """The token the pool's engines want from the router ($KVFLEET_ROUTER_TOKEN of `kvfleet
+    serve`): with it, a request's tenant header is believed; without it, the engine refuses."""
     name = pool.metadata.name
     labels = {**naming.pool_labels(name), naming.ROUTER_TOKEN_LABEL: naming.label_value(name)}
     return {

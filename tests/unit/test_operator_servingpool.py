@@ -266,7 +266,7 @@ def test_artifact_deleted_while_serving_keeps_the_replicas() -> None:
     assert plan.status["servingRevision"] == manifest_hash(a.spec)
 
 
-def test_the_router_token_is_made_once_and_mounted_into_every_engine_pod() -> None:
+def test_the_router_token_is_made_once_and_given_to_every_engine_pod() -> None:
     p, a = pool(), artifact()
     converged = _converged(p, a)
     secret = converged.router_secret
@@ -277,11 +277,9 @@ def test_the_router_token_is_made_once_and_mounted_into_every_engine_pod() -> No
     assert again.apply == ()
     deployment = converged.deployments[0]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert "--router-token-file=/etc/kvfleet/router/token" in container["args"]
-    assert container["volumeMounts"] == [{"name": "router-token",
-                                          "mountPath": "/etc/kvfleet/router", "readOnly": True}]
-    volume = deployment["spec"]["template"]["spec"]["volumes"][0]
-    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    token_env = next(e for e in container["env"] if e["name"] == "KVFLEET_ROUTER_TOKEN")
+    assert token_env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
+                                                      "key": "token"}
     policy = converged.network_policy
     assert policy is not None
     sources = policy["spec"]["ingress"][0]["from"]
