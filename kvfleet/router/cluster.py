@@ -139,7 +139,7 @@ def usage_status(ledger: QuotaLedger, tenant: str, previous: tuple[int, int] | N
     if usage is None:
         return None
     requests, tokens, in_flight = usage
-    before = previous or (requests, tokens)
+    before = previous or (0, 0)  # the first report: everything since the router started
     per_minute = 60.0 / max(elapsed, 1e-9)
     return {
         "usage": {"requestsPerMinute": round((requests - before[0]) * per_minute),

@@ -1,0 +1,133 @@
+"""The router on the real control plane: `kvfleet router -n NS` reads the pool, its engine pod,
+key Secrets and TenantQuotas from the API server and serves through the operator-made engine
+pod (which refuses anyone without the pool's router token); it writes the quota's usage back."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixtures)
+    EXAMPLES,
+    KVFLEET,
+    ROOT,
+    Kubectl,
+    OperatorProcess,
+    _available,
+    _create,
+    _free_port,
+    _local_engine_pool,
+    _only_the_local_l4_node,
+    _wait_pool,
+    crds,
+    operator,
+)
+from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
+from kvfleet.devcluster.kube import KubeClient
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+KEY = "sk-e2e-team-a-0123456789abcdef"
+
+
+class RouterProcess:
+    def __init__(self, kubeconfig: str, namespace: str, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        command = [str(KVFLEET)] if KVFLEET.exists() else [sys.executable, "-m", "kvfleet"]
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [*command, "router", "-n", namespace, "--port", str(self.port)],
+                env={**os.environ, "KUBECONFIG": kubeconfig, "PYTHONPATH": str(ROOT)},
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        pytest.fail(f"router not ready in {timeout} s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@pytest.fixture
+def router_pool(kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess,  # noqa: F811
+                namespace: str, local_node: str, fake_nodes: list[str]) -> str:
+    kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "modelartifact-smollm2.yaml"))
+    with _only_the_local_l4_node(kube, kubectl):
+        _create(kube, _local_engine_pool("smol", "smollm2-135m-instruct", namespace))
+        _wait_pool(kube, operator, namespace, "smol", _available, "real pod Ready", 300)
+    return "smol"
+
+
+def chat(url: str, key: str | None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + "/v1/chat/completions", headers=headers, timeout=60,
+                      json={"model": "smol", "max_tokens": 2,
+                            "messages": [{"role": "user", "content": "Hi"}]})
+
+
+def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
+    kube: KubeClient, cluster: DevCluster | ExistingCluster, namespace: str, router_pool: str,
+    tmp_path: Path,
+) -> None:
+    kube.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "team-a-key", "labels": {"kvfleet.io/tenant": "team-a"}},
+        "data": {"key": base64.b64encode(KEY.encode()).decode()}})
+    kube.request("POST", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenantquotas", {
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+        "metadata": {"name": "team-a"},
+        "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 3},
+                 "allowedPools": [router_pool]}})
+    router = RouterProcess(cluster.kubeconfig, namespace, tmp_path / "router.log")
+    try:
+        router.wait_ready()
+        time.sleep(0.5)  # a first scrape of the engine's load
+        assert chat(router.url, None).status_code == 401
+        assert chat(router.url, "sk-unknown-0123456789abcdef").status_code == 401
+        codes = [chat(router.url, KEY) for _ in range(4)]
+        assert [r.status_code for r in codes[:3]] == [200, 200, 200], codes[0].text
+        assert codes[3].status_code == 429 and int(codes[3].headers["retry-after"]) >= 1
+        assert "TenantQuota " + namespace + "/team-a" in codes[3].json()["error"]["message"]
+        # The engine pod refuses a request that did not come through the router.
+        (pod,) = kube.list("Pod", namespace, label_selector="kvfleet.io/pool=smol")
+        direct = httpx.post(f"http://{pod['status']['podIP']}:8000/v1/chat/completions",
+                            headers={"x-kvfleet-tenant": "team-a"}, timeout=30,
+                            json={"max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+        assert direct.status_code == 401, direct.text
+        # Usage reaches the TenantQuota's status (written every 10 s when it changed).
+        deadline = time.monotonic() + 30
+        while True:
+            quota = kube.request(
+                "GET", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenantquotas/team-a")
+            status = quota.get("status") or {}
+            if (status.get("usage") or {}).get("requestsPerMinute"):
+                break
+            assert time.monotonic() < deadline, f"no usage written: {status}"
+            time.sleep(1)
+        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        assert (ready["status"], ready["reason"]) == ("True", "Enforced")
+    finally:
+        router.stop()
