@@ -131,3 +131,15 @@ def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
         assert (ready["status"], ready["reason"]) == ("True", "Enforced")
     finally:
         router.stop()
+
+
+def test_the_router_install_manifests_are_accepted_by_the_apiserver(
+    kubectl: Kubectl, crds: None, namespace: str,  # noqa: F811
+) -> None:
+    import yaml
+
+    from kvfleet.router.manifests import build_manifests
+
+    manifests = yaml.safe_dump_all(build_manifests(namespace))
+    out = kubectl("apply", "--dry-run=server", "-f", "-", input=manifests)
+    assert "deployment.apps/kvfleet-router created (server dry run)" in out.stdout

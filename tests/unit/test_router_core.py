@@ -254,3 +254,17 @@ def test_cluster_objects_become_the_routing_state() -> None:
                                pool_object("solo", "other")], [], [], [], [],
                               cluster_wide=True)
     assert set(wide.pools) == {"llm/smol", "other/smol", "other/solo", "solo"}
+
+
+def test_the_router_manifests_on_disk_are_the_generated_ones() -> None:
+    import yaml
+
+    from kvfleet.router.manifests import build_manifests
+
+    root = Path(__file__).resolve().parents[2]
+    on_disk = list(yaml.safe_load_all((root / "deploy/router/router.yaml").read_text()))
+    assert on_disk == build_manifests("llm"), (
+        "regenerate: kvfleet router --print-manifests -n llm > deploy/router/router.yaml")
+    role = next(m for m in on_disk if m["kind"] == "Role")
+    verbs = {v for rule in role["rules"] for v in rule["verbs"]}
+    assert verbs == {"get", "list", "watch", "patch"}  # reads, and the quota status patch

@@ -1,0 +1,72 @@
+"""The router's install manifests for one namespace, as data: ServiceAccount, Role and
+RoleBinding with exactly the verbs `cluster.ClusterSource` uses, a Deployment of two replicas and
+the Service clients are pointed at. `deploy/router/router.yaml` is generated from
+`build_manifests()` (`kvfleet router --print-manifests`) and a unit test fails when they differ.
+
+RBAC cannot filter by label: the router may read every Secret of its namespace, though it lists
+only those labelled `kvfleet.io/tenant` or `kvfleet.io/router-token-for`. Keep other Secrets of
+value out of a namespace that runs a router, or run it in one of its own with `-A` (a
+ClusterRole of the same rules).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAME = "kvfleet-router"
+PORT = 8080
+WATCH = ["get", "list", "watch"]
+LABELS = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/component": "router"}
+
+
+def role_rules() -> list[dict[str, Any]]:
+    return [
+        {"apiGroups": ["kvfleet.io"], "resources": ["servingpools", "tenantquotas"],
+         "verbs": [*WATCH]},
+        {"apiGroups": ["kvfleet.io"], "resources": ["tenantquotas/status"], "verbs": ["patch"]},
+        # Engine pods (endpoints by revision) and the router's own replicas (its quota share).
+        {"apiGroups": [""], "resources": ["pods"], "verbs": [*WATCH]},
+        # API keys and each pool's engine token.
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": [*WATCH]},
+    ]
+
+
+def build_manifests(namespace: str, image: str = "kvfleet:0.1.0") -> list[dict[str, Any]]:
+    def meta() -> dict[str, Any]:  # a fresh copy each time: YAML gets no anchors
+        return {"name": NAME, "namespace": namespace, "labels": dict(LABELS)}
+
+    container = {
+        "name": "router",
+        "image": image,
+        "args": ["router", "-n", namespace, "--host", "0.0.0.0", "--port", str(PORT)],
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "500m", "memory": "256Mi"},
+                      "limits": {"memory": "1Gi"}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta(),
+         "rules": role_rules()},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta(),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": NAME},
+         "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": namespace}]},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(), "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": dict(LABELS)},
+            "template": {
+                "metadata": {"labels": dict(LABELS), "annotations": {
+                    "prometheus.io/scrape": "true", "prometheus.io/port": str(PORT),
+                    "prometheus.io/path": "/metrics"}},
+                "spec": {"serviceAccountName": NAME, "containers": [container],
+                         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}},
+            },
+        }},
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta(), "spec": {
+            "selector": dict(LABELS),
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+        }},
+    ]
