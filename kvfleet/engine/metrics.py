@@ -80,6 +80,16 @@ class EngineMetrics:
                              LABELS, registry=reg)
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_ratio",
                               "Fraction of KV cache blocks in use (0..1).", LABELS, registry=reg)
+        # The same three under the model-server names the Gateway API Inference Extension's
+        # endpoint picker reads, so a pool can also sit behind an InferencePool.
+        self.vllm_gauges = (
+            Gauge("vllm:num_requests_running", "Requests holding KV blocks (vLLM's name).",
+                  LABELS, registry=reg),
+            Gauge("vllm:num_requests_waiting", "Requests waiting (vLLM's name).", LABELS,
+                  registry=reg),
+            Gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0..1 "
+                  "(vLLM's name).", LABELS, registry=reg),
+        )
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = LABELS) -> Counter:
             # prometheus_client appends `_total`; the name here is without it.
@@ -95,7 +105,8 @@ class EngineMetrics:
         self.requests = counter("requests", "Finished requests by finish reason.",
                                 (*LABELS, "finish_reason"))
         for metric in (self.ttft, self.tpot, self.e2e, self.queue_time, self.running,
-                       self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+                       self.waiting, self.kv_usage, *self.vllm_gauges, self.prompt_tokens,
+                       self.generation_tokens,
                        self.prefix_queries, self.prefix_hits, self.preemptions):
             metric.labels(**self._labels)  # every series exists from the first scrape
         for reason in FINISH_REASONS:
@@ -108,6 +119,9 @@ class EngineMetrics:
         self.running.labels(**labels).set(stats.num_running)
         self.waiting.labels(**labels).set(stats.num_waiting)
         self.kv_usage.labels(**labels).set(stats.kv_cache_usage)
+        for gauge, value in zip(self.vllm_gauges, (stats.num_running, stats.num_waiting,
+                                                   stats.kv_cache_usage), strict=True):
+            gauge.labels(**labels).set(value)
         last = self._last
         for counter, now, before in (
             (self.prefix_queries, stats.num_prefix_cache_queries, last.num_prefix_cache_queries),

@@ -93,6 +93,45 @@ def prompt_text(body: dict[str, Any]) -> str:
     return str(prompt or "")
 
 
+def answer_text(answer: dict[str, Any]) -> str:
+    """The text of a non-streamed chat or completion answer."""
+    choice = answer["choices"][0]
+    message = choice.get("message")
+    return str(message.get("content") or "") if isinstance(message, dict) else str(
+        choice.get("text") or "")
+
+
+def stream_texts(frames: bytes) -> list[str]:
+    """The text pieces of complete SSE frames (chat deltas or completion text)."""
+    pieces = []
+    for line in frames.split(b"\n"):
+        if line.startswith(b"data: {"):
+            with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+                choice = json.loads(line[6:])["choices"][0]
+                delta = choice.get("delta")
+                piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+                if piece:
+                    pieces.append(str(piece))
+    return pieces
+
+
+def compare(live: str, shadow: str, shadow_capped: bool) -> tuple[str, int | None]:
+    """("identical" | "diverged" | "length", first differing character). A shadow answer cut
+    at the router's shadow max_tokens cap that is a prefix of the live one is identical as far
+    as it goes; any other difference in length alone is "length"."""
+    for i, (a, b) in enumerate(zip(live, shadow, strict=False)):
+        if a != b:
+            return "diverged", i
+    if len(live) == len(shadow) or (shadow_capped and len(shadow) < len(live)):
+        return "identical", None
+    return "length", None
+
+
+def _resolve(future: asyncio.Future[str | None] | None, value: str | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(value)
+
+
 class Router:
     def __init__(self, state: RouterState, options: RouterOptions | None = None) -> None:
         self.options = options or RouterOptions()
@@ -232,10 +271,19 @@ class Router:
         if quota is not None and quota.shared_prefix_cache:
             headers[SHARED_PREFIX_HEADER] = "1"
         payload = json.dumps(body).encode()
+        live_text: asyncio.Future[str | None] | None = None
         if plan.shadow is not None:
-            self._spawn(self._shadow(pool, plan.shadow, path, body, headers, text, tenant))
-        return await self._live(pool, plan.live, path, payload, headers, text, tenant,
-                                reservation, bool(body.get("stream")))
+            # A greedy request's two answers should be the same text: compare them.
+            if body.get("temperature") == 0:
+                live_text = asyncio.get_running_loop().create_future()
+            self._spawn(self._shadow(pool, plan.shadow, path, body, headers, text, tenant,
+                                     live_text))
+        try:
+            return await self._live(pool, plan.live, path, payload, headers, text, tenant,
+                                    reservation, bool(body.get("stream")), live_text)
+        finally:
+            if live_text is not None and not live_text.done() and not body.get("stream"):
+                live_text.set_result(None)
 
     async def _connect(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                        headers: dict[str, str], text: str, tenant: str
@@ -270,7 +318,8 @@ class Router:
 
     async def _live(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                     headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
-                    stream: bool) -> Response:
+                    stream: bool, live_text: asyncio.Future[str | None] | None = None
+                    ) -> Response:
         labels = (pool.name, short(revision), "live")
         started = time.monotonic()
         try:
@@ -279,6 +328,7 @@ class Router:
         except RouterError as exc:
             self.ledger.settle(reservation, 0, time.monotonic())
             self.metrics.requests.labels(*labels, str(exc.status)).inc()
+            _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
         out_headers = {REVISION_HEADER: short(revision)}
         if not stream or resp.status != 200:
@@ -289,8 +339,10 @@ class Router:
                 endpoint.in_flight -= 1
             generated = 0
             if resp.status == 200:
-                with contextlib.suppress(ValueError, AttributeError, TypeError):
-                    usage = json.loads(data)["usage"]
+                with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+                    answer = json.loads(data)
+                    _resolve(live_text, answer_text(answer))
+                    usage = answer["usage"]
                     generated = int(usage["completion_tokens"])
                     self._count_tokens(labels, int(usage["prompt_tokens"]), generated)
                 elapsed = time.monotonic() - started
@@ -300,7 +352,7 @@ class Router:
             return Response(data, resp.status, headers=out_headers,
                             media_type=resp.headers.get("content-type", "application/json"))
         return StreamingResponse(
-            self._relay(resp, endpoint, labels, reservation, started),
+            self._relay(resp, endpoint, labels, reservation, started, live_text),
             headers={**out_headers, "cache-control": "no-cache"},
             media_type="text/event-stream")
 
@@ -309,13 +361,16 @@ class Router:
         self.metrics.tokens.labels(*labels, "generation").inc(generated)
 
     async def _relay(self, resp: aiohttp.ClientResponse, endpoint: EndpointLoad,
-                     labels: tuple[str, str, str], reservation: Reservation, started: float
+                     labels: tuple[str, str, str], reservation: Reservation, started: float,
+                     live_text: asyncio.Future[str | None] | None = None
                      ) -> AsyncIterator[bytes]:
-        """The engine's SSE frames, passed on as they arrive; usage read from the last one."""
+        """The engine's SSE frames, passed on as they arrive; usage read from the last one
+        (and the text collected when a shadow answer will be compared with it)."""
         first: float | None = None
         generated = 0
         code = "200"
         buffer = b""
+        pieces: list[str] | None = [] if live_text is not None else None
         try:
             async for chunk in resp.content.iter_any():
                 if first is None:
@@ -326,14 +381,18 @@ class Router:
                     frames, _, buffer = buffer.rpartition(b"\n\n")
                     if b'"usage"' in frames:
                         generated = self._usage_of(frames, labels) or generated
+                    if pieces is not None:
+                        pieces += stream_texts(frames)
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
             code = "stream_error"
+            pieces = None
             error = {"error": {"message": f"the replica failed mid-stream ({type(exc).__name__})"
                                "; the answer is incomplete", "type": "server_error",
                                "code": "upstream_failed"}}
             yield f"data: {json.dumps(error)}\n\n".encode()
         finally:
+            _resolve(live_text, "".join(pieces) if pieces is not None else None)
             resp.release()
             endpoint.in_flight -= 1
             now = time.monotonic()
@@ -354,7 +413,8 @@ class Router:
         return None
 
     async def _shadow(self, pool: PoolRoute, revision: str, path: str, body: dict[str, Any],
-                      headers: dict[str, str], text: str, tenant: str) -> None:
+                      headers: dict[str, str], text: str, tenant: str,
+                      live_text: asyncio.Future[str | None] | None) -> None:
         """A discarded copy on the shadow revision (non-streaming, capped), compared with the
         live answer of the same request when it is greedy (temperature 0)."""
         labels = (pool.name, short(revision))
@@ -388,12 +448,26 @@ class Router:
         shadow_labels = (pool.name, short(revision), "shadow")
         self.metrics.requests.labels(*shadow_labels, status).inc()
         self.metrics.e2e.labels(*shadow_labels).observe(time.monotonic() - started)
-        self.metrics.shadow.labels(*labels, outcome).inc()
+        shadow_text: str | None = None
+        capped = False
         if outcome == "answered":
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                usage = json.loads(data)["usage"]
+            with contextlib.suppress(ValueError, KeyError, TypeError, IndexError):
+                answer = json.loads(data)
+                shadow_text = answer_text(answer)
+                capped = answer["choices"][0].get("finish_reason") == "length"
+                usage = answer["usage"]
                 self._count_tokens(shadow_labels, int(usage["prompt_tokens"]),
                                    int(usage["completion_tokens"]))
+        if outcome == "answered" and live_text is not None and shadow_text is not None:
+            try:
+                live = await asyncio.wait_for(asyncio.shield(live_text), timeout=600)
+            except TimeoutError:
+                live = None
+            if live is not None:
+                outcome, diverged_at = compare(live, shadow_text, capped)
+                if diverged_at is not None:
+                    self.metrics.divergence.labels(*labels).observe(diverged_at)
+        self.metrics.shadow.labels(*labels, outcome).inc()
 
 
 def build_app(router: Router, ready: Callable[[], bool] = lambda: True) -> Starlette:

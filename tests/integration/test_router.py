@@ -220,10 +220,19 @@ def test_shadow_copies_are_served_discarded_and_not_charged(
         resp = chat(router, KEY_A, user=f"shadowed-{i}")
         assert resp.status_code == 200
         assert resp.headers["x-kvfleet-revision"] == STABLE[:12]  # live: stable only
+    with httpx.stream("POST", router.url + "/v1/chat/completions",  # a streamed one too
+                      headers={"authorization": f"Bearer {KEY_A}"},
+                      json={"model": "smol", "stream": True, "max_tokens": 6, "temperature": 0,
+                            "messages": [{"role": "user", "content": "Name a color."}]},
+                      timeout=60) as streamed:
+        assert streamed.status_code == 200
+        assert list(streamed.iter_lines())
     deadline = time.monotonic() + 30
-    while router.metric("kvfleet_router_requests_total", traffic="shadow") < 3:
+    while router.metric("kvfleet_router_requests_total", traffic="shadow") < 4:
         assert time.monotonic() < deadline, "the shadow copies were not served"
         time.sleep(0.2)
-    assert engines[CANARY].metrics()["kvfleet_engine_requests_total"] >= canary_before + 3
-    assert router.metric("kvfleet_router_shadow_comparisons_total", outcome="answered") >= 3
+    assert engines[CANARY].metrics()["kvfleet_engine_requests_total"] >= canary_before + 4
+    # Both revisions run the same weights here: every greedy answer is the same text.
+    time.sleep(0.3)
+    assert router.metric("kvfleet_router_shadow_comparisons_total", outcome="identical") == 4
     router.reconfigure(config(engines, 50, 0, token_file))

@@ -142,4 +142,9 @@ def test_promtool_accepts_the_exposition(engine: EngineServer) -> None:
     exposition = httpx.get(engine.base_url + "/metrics", timeout=10).content
     check = subprocess.run([binary("promtool"), "check", "metrics"], input=exposition,
                            capture_output=True, timeout=60)
-    assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
+    output = check.stdout.decode() + check.stderr.decode()
+    # The vllm:* gauges carry the names an InferencePool's endpoint picker reads; promtool's
+    # style lint objects to their ':' (exit 3, lint findings only), and to nothing else.
+    problems = [line for line in output.splitlines() if line.strip() and not (
+        line.startswith("vllm:") and "should not contain ':'" in line)]
+    assert check.returncode in (0, 3) and not problems, output

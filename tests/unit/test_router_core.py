@@ -268,3 +268,26 @@ def test_the_router_manifests_on_disk_are_the_generated_ones() -> None:
     role = next(m for m in on_disk if m["kind"] == "Role")
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert verbs == {"get", "list", "watch", "patch"}  # reads, and the quota status patch
+
+
+def test_engines_export_the_gauges_an_inference_pool_endpoint_picker_reads() -> None:
+    from kvfleet.engine.metrics import EngineMetrics, EngineStats
+
+    metrics = EngineMetrics("m", "r")
+    metrics.observe_stats(EngineStats(3, 2, 0.5, 0, 0, 0))
+    lines = metrics.exposition().decode().splitlines()
+    for name, value in [("vllm:num_requests_running", 3.0), ("vllm:num_requests_waiting", 2.0),
+                        ("vllm:kv_cache_usage_perc", 0.5)]:
+        assert f'{name}{{model="m",revision="r"}} {value}' in lines
+
+
+def test_shadow_answers_are_compared_as_far_as_the_shadow_cap_allows() -> None:
+    from kvfleet.router.server import compare, stream_texts
+
+    assert compare("The sky is blue.", "The sky is blue.", False) == ("identical", None)
+    assert compare("The sky is blue.", "The sky is red.", False) == ("diverged", 11)
+    assert compare("The sky is blue.", "The sky", True) == ("identical", None)  # capped
+    assert compare("The sky is blue.", "The sky", False) == ("length", None)  # stopped early
+    frames = (b'id: 0\ndata: {"choices":[{"delta":{"role":"assistant","content":"Hi"}}]}\n\n'
+              b'id: 1\ndata: {"choices":[{"text":" there"}]}\n\ndata: [DONE]')
+    assert stream_texts(frames) == ["Hi", " there"]
