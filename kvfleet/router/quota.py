@@ -190,9 +190,11 @@ class QuotaLedger:
         state.requests_total += 1
         return Reservation(tenant, input_tokens, max_output_tokens)
 
-    def settle(self, reservation: Reservation, output_tokens: int, now: float) -> None:
+    def settle(self, reservation: Reservation, output_tokens: int, now: float,
+               prompt_tokens: int | None = None) -> None:
         """The request ended having generated `output_tokens`: unused reserved output goes
-        back, the concurrency slot is freed. Idempotent."""
+        back, the concurrency slot is freed, and the prompt's estimate admission charged is
+        corrected to the engine's own count when known. Idempotent."""
         if reservation.settled:
             return
         reservation.settled = True
@@ -200,12 +202,15 @@ class QuotaLedger:
         if state is None:
             return
         state.in_flight = max(0, state.in_flight - 1)
-        state.tokens_total += reservation.input_tokens + output_tokens
-        bucket = state.buckets.get(OUTPUT_TPM)
-        if bucket is not None:
-            bucket.refill(now)
-            refund = max(0, reservation.output_reserved - output_tokens)
-            bucket.level = min(bucket.capacity, bucket.level + refund)
+        prompt = reservation.input_tokens if prompt_tokens is None else prompt_tokens
+        state.tokens_total += prompt + output_tokens
+        for resource, refund in ((OUTPUT_TPM, reservation.output_reserved - output_tokens),
+                                 (INPUT_TPM, reservation.input_tokens - prompt)):
+            bucket = state.buckets.get(resource)
+            if bucket is not None and refund:
+                bucket.refill(now)
+                # An underestimate is charged now: the level may go below zero for a while.
+                bucket.level = min(bucket.capacity, bucket.level + refund)
 
     def usage(self, tenant: str) -> tuple[int, int, int] | None:
         """(requests admitted, tokens used, in flight) since this router started."""

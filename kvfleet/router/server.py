@@ -70,10 +70,10 @@ class RouterOptions:
 
 
 def estimate_tokens(text: str) -> int:
-    """Prompt tokens reserved at admission: one per 3 UTF-8 bytes, rounded up (BPE tokenizers
+    """Prompt tokens charged at admission: one per 3 UTF-8 bytes, rounded up (BPE tokenizers
     of the supported families average ~4 bytes a token on English text, fewer on code and
-    other scripts). The reservation is settled to the engine's own count when the answer
-    ends."""
+    other scripts; the chat template's tokens are not counted). The charge is corrected to the
+    engine's own count (its tokenizer and template) when the answer ends."""
     return max(1, -(-len(text.encode()) // 3))
 
 
@@ -326,7 +326,7 @@ class Router:
             resp, endpoint = await self._connect(pool, revision, path, payload, headers, text,
                                                  tenant)
         except RouterError as exc:
-            self.ledger.settle(reservation, 0, time.monotonic())
+            self.ledger.settle(reservation, 0, time.monotonic(), 0)  # never served
             self.metrics.requests.labels(*labels, str(exc.status)).inc()
             _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
@@ -337,17 +337,18 @@ class Router:
             finally:
                 resp.release()
                 endpoint.in_flight -= 1
-            generated = 0
+            generated, prompt = 0, None
             if resp.status == 200:
                 with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
                     answer = json.loads(data)
                     _resolve(live_text, answer_text(answer))
                     usage = answer["usage"]
-                    generated = int(usage["completion_tokens"])
-                    self._count_tokens(labels, int(usage["prompt_tokens"]), generated)
+                    generated, prompt = int(usage["completion_tokens"]), int(
+                        usage["prompt_tokens"])
+                    self._count_tokens(labels, prompt, generated)
                 elapsed = time.monotonic() - started
                 self.metrics.e2e.labels(*labels).observe(elapsed)
-            self.ledger.settle(reservation, generated, time.monotonic())
+            self.ledger.settle(reservation, generated, time.monotonic(), prompt)
             self.metrics.requests.labels(*labels, str(resp.status)).inc()
             return Response(data, resp.status, headers=out_headers,
                             media_type=resp.headers.get("content-type", "application/json"))
@@ -367,7 +368,7 @@ class Router:
         """The engine's SSE frames, passed on as they arrive; usage read from the last one
         (and the text collected when a shadow answer will be compared with it)."""
         first: float | None = None
-        generated = 0
+        generated, prompt = 0, None
         code = "200"
         buffer = b""
         pieces: list[str] | None = [] if live_text is not None else None
@@ -379,8 +380,8 @@ class Router:
                 buffer += chunk
                 if b"\n\n" in buffer:
                     frames, _, buffer = buffer.rpartition(b"\n\n")
-                    if b'"usage"' in frames:
-                        generated = self._usage_of(frames, labels) or generated
+                    if b'"usage"' in frames and (usage := self._usage_of(frames, labels)):
+                        prompt, generated = usage
                     if pieces is not None:
                         pieces += stream_texts(frames)
                 yield chunk
@@ -396,20 +397,22 @@ class Router:
             resp.release()
             endpoint.in_flight -= 1
             now = time.monotonic()
-            self.ledger.settle(reservation, generated, now)
+            self.ledger.settle(reservation, generated, now, prompt)
             self.metrics.requests.labels(*labels, code).inc()
             self.metrics.e2e.labels(*labels).observe(now - started)
             if first is not None and generated > 1:
                 self.metrics.tpot.labels(*labels).observe((now - first) / (generated - 1))
 
-    def _usage_of(self, frames: bytes, labels: tuple[str, str, str]) -> int | None:
+    def _usage_of(self, frames: bytes, labels: tuple[str, str, str]
+                  ) -> tuple[int, int] | None:
+        """(prompt, completion) tokens of the frame that carries the usage, if any."""
         for line in frames.split(b"\n"):
             if line.startswith(b"data: {") and b'"usage"' in line:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     usage = json.loads(line[6:])["usage"]
-                    self._count_tokens(labels, int(usage["prompt_tokens"]),
-                                       int(usage["completion_tokens"]))
-                    return int(usage["completion_tokens"])
+                    counts = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+                    self._count_tokens(labels, *counts)
+                    return counts
         return None
 
     async def _shadow(self, pool: PoolRoute, revision: str, path: str, body: dict[str, Any],

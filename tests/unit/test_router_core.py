@@ -291,3 +291,14 @@ def test_shadow_answers_are_compared_as_far_as_the_shadow_cap_allows() -> None:
     frames = (b'id: 0\ndata: {"choices":[{"delta":{"role":"assistant","content":"Hi"}}]}\n\n'
               b'id: 1\ndata: {"choices":[{"text":" there"}]}\n\ndata: [DONE]')
     assert stream_texts(frames) == ["Hi", " there"]
+
+
+def test_the_prompt_estimate_is_corrected_to_the_engines_count() -> None:
+    ledger = QuotaLedger()
+    ledger.set_quotas({"team-a": ("llm/team-a", quota(input_tokens_per_minute=100))}, 0.0)
+    over = ledger.admit("team-a", 60, 1, now=0.0)  # estimated 60, the engine counted 20
+    ledger.settle(over, 1, now=0.0, prompt_tokens=20)
+    ledger.admit("team-a", 70, 1, now=0.0)  # 80 left, not 40
+    with pytest.raises(QuotaExceeded, match="inputTokensPerMinute"):
+        ledger.admit("team-a", 20, 1, now=0.0)
+    assert ledger.usage("team-a") == (2, 21, 1)
