@@ -129,6 +129,29 @@ def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
             time.sleep(1)
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         assert (ready["status"], ready["reason"]) == ("True", "Enforced")
+        # The traffic table in the pool's status is the Rollout controller's only lever: a
+        # change reaches requests within a second (here: every conversation to a canary
+        # revision that has no replica yet, then back).
+        kube.request("DELETE", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/"
+                     "tenantquotas/team-a")
+        pool_path = f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/servingpools/smol"
+        serving = kube.request("GET", pool_path)["status"]["servingRevision"]
+
+        def traffic(table: list[dict[str, object]]) -> float:
+            kube.request("PATCH", pool_path + "/status", {"status": {"traffic": table}},
+                         content_type="application/merge-patch+json")
+            return time.monotonic()
+
+        changed = traffic([{"revision": serving, "role": "stable", "weight": 0},
+                           {"revision": "c" * 64, "role": "canary", "weight": 100}])
+        while chat(router.url, KEY).status_code != 503:
+            assert time.monotonic() - changed < 1.0, "the traffic change took over a second"
+            time.sleep(0.05)
+        changed = traffic([{"revision": serving, "role": "stable", "weight": 100}])
+        while (resp := chat(router.url, KEY)).status_code != 200:
+            assert time.monotonic() - changed < 1.0, resp.text
+            time.sleep(0.05)
+        assert resp.headers["x-kvfleet-revision"] == serving[:12]
     finally:
         router.stop()
 

@@ -302,3 +302,24 @@ def test_the_prompt_estimate_is_corrected_to_the_engines_count() -> None:
     with pytest.raises(QuotaExceeded, match="inputTokensPerMinute"):
         ledger.admit("team-a", 20, 1, now=0.0)
     assert ledger.usage("team-a") == (2, 21, 1)
+
+
+def test_in_a_cluster_each_router_enforces_its_share_of_the_ready_routers() -> None:
+    from kvfleet.router.cluster import ClusterSource
+    from kvfleet.router.server import Router
+
+    router = Router(parse_config({}))
+    source = ClusterSource(api=None, router=router, namespace="llm")  # type: ignore[arg-type]
+    quota_obj = {"metadata": {"name": "a", "namespace": "llm", "uid": "q"},
+                 "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 10}}}
+    source.informers["quotas"].store.put(quota_obj)
+    for i, ready in enumerate((True, True, False)):
+        pod = engine_pod(f"router-{i}", "-", "-", f"10.1.0.{i}", ready=ready)
+        pod["metadata"]["uid"] = f"r{i}"  # type: ignore[index]
+        source.informers["routers"].store.put(pod)
+    source.rebuild()
+    assert router.ledger.replicas == 2  # the Ready ones
+    for _ in range(5):
+        router.ledger.admit("team-a", 1, 1, 0.0)
+    with pytest.raises(QuotaExceeded, match="1/2 share"):
+        router.ledger.admit("team-a", 1, 1, 0.0)
