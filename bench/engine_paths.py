@@ -20,12 +20,9 @@ level builds its kernels (and times the matmul paths) before anything is measure
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 import time
+
+import isa_levels
 
 SETTINGS: dict[str, dict[str, str]] = {
     "default": {},
@@ -68,39 +65,25 @@ def child(threads: int | None) -> None:
         first = run(ids, 1)
         total = run(ids, OUTPUT_TOKENS)
         result[f"decode_{n}_tok_s"] = n * (OUTPUT_TOKENS - 1) / max(total - first, 1e-9)
-    print("RESULT " + json.dumps(result))
+    print(isa_levels.result_line(result))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", default=None,
-                        help="comma-separated levels (default: every level this CPU runs)")
+    parser = isa_levels.parser(__doc__)
     parser.add_argument("--settings", default=",".join(SETTINGS))
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.threads)
         return 0
-    from kvfleet.engine import native
-
-    targets = args.targets.split(",") if args.targets else native.supported_targets()
-    print(f"CPU: {native.cpu_model()}; levels it runs: {', '.join(native.supported_targets())}")
-    for target in targets:
+    for target in isa_levels.targets(args):
         print(f"\n== {target}: cold prefill of {PROMPT_TOKENS} tokens (ms, lower is better); "
               f"decode of {OUTPUT_TOKENS} tokens (tok/s, higher is better)", flush=True)
         results: dict[str, dict[str, float]] = {}
         for name in args.settings.split(","):
-            env = dict(os.environ, **{native.TARGET_ENV: target}, **SETTINGS[name])
-            cmd = [sys.executable, __file__, "--child"] + (
-                ["--threads", str(args.threads)] if args.threads else [])
-            done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode != 0 or not lines:
-                print(f"  {name}: failed (exit {done.returncode})")
+            result = isa_levels.run_child(__file__, target, args.threads, SETTINGS[name])
+            if result is None:
                 continue
-            results[name] = json.loads(lines[-1][len("RESULT "):])
+            results[name] = result
             base = results.get("default", results[name])
             r = results[name]
             print(f"  {name:16s} prefill {r['prefill_ms']:8.1f} ms "

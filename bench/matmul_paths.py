@@ -13,12 +13,10 @@ same run, with `plan` = the measured choice per shape (what the engine runs).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
 from collections import Counter
+
+import isa_levels
 
 
 def child(threads: int | None) -> None:
@@ -44,7 +42,7 @@ def child(threads: int | None) -> None:
     result = {"target": native.cpu_target()[0], "threads": torch.get_num_threads(),
               "uses": dict(uses), "timings": plan.timings,
               "choices": {k: [c.max_rows, c.paths] for k, c in plan.choices.items()}}
-    print("RESULT " + json.dumps(result))
+    print(isa_levels.result_line(result))
 
 
 def forward_pass(result: dict) -> dict[int, dict[str, float]]:
@@ -65,31 +63,15 @@ def forward_pass(result: dict) -> dict[int, dict[str, float]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--targets", default=None,
-                        help="comma-separated levels (default: every level this CPU runs)")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = isa_levels.parser(__doc__).parse_args()
     if args.child:
         child(args.threads)
         return 0
-    from kvfleet.engine import native
-
-    targets = args.targets.split(",") if args.targets else native.supported_targets()
-    print(f"CPU: {native.cpu_model()}; levels it runs: {', '.join(native.supported_targets())}")
-    for target in targets:
+    for target in isa_levels.targets(args):
         print(f"\n== {target}", flush=True)
-        env = dict(os.environ, **{native.TARGET_ENV: target})
-        cmd = [sys.executable, __file__, "--child"] + (
-            ["--threads", str(args.threads)] if args.threads else [])
-        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode != 0 or not lines:
-            print(f"{target}: the measurement failed (exit {done.returncode})")
+        result = isa_levels.run_child(__file__, target, args.threads)
+        if result is None:
             continue
-        result = json.loads(lines[-1][len("RESULT "):])
         print(f"one forward pass's weight matmuls, {result['threads']} threads "
               "(ms; ratio to torch.mm in this run):")
         for rows, by_path in sorted(forward_pass(result).items()):

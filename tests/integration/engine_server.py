@@ -67,33 +67,38 @@ class EngineServer:
 
 
 @contextmanager
-def running_server(*flags: str, ready_timeout: float = 180.0,
-                   torch_threads: int = 2) -> Iterator[EngineServer]:
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="kvfleet-serve-") as tmp:
-        log_path = Path(tmp) / "server.log"
+def running_kvfleet(*argv: str, port: int, ready_timeout: float = 180.0,
+                    env: dict[str, str] | None = None
+                    ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """`kvfleet <argv>` as a process until its /ready answers 200 on `port`; always stopped
+    (SIGTERM, then SIGKILL). Yields the process and its log file."""
+    with tempfile.TemporaryDirectory(prefix=f"kvfleet-{argv[0]}-") as tmp:
+        log_path = Path(tmp) / f"{argv[0]}.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "kvfleet", "serve", "--port", str(port), *flags],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch_threads)})
-        server = EngineServer(f"http://127.0.0.1:{port}", process, log_path)
+                [sys.executable, "-m", "kvfleet", *argv], cwd=ROOT, stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+        def tail() -> str:
+            return "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+
         try:
             deadline = time.monotonic() + ready_timeout
             while True:
                 if process.poll() is not None:
-                    raise RuntimeError(f"kvfleet serve exited with {process.returncode}:\n"
-                                       + "\n".join(server.log_lines()[-30:]))
+                    raise RuntimeError(f"kvfleet {argv[0]} exited with {process.returncode}:\n"
+                                       + tail())
                 try:
-                    if httpx.get(server.base_url + "/ready", timeout=2).status_code == 200:
+                    url = f"http://127.0.0.1:{port}/ready"
+                    if httpx.get(url, timeout=2).status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError("kvfleet serve not ready in time:\n"
-                                       + "\n".join(server.log_lines()[-30:]))
+                    raise RuntimeError(f"kvfleet {argv[0]} not ready in time:\n" + tail())
                 time.sleep(0.2)
-            yield server
+            yield process, log_path
         finally:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -102,3 +107,13 @@ def running_server(*flags: str, ready_timeout: float = 180.0,
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait(10)
+
+
+@contextmanager
+def running_server(*flags: str, ready_timeout: float = 180.0,
+                   torch_threads: int = 2) -> Iterator[EngineServer]:
+    port = free_port()
+    with running_kvfleet("serve", "--port", str(port), *flags, port=port,
+                         ready_timeout=ready_timeout,
+                         env={"OMP_NUM_THREADS": str(torch_threads)}) as (process, log_path):
+        yield EngineServer(f"http://127.0.0.1:{port}", process, log_path)

@@ -5,10 +5,7 @@ shadow copies and a config change applied while serving."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -19,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from engine_server import ROOT, EngineServer, free_port, running_server
+from engine_server import EngineServer, free_port, running_kvfleet, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -92,33 +89,10 @@ def router(engines: dict[str, EngineServer], token_file: Path) -> Iterator[Route
     with tempfile.TemporaryDirectory(prefix="kvfleet-router-") as tmp:
         path = Path(tmp) / "router.yaml"
         path.write_text(yaml.safe_dump(config(engines, 50, 0, token_file)))
-        log = (Path(tmp) / "router.log").open("wb")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvfleet", "router", "--config", str(path), "--port",
-             str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
-        proc = RouterProcess(path, port, process)
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(proc.url + "/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert process.poll() is None, (Path(tmp) / "router.log").read_text()
-                assert time.monotonic() < deadline, "router not ready in 60 s"
-                time.sleep(0.2)
+        with running_kvfleet("router", "--config", str(path), "--port", str(port), port=port,
+                             ready_timeout=60) as (process, _):
             time.sleep(0.5)  # a first scrape of the engines' load
-            yield proc
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
-            log.close()
+            yield RouterProcess(path, port, process)
 
 
 def chat(router: RouterProcess, key: str | None, **extra: Any) -> httpx.Response:
