@@ -7,7 +7,7 @@ on), so the engine does not assume: at its first start on a host it times every 
 model's real weight shapes at a few row counts, in this process with its threads, and each
 weight then uses the fastest path for the row count of each call. The timings are cached per
 CPU model, ISA level, thread count, kernel sources and torch version
-(`$KVFLEET_KERNEL_CACHE/matmul-plans/`), so later starts read them, and the table chosen is
+(`plan_cache_root()`), so later starts read them, and the table chosen is
 logged. A weight keeps a second representation (e.g. MKL's float32 beside its 4-bit blocks,
 ~4x the bytes) only where the single best path would be more than `SECOND_PATH_GAIN` slower at
 some measured row count.
@@ -51,6 +51,7 @@ SECOND_PATH_GAIN = 0.15
 PREFERENCE = ("quant", "mkl", "torch")
 SWITCH_GAIN = 0.10
 PLAN_VERSION = 2
+PLAN_CACHE_ENV = "KVFLEET_PLAN_CACHE"
 
 Timings = dict[int, dict[str, float]]  # rows -> path -> seconds per call
 
@@ -222,7 +223,15 @@ def _cache_file(samples: Sequence[ShapeSample], paths: Sequence[str]) -> Path:
         "rows": [ROW_COUNTS, LM_HEAD_ROW_COUNTS], "gain": SECOND_PATH_GAIN,
     }, sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return native.cache_root() / "matmul-plans" / f"{target}-{digest}.json"
+    return plan_cache_root() / f"{target}-{digest}.json"
+
+
+def plan_cache_root() -> Path:
+    """Where measured plans are kept: `$KVFLEET_PLAN_CACHE`, default
+    `~/.cache/kvfleet/matmul-plans` (writable by the engine; the kernel folder of an image is
+    not)."""
+    return Path(os.environ.get(PLAN_CACHE_ENV) or
+                Path.home() / ".cache" / "kvfleet" / "matmul-plans")
 
 
 def _read(path: Path) -> MatmulPlan | None:

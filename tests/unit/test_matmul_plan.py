@@ -99,7 +99,7 @@ def test_measured_plans_are_cached_per_host_and_logged(
     quant: QuantKernel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(matmul_plan.PLAN_CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(matmul_plan, "ROW_COUNTS", (1, 8))
     measured: list[int] = []
     real_measure = matmul_plan.measure
@@ -116,7 +116,7 @@ def test_measured_plans_are_cached_per_host_and_logged(
     assert measured == [1]  # the second start read the cache
     assert first == second and set(first.timings["o:96x64:Q4_1"]) == {1, 8}
     assert set(first.timings["o:96x64:Q4_1"][1]) == {"quant", "torch"}
-    assert len(list((tmp_path / "matmul-plans").glob("*.json"))) == 1
+    assert len(list(tmp_path.glob("*.json"))) == 1
     tables = [r.getMessage() for r in caplog.records if "weight matmul paths for" in r.getMessage()]
     assert len(tables) == 2 and "o:96x64:Q4_1" in tables[0] and "1 rows" in tables[0]
     # Another set of paths (here: MKL available too) is another plan, measured anew.
@@ -129,10 +129,10 @@ def test_measured_plans_are_cached_per_host_and_logged(
 def test_a_corrupt_cache_file_is_measured_again(
     quant: QuantKernel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(matmul_plan.PLAN_CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(matmul_plan, "ROW_COUNTS", (1,))
     plan_for([sample()], None, quant)
-    [cached] = (tmp_path / "matmul-plans").glob("*.json")
+    [cached] = tmp_path.glob("*.json")
     cached.write_text("{not json")
     plan = plan_for([sample()], None, quant)
     assert set(plan.timings["o:96x64:Q4_1"]) == {1}
