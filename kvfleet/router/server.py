@@ -127,6 +127,86 @@ def compare(live: str, shadow: str, shadow_capped: bool) -> tuple[str, int | Non
     return "length", None
 
 
+class _Relay:
+    """One live stream: the engine's SSE frames passed on as they arrive, usage read from the
+    last one (and the text collected when a shadow answer will be compared with it). `close`
+    releases what the request holds (the upstream connection, the replica's in-flight count,
+    the quota reservation) exactly once, whether the stream ended, failed, or never started."""
+
+    def __init__(self, router: Router, resp: aiohttp.ClientResponse, endpoint: EndpointLoad,
+                 labels: tuple[str, str, str], reservation: Reservation, started: float,
+                 live_text: asyncio.Future[str | None] | None) -> None:
+        self.router, self.resp, self.endpoint, self.labels = router, resp, endpoint, labels
+        self.reservation, self.started, self.live_text = reservation, started, live_text
+        self.first: float | None = None
+        self.generated = 0
+        self.prompt: int | None = None
+        self.code = "200"
+        self.pieces: list[str] | None = [] if live_text is not None else None
+        self.closed = False
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        metrics, buffer = self.router.metrics, b""
+        try:
+            async for chunk in self.resp.content.iter_any():
+                if self.first is None:
+                    self.first = time.monotonic()
+                    metrics.ttft.labels(*self.labels).observe(self.first - self.started)
+                buffer += chunk
+                if b"\n\n" in buffer:
+                    frames, _, buffer = buffer.rpartition(b"\n\n")
+                    if b'"usage"' in frames and (
+                            usage := self.router._usage_of(frames, self.labels)):
+                        self.prompt, self.generated = usage
+                    if self.pieces is not None:
+                        self.pieces += stream_texts(frames)
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.code = "stream_error"
+            self.pieces = None
+            error = {"error": {"message": f"the replica failed mid-stream ({type(exc).__name__})"
+                               "; the answer is incomplete", "type": "server_error",
+                               "code": "upstream_failed"}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.first is None and self.code == "200":
+            self.code = "client_gone"  # before the first byte reached the client
+        _resolve(self.live_text, "".join(self.pieces) if self.pieces is not None else None)
+        self.resp.release()
+        self.endpoint.in_flight -= 1
+        now = time.monotonic()
+        metrics = self.router.metrics
+        self.router.ledger.settle(self.reservation, self.generated, now, self.prompt)
+        metrics.requests.labels(*self.labels, self.code).inc()
+        metrics.e2e.labels(*self.labels).observe(now - self.started)
+        if self.first is not None and self.generated > 1:
+            metrics.tpot.labels(*self.labels).observe(
+                (now - self.first) / (self.generated - 1))
+
+
+class _RelayResponse(StreamingResponse):
+    """A streamed answer that calls `on_close` however it ends: a client gone before the first
+    chunk means the generator never starts, and a generator that never started runs no
+    `finally`."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 def _resolve(future: asyncio.Future[str | None] | None, value: str | None) -> None:
     if future is not None and not future.done():
         future.set_result(value)
@@ -262,8 +342,10 @@ class Router:
         plan = pool.table.route(pool.name, tenant, session, request_id)
         quota = self.ledger.quota(tenant)
         body.pop("model", None)  # the engine serves one model under its own name
-        if quota is not None:
-            body.setdefault("priority", PRIORITY[quota.priority_class])
+        # The quota's class is the most urgent a tenant gets; a client may ask for less.
+        floor = PRIORITY[quota.priority_class if quota is not None else PriorityClass.STANDARD]
+        asked = body.get("priority")
+        body["priority"] = max(floor, asked) if isinstance(asked, int) else floor
         headers = {TENANT_HEADER: tenant, "x-request-id": request_id,
                    "content-type": "application/json"}
         if pool.router_token is not None:
@@ -334,6 +416,13 @@ class Router:
         if not stream or resp.status != 200:
             try:
                 data = await resp.read()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                self.ledger.settle(reservation, 0, time.monotonic(), 0)  # no answer
+                self.metrics.requests.labels(*labels, "502").inc()
+                _resolve(live_text, None)
+                failed = RouterError(f"the replica {endpoint.address} failed while answering "
+                                     f"({type(exc).__name__}); retry")
+                return JSONResponse(failed.body(), 502)
             finally:
                 resp.release()
                 endpoint.in_flight -= 1
@@ -352,56 +441,15 @@ class Router:
             self.metrics.requests.labels(*labels, str(resp.status)).inc()
             return Response(data, resp.status, headers=out_headers,
                             media_type=resp.headers.get("content-type", "application/json"))
-        return StreamingResponse(
-            self._relay(resp, endpoint, labels, reservation, started, live_text),
+        relay = _Relay(self, resp, endpoint, labels, reservation, started, live_text)
+        return _RelayResponse(
+            relay.frames(), relay.close,
             headers={**out_headers, "cache-control": "no-cache"},
             media_type="text/event-stream")
 
     def _count_tokens(self, labels: tuple[str, str, str], prompt: int, generated: int) -> None:
         self.metrics.tokens.labels(*labels, "prompt").inc(prompt)
         self.metrics.tokens.labels(*labels, "generation").inc(generated)
-
-    async def _relay(self, resp: aiohttp.ClientResponse, endpoint: EndpointLoad,
-                     labels: tuple[str, str, str], reservation: Reservation, started: float,
-                     live_text: asyncio.Future[str | None] | None = None
-                     ) -> AsyncIterator[bytes]:
-        """The engine's SSE frames, passed on as they arrive; usage read from the last one
-        (and the text collected when a shadow answer will be compared with it)."""
-        first: float | None = None
-        generated, prompt = 0, None
-        code = "200"
-        buffer = b""
-        pieces: list[str] | None = [] if live_text is not None else None
-        try:
-            async for chunk in resp.content.iter_any():
-                if first is None:
-                    first = time.monotonic()
-                    self.metrics.ttft.labels(*labels).observe(first - started)
-                buffer += chunk
-                if b"\n\n" in buffer:
-                    frames, _, buffer = buffer.rpartition(b"\n\n")
-                    if b'"usage"' in frames and (usage := self._usage_of(frames, labels)):
-                        prompt, generated = usage
-                    if pieces is not None:
-                        pieces += stream_texts(frames)
-                yield chunk
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            code = "stream_error"
-            pieces = None
-            error = {"error": {"message": f"the replica failed mid-stream ({type(exc).__name__})"
-                               "; the answer is incomplete", "type": "server_error",
-                               "code": "upstream_failed"}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
-        finally:
-            _resolve(live_text, "".join(pieces) if pieces is not None else None)
-            resp.release()
-            endpoint.in_flight -= 1
-            now = time.monotonic()
-            self.ledger.settle(reservation, generated, now, prompt)
-            self.metrics.requests.labels(*labels, code).inc()
-            self.metrics.e2e.labels(*labels).observe(now - started)
-            if first is not None and generated > 1:
-                self.metrics.tpot.labels(*labels).observe((now - first) / (generated - 1))
 
     def _usage_of(self, frames: bytes, labels: tuple[str, str, str]
                   ) -> tuple[int, int] | None:
