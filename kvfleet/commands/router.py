@@ -42,6 +42,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="with --config: router replicas sharing the limits (each enforces 1/N "
                         "of each); in a cluster the router counts its Ready pods")
+    p.add_argument("--pick", choices=["affinity", "round-robin"], default="affinity",
+                   help="replica choice: load then prefix affinity (default), or round-robin "
+                        "(a baseline for benchmarks)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -109,9 +112,9 @@ async def _watch(path: Path, router: Any) -> None:
 async def _serve(args: argparse.Namespace, state: Any) -> int:
     import uvicorn
 
-    from kvfleet.router.server import Router, build_app
+    from kvfleet.router.server import Router, RouterOptions, build_app
 
-    router = Router(state)
+    router = Router(state, RouterOptions(pick_policy=args.pick))
     tasks = [asyncio.create_task(router.scrape_forever())]
     api = None
     if args.config is not None:

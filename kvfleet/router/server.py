@@ -67,6 +67,9 @@ class RouterOptions:
     scrape_interval: float = 0.2
     stale_after: float = 1.0
     connect_timeout: float = 2.0
+    # "affinity" (load, then prefix affinity) or "round-robin" (the baseline it is measured
+    # against in bench/router_prefix.py).
+    pick_policy: str = "affinity"
 
 
 def estimate_tokens(text: str) -> int:
@@ -220,6 +223,7 @@ class Router:
         self.state = RouterState()
         self._session: aiohttp.ClientSession | None = None
         self._shadow_in_flight = 0
+        self._turn = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.update(state)
 
@@ -375,8 +379,13 @@ class Router:
         tried: set[str] = set()
         last: str = "no Ready replica"
         for _ in range(self.options.max_attempts):
-            endpoint = pick(pool.ready(revision), tenant, text, time.monotonic(),
-                            stale_after=self.options.stale_after, exclude=frozenset(tried))
+            if self.options.pick_policy == "round-robin":
+                ready = [e for e in pool.ready(revision) if e.address not in tried]
+                self._turn += 1
+                endpoint = ready[self._turn % len(ready)] if ready else None
+            else:
+                endpoint = pick(pool.ready(revision), tenant, text, time.monotonic(),
+                                stale_after=self.options.stale_after, exclude=frozenset(tried))
             if endpoint is None:
                 break
             tried.add(endpoint.address)
