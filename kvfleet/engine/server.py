@@ -451,6 +451,14 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
                                          root=model.name, max_model_len=model.max_context,
                                          revision=model.revision)])
 
+    @app.get("/tokenizer.json", include_in_schema=False)
+    async def tokenizer_json() -> Response:
+        """The model's tokenizer (HF tokenizer.json): the router counts prompt tokens with the
+        same pipeline before admitting a request to a TenantQuota's token budget."""
+        engine = loaded()
+        return Response(engine.tokenizer.to_json(), media_type="application/json",
+                        headers={"x-kvfleet-revision": engine.model.revision})
+
     @app.get("/health", response_model=HealthResponse)
     async def health() -> HealthResponse:
         return HealthResponse(state=lifecycle.state.value)

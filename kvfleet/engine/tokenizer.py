@@ -128,6 +128,12 @@ class Tokenizer:
         text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
 
+    def to_json(self) -> str:
+        """The pipeline as HF `tokenizer.json` text (what `tokenizers.Tokenizer.from_str`
+        reads back): served to the router, which counts prompt tokens with it."""
+        text: str = self._backend.to_str()
+        return text
+
     def save(self, path: str | Path) -> None:
         """Write the pipeline as an HF `tokenizer.json` (e.g. to ship it next to safetensors)."""
         self._backend.save(str(path))

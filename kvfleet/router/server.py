@@ -43,6 +43,7 @@ from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.picker import EndpointLoad, pick
 from kvfleet.router.quota import QuotaLedger, Reservation
 from kvfleet.router.state import PoolRoute, RouterState, short
+from kvfleet.router.tokens import TokenCounter, texts_of
 
 log = logging.getLogger(__name__)
 
@@ -70,30 +71,6 @@ class RouterOptions:
     # "affinity" (load, then prefix affinity) or "round-robin" (the baseline it is measured
     # against in bench/router_prefix.py).
     pick_policy: str = "affinity"
-
-
-def estimate_tokens(text: str) -> int:
-    """Prompt tokens charged at admission: one per 3 UTF-8 bytes, rounded up (BPE tokenizers
-    of the supported families average ~4 bytes a token on English text, fewer on code and
-    other scripts; the chat template's tokens are not counted). The charge is corrected to the
-    engine's own count (its tokenizer and template) when the answer ends."""
-    return max(1, -(-len(text.encode()) // 3))
-
-
-def prompt_text(body: dict[str, Any]) -> str:
-    if "messages" in body:
-        parts = []
-        for message in body.get("messages") or []:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):
-                parts += [p.get("text", "") for p in content if isinstance(p, dict)]
-        return "\n".join(parts)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        return " ".join(str(p) for p in prompt)
-    return str(prompt or "")
 
 
 def answer_text(answer: dict[str, Any]) -> str:
@@ -224,6 +201,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._shadow_in_flight = 0
         self._turn = 0
+        self.tokens = TokenCounter(lambda: self.session)
         self._tasks: set[asyncio.Task[None]] = set()
         self.update(state)
 
@@ -249,6 +227,7 @@ class Router:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tokens.close()
         if self._session is not None:
             await self._session.close()
 
@@ -328,12 +307,19 @@ class Router:
             pool_name = pool.name
             if pool.table is None:
                 raise NoEndpoint(f"pool {pool.name!r} serves no revision yet")
-            text = prompt_text(body)
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or \
                 DEFAULT_MAX_TOKENS[path]
             if not isinstance(max_tokens, int) or max_tokens < 1:
                 raise BadRequest("max_tokens: must be a positive integer", "max_tokens")
-            reservation = self.ledger.admit(tenant, estimate_tokens(text), max_tokens,
+            request_id = request.headers.get("x-request-id") or f"rtr-{uuid.uuid4().hex[:16]}"
+            session = str(body.get("user") or request.headers.get(SESSION_HEADER) or
+                          request_id)
+            plan = pool.table.route(pool.name, tenant, session, request_id)
+            texts, messages = texts_of(body)
+            text = "\n".join(texts)
+            prompt_tokens = self.tokens.count(
+                plan.live, texts, messages, [e.address for e in pool.ready(plan.live)])
+            reservation = self.ledger.admit(tenant, prompt_tokens, max_tokens,
                                             time.monotonic())
         except RouterError as exc:
             reason = exc.limit if isinstance(exc, QuotaExceeded) else exc.code
@@ -341,9 +327,6 @@ class Router:
                 reason = "unauthorized"
             self.metrics.rejections.labels(pool_name, reason).inc()
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
-        request_id = request.headers.get("x-request-id") or f"rtr-{uuid.uuid4().hex[:16]}"
-        session = str(body.get("user") or request.headers.get(SESSION_HEADER) or request_id)
-        plan = pool.table.route(pool.name, tenant, session, request_id)
         quota = self.ledger.quota(tenant)
         body.pop("model", None)  # the engine serves one model under its own name
         # The quota's class is the most urgent a tenant gets; a client may ask for less.

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 STABLE, CANARY = "a" * 64, "b" * 64
 KEY_A, KEY_B = "sk-team-a-0123456789abcdef", "sk-team-b-0123456789abcdef"
+KEY_C = "sk-team-c-0123456789abcdef"
 TOKEN = "router-proof-0123456789abcdef0123"
 
 
@@ -43,6 +44,8 @@ def config(engines: dict[str, EngineServer], canary: int, shadow: int, token_fil
              "quota": {"limits": {"requestsPerMinute": 1000, "maxConcurrentRequests": 8}}},
             {"tenant": "team-b", "keys": [KEY_B],
              "quota": {"limits": {"requestsPerMinute": 3}, "allowedPools": ["smol"]}},
+            {"tenant": "team-c", "keys": [KEY_C],
+             "quota": {"limits": {"inputTokensPerMinute": 40}}},
         ],
     }
 
@@ -210,3 +213,24 @@ def test_shadow_copies_are_served_discarded_and_not_charged(
     time.sleep(0.3)
     assert router.metric("kvfleet_router_shadow_comparisons_total", outcome="identical") == 4
     router.reconfigure(config(engines, 50, 0, token_file))
+
+
+def test_prompt_tokens_are_counted_with_the_pools_tokenizer(
+    router: RouterProcess, engines: dict[str, EngineServer],
+) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(httpx.get(engines[STABLE].base_url + "/tokenizer.json").text)
+    content = "Kubernetes operators reconcile desired state. " * 12
+    exact = len(tokenizer.encode(content, add_special_tokens=False).ids) + 4  # + ChatML markup
+    chat(router, KEY_C, user="tok", max_tokens=1)  # the first one fetches the tokenizer
+    deadline = time.monotonic() + 10
+    while True:
+        resp = chat(router, KEY_C, user="tok", max_tokens=1,
+                    messages=[{"role": "user", "content": content}])
+        assert resp.status_code == 429, resp.text  # over 40 prompt tokens either way
+        if f"needs {exact} prompt tokens" in resp.json()["error"]["message"]:
+            break
+        assert time.monotonic() < deadline, resp.json()["error"]["message"]
+        time.sleep(0.2)
+    assert exact < len(content.encode()) // 3  # the estimate would have charged more

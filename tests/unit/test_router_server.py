@@ -12,6 +12,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvfleet.router.server import Router, build_app
 from kvfleet.router.state import parse_config
@@ -37,8 +38,12 @@ async def upstream() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
         return web.json_response({"id": "x", "choices": [{"message": {"content": "ok"}}],
                                   "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
 
+    async def tokenizer_json(_: web.Request) -> web.Response:
+        return web.Response(text=word_tokenizer().to_str(), content_type="application/json")
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/tokenizer.json", tokenizer_json)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -46,6 +51,14 @@ async def upstream() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     yield f"127.0.0.1:{port}", seen
     await runner.cleanup()
+
+
+def word_tokenizer() -> Tokenizer:
+    """A tokenizer that makes one token of each word."""
+    vocab = {w: i for i, w in enumerate(["[UNK]", "hi", "there", "die"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer
 
 
 def make_router(address: str) -> Router:
@@ -98,5 +111,25 @@ async def test_a_replica_failing_mid_answer_gives_502_and_frees_the_tenants_slot
         assert router.ledger.usage("team-a") == (1, 0, 0)  # nothing in flight, nothing charged
         await asyncio.sleep(0)
         assert all(e.in_flight == 0 for e in router.state.all_endpoints())
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+async def test_prompt_tokens_are_counted_with_the_revisions_own_tokenizer(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    address, _ = upstream
+    router = make_router(address)
+    try:
+        words = "hi there " * 30  # 60 words, 270 bytes
+        before = router.tokens.count(REVISION, [words], 1, [address])
+        assert before == 270 // 3 + 4  # not fetched yet: the upper bound
+        for _ in range(100):
+            if router.tokens.known(REVISION):
+                break
+            await asyncio.sleep(0.02)
+        assert router.tokens.count(REVISION, [words], 1, [address]) == 60 + 4
+        assert router.tokens.count(REVISION, [words, "hi"], 2, [address]) == 61 + 8
     finally:
         await router.close()

@@ -1,0 +1,107 @@
+"""Prompt tokens counted at admission with the pool's own tokenizer.
+
+Each revision's engines serve their tokenizer (`GET /tokenizer.json`, HF's format); the router
+fetches it once per revision, in the background, and counts a request's prompt with it: the
+message contents (or the prompt) plus `PER_MESSAGE` tokens a message for the chat template's
+markup. Until a revision's tokenizer has arrived (or if it cannot be had), the count is an upper
+bound, one token per 3 UTF-8 bytes. Either way the charge is corrected to the engine's own count
+(its template included) when the answer ends (`QuotaLedger.settle`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import aiohttp
+from tokenizers import Tokenizer
+
+log = logging.getLogger("kvfleet.router")
+
+PER_MESSAGE = 4  # e.g. "<|im_start|>user\n" ... "<|im_end|>\n" in ChatML
+RETRY_SECONDS = 30.0
+
+
+def estimate(text: str) -> int:
+    return max(1, -(-len(text.encode()) // 3))
+
+
+def texts_of(body: dict[str, Any]) -> tuple[list[str], int]:
+    """(the texts of the prompt, how many chat messages carry them: 0 for a completion)."""
+    if "messages" in body:
+        texts = []
+        messages = body.get("messages") or []
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                texts += [str(p.get("text", "")) for p in content if isinstance(p, dict)]
+        return texts, len(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        return [" ".join(str(p) for p in prompt)], 0
+    return [str(prompt or "")], 0
+
+
+class TokenCounter:
+    """Revision -> its tokenizer, fetched from one of its engines on first need."""
+
+    def __init__(self, session: Callable[[], aiohttp.ClientSession]) -> None:
+        self._session = session
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self._failed_at: dict[str, float] = {}
+        self._fetching: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def known(self, revision: str) -> bool:
+        return revision in self._tokenizers
+
+    def count(self, revision: str, texts: Sequence[str], messages: int,
+              addresses: Sequence[str]) -> int:
+        """Prompt tokens of the request on `revision`; starts fetching its tokenizer from one
+        of `addresses` if it is not here yet (this request then gets the upper bound)."""
+        tokenizer = self._tokenizers.get(revision)
+        if tokenizer is None:
+            self._fetch_later(revision, addresses)
+            return sum(estimate(t) for t in texts) + PER_MESSAGE * messages
+        ids = sum(len(e.ids) for e in tokenizer.encode_batch(list(texts), add_special_tokens=False))
+        return max(1, ids + PER_MESSAGE * messages)
+
+    def _fetch_later(self, revision: str, addresses: Sequence[str]) -> None:
+        failed = self._failed_at.get(revision)
+        if not addresses or revision in self._fetching or (
+                failed is not None and time.monotonic() - failed < RETRY_SECONDS):
+            return
+        self._fetching.add(revision)
+        task = asyncio.get_running_loop().create_task(self._fetch(revision, list(addresses)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fetch(self, revision: str, addresses: list[str]) -> None:
+        try:
+            for address in addresses:
+                try:
+                    async with self._session().get(
+                            f"http://{address}/tokenizer.json",
+                            timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                        if resp.status != 200:
+                            continue
+                        text = await resp.text()
+                    self._tokenizers[revision] = Tokenizer.from_str(text)
+                    log.info("tokenizer of revision %s loaded from %s", revision[:12], address)
+                    return
+                except Exception as exc:  # network, HTTP, or tokenizers' bare Exception
+                    log.warning("tokenizer of revision %s not loaded from %s (%s)",
+                                revision[:12], address, type(exc).__name__)
+            self._failed_at[revision] = time.monotonic()
+        finally:
+            self._fetching.discard(revision)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
