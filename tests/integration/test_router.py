@@ -234,3 +234,27 @@ def test_prompt_tokens_are_counted_with_the_pools_tokenizer(
         assert time.monotonic() < deadline, resp.json()["error"]["message"]
         time.sleep(0.2)
     assert exact < len(content.encode()) // 3  # the estimate would have charged more
+
+
+def test_two_router_replicas_hold_the_fleet_wide_limit(
+    engines: dict[str, EngineServer], token_file: Path,
+) -> None:
+    """Each of two routers enforces its half of a limit, so the two together never admit more
+    than the TenantQuota allows, however a client spreads its requests."""
+    data = config(engines, 0, 0, token_file)
+    data["tenants"] = [{"tenant": "team-d", "keys": [KEY_C],
+                        "quota": {"limits": {"requestsPerMinute": 4}}}]
+    with tempfile.TemporaryDirectory(prefix="kvfleet-router-") as tmp:
+        path = Path(tmp) / "router.yaml"
+        path.write_text(yaml.safe_dump(data))
+        ports = [free_port(), free_port()]
+        with running_kvfleet("router", "--config", str(path), "--port", str(ports[0]),
+                             "--replicas", "2", port=ports[0], ready_timeout=60) as (p0, _), \
+                running_kvfleet("router", "--config", str(path), "--port", str(ports[1]),
+                                "--replicas", "2", port=ports[1], ready_timeout=60) as (p1, _):
+            routers = [RouterProcess(path, port, proc)
+                       for port, proc in zip(ports, (p0, p1), strict=True)]
+            codes = [chat(routers[i % 2], KEY_C, max_tokens=1).status_code for i in range(6)]
+            assert sorted(codes) == [200, 200, 200, 200, 429, 429], codes
+            assert chat(routers[0], KEY_C, max_tokens=1).status_code == 429
+            assert chat(routers[1], KEY_C, max_tokens=1).status_code == 429
