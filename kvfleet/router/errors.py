@@ -6,6 +6,7 @@
     ├── UnknownPool         404: `model` names no ServingPool the router knows
     ├── BadRequest          400: a body the router cannot read
     ├── QuotaExceeded       429: over one of the TenantQuota's limits (with Retry-After)
+    ├── UpstreamFailed      502: the replica went away while sending its answer
     └── NoEndpoint          503: the revision has no Ready replica, or every one failed
 """
 
@@ -71,6 +72,12 @@ class QuotaExceeded(RouterError):
 
     def headers(self) -> dict[str, str]:
         return {"retry-after": str(max(1, math.ceil(self.retry_after)))}
+
+
+class UpstreamFailed(RouterError):
+    status = 502
+    code = "upstream_failed"
+    kind = "server_error"
 
 
 class NoEndpoint(RouterError):

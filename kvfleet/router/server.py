@@ -38,11 +38,12 @@ from kvfleet.router.errors import (
     RouterError,
     Unauthorized,
     UnknownPool,
+    UpstreamFailed,
 )
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.picker import EndpointLoad, pick
 from kvfleet.router.quota import QuotaLedger, Reservation
-from kvfleet.router.state import PoolRoute, RouterState, short
+from kvfleet.router.state import PoolRoute, RouterState, carry_loads, short
 from kvfleet.router.tokens import TokenCounter, texts_of
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ PRIORITY = {PriorityClass.CRITICAL: -2, PriorityClass.HIGH: -1, PriorityClass.ST
 # Engines' default for a chat request without max_tokens, reserved at admission.
 DEFAULT_MAX_TOKENS = {"/v1/chat/completions": 1024, "/v1/completions": 16}
 MAX_BODY_BYTES = 4 * 1024 * 1024
+# The engine gauges the replica choice reads from each engine's /metrics.
+LOAD_GAUGES = ("kvfleet_engine_requests_waiting", "kvfleet_engine_requests_running",
+               "kvfleet_engine_kv_cache_usage_ratio")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,8 +212,6 @@ class Router:
     # ---- state
 
     def update(self, state: RouterState) -> None:
-        from kvfleet.router.state import carry_loads
-
         carry_loads(state, self.state)
         self.state = state
         self.ledger.set_quotas(state.quotas, time.monotonic())
@@ -255,13 +257,11 @@ class Router:
             return
         values = {}
         for line in text.splitlines():
-            if line.startswith(("kvfleet_engine_requests_waiting", "kvfleet_engine_requests_"
-                                "running", "kvfleet_engine_kv_cache_usage_ratio")):
+            if line.startswith(LOAD_GAUGES):
                 name, _, value = line.rpartition(" ")
                 values[name.split("{", 1)[0]] = float(value)
-        endpoint.waiting = values.get("kvfleet_engine_requests_waiting", 0.0)
-        endpoint.running = values.get("kvfleet_engine_requests_running", 0.0)
-        endpoint.kv_usage = values.get("kvfleet_engine_kv_cache_usage_ratio", 0.0)
+        endpoint.waiting, endpoint.running, endpoint.kv_usage = (
+            values.get(name, 0.0) for name in LOAD_GAUGES)
         endpoint.scraped_at = time.monotonic()
         endpoint.failures = 0
 
@@ -350,9 +350,9 @@ class Router:
         try:
             return await self._live(pool, plan.live, path, payload, headers, text, tenant,
                                     reservation, bool(body.get("stream")), live_text)
-        finally:
-            if live_text is not None and not live_text.done() and not body.get("stream"):
-                live_text.set_result(None)
+        except BaseException:
+            _resolve(live_text, None)  # the shadow task must not wait for a live answer
+            raise
 
     async def _connect(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                        headers: dict[str, str], text: str, tenant: str
@@ -390,6 +390,21 @@ class Router:
         raise NoEndpoint(f"pool {pool.name!r} revision {short(revision)}: no replica answered "
                          f"({last}); retry shortly")
 
+    async def _request(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
+                       headers: dict[str, str], text: str, tenant: str
+                       ) -> tuple[int, bytes, str | None]:
+        """A whole (non-streamed) answer: status, body and content type."""
+        resp, endpoint = await self._connect(pool, revision, path, payload, headers, text,
+                                             tenant)
+        try:
+            return resp.status, await resp.read(), resp.headers.get("content-type")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise UpstreamFailed(f"the replica {endpoint.address} failed while answering "
+                                 f"({type(exc).__name__}); retry") from None
+        finally:
+            resp.release()
+            endpoint.in_flight -= 1
+
     async def _live(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                     headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
                     stream: bool, live_text: asyncio.Future[str | None] | None = None
@@ -397,29 +412,32 @@ class Router:
         labels = (pool.name, short(revision), "live")
         started = time.monotonic()
         try:
-            resp, endpoint = await self._connect(pool, revision, path, payload, headers, text,
-                                                 tenant)
+            if not stream:
+                status, data, content_type = await self._request(
+                    pool, revision, path, payload, headers, text, tenant)
+            else:
+                resp, endpoint = await self._connect(pool, revision, path, payload, headers,
+                                                     text, tenant)
+                status = resp.status
+                if status != 200:  # a refusal: a JSON body, not a stream
+                    try:
+                        data = await resp.read()
+                    except (TimeoutError, aiohttp.ClientError) as exc:
+                        raise UpstreamFailed(f"the replica {endpoint.address} failed while "
+                                             f"refusing ({type(exc).__name__})") from None
+                    finally:
+                        resp.release()
+                        endpoint.in_flight -= 1
+                    content_type = resp.headers.get("content-type")
         except RouterError as exc:
-            self.ledger.settle(reservation, 0, time.monotonic(), 0)  # never served
+            self.ledger.settle(reservation, 0, time.monotonic(), 0)  # never answered
             self.metrics.requests.labels(*labels, str(exc.status)).inc()
             _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
         out_headers = {REVISION_HEADER: short(revision)}
-        if not stream or resp.status != 200:
-            try:
-                data = await resp.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                self.ledger.settle(reservation, 0, time.monotonic(), 0)  # no answer
-                self.metrics.requests.labels(*labels, "502").inc()
-                _resolve(live_text, None)
-                failed = RouterError(f"the replica {endpoint.address} failed while answering "
-                                     f"({type(exc).__name__}); retry")
-                return JSONResponse(failed.body(), 502)
-            finally:
-                resp.release()
-                endpoint.in_flight -= 1
+        if not stream or status != 200:
             generated, prompt = 0, None
-            if resp.status == 200:
+            if status == 200:
                 with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
                     answer = json.loads(data)
                     _resolve(live_text, answer_text(answer))
@@ -427,12 +445,12 @@ class Router:
                     generated, prompt = int(usage["completion_tokens"]), int(
                         usage["prompt_tokens"])
                     self._count_tokens(labels, prompt, generated)
-                elapsed = time.monotonic() - started
-                self.metrics.e2e.labels(*labels).observe(elapsed)
+                self.metrics.e2e.labels(*labels).observe(time.monotonic() - started)
+            _resolve(live_text, None)  # no text to compare (a refusal, an unreadable body)
             self.ledger.settle(reservation, generated, time.monotonic(), prompt)
-            self.metrics.requests.labels(*labels, str(resp.status)).inc()
-            return Response(data, resp.status, headers=out_headers,
-                            media_type=resp.headers.get("content-type", "application/json"))
+            self.metrics.requests.labels(*labels, str(status)).inc()
+            return Response(data, status, headers=out_headers,
+                            media_type=content_type or "application/json")
         relay = _Relay(self, resp, endpoint, labels, reservation, started, live_text)
         return _RelayResponse(
             relay.frames(), relay.close,
@@ -466,28 +484,23 @@ class Router:
             return
         self._shadow_in_flight += 1
         started = time.monotonic()
-        shadow_body = {**body, "stream": False}
-        shadow_body.pop("stream_options", None)
-        limit = self.options.shadow_max_tokens
-        for key in ("max_tokens", "max_completion_tokens"):
-            if key in shadow_body:
-                shadow_body[key] = min(int(shadow_body[key]), limit)
-        shadow_body.setdefault("max_tokens", limit)
+        status, outcome, data = "503", "error", b""
         try:
-            resp, endpoint = await self._connect(pool, revision, path,
-                                                 json.dumps(shadow_body).encode(),
-                                                 {**headers, "x-kvfleet-traffic": "shadow"},
-                                                 text, tenant)
-            try:
-                data = await resp.read()
-            finally:
-                resp.release()
-                endpoint.in_flight -= 1
-            status = str(resp.status)
-            outcome = "answered" if resp.status == 200 else "error"
-        except RouterError:
-            status, outcome = "503", "error"
-        self._shadow_in_flight -= 1
+            limit = self.options.shadow_max_tokens
+            shadow_body = {**body, "stream": False}
+            shadow_body.pop("stream_options", None)
+            for key in ("max_tokens", "max_completion_tokens"):
+                if isinstance(shadow_body.get(key), int):
+                    shadow_body[key] = min(shadow_body[key], limit)
+            shadow_body.setdefault("max_tokens", limit)
+            code, data, _ = await self._request(
+                pool, revision, path, json.dumps(shadow_body).encode(),
+                {**headers, "x-kvfleet-traffic": "shadow"}, text, tenant)
+            status, outcome = str(code), "answered" if code == 200 else "error"
+        except RouterError as exc:
+            status = str(exc.status)
+        finally:
+            self._shadow_in_flight -= 1
         shadow_labels = (pool.name, short(revision), "shadow")
         self.metrics.requests.labels(*shadow_labels, status).inc()
         self.metrics.e2e.labels(*shadow_labels).observe(time.monotonic() - started)

@@ -133,3 +133,26 @@ async def test_prompt_tokens_are_counted_with_the_revisions_own_tokenizer(
         assert router.tokens.count(REVISION, [words, "hi"], 2, [address]) == 61 + 8
     finally:
         await router.close()
+
+
+@pytest.mark.asyncio
+async def test_a_shadow_copy_whose_replica_fails_is_counted_and_releases_its_slot(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    address, _ = upstream
+    shadow = "b" * 64
+    router = Router(parse_config({
+        "pools": [{"name": "smol", "status": {"servingRevision": REVISION, "traffic": [
+            {"revision": REVISION, "role": "stable", "weight": 100},
+            {"revision": shadow, "role": "shadow", "shadowPercent": 100}]},
+            "endpoints": {REVISION: [address], shadow: [address]}}],
+        "tenants": [{"tenant": "team-a", "keys": [KEY]}]}))
+    try:
+        assert (await post(router, "die", temperature=0)).status_code == 502
+        await asyncio.gather(*router._tasks)
+        assert router._shadow_in_flight == 0
+        text = router.metrics.exposition().decode()
+        assert 'kvfleet_router_shadow_comparisons_total{outcome="error",pool="smol",' \
+            f'revision="{shadow[:12]}"}} 1.0' in text
+    finally:
+        await router.close()
