@@ -14,16 +14,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.api import API_VERSION, ModelArtifact, ServingPool
+from kvfleet.api import API_VERSION, ModelArtifact, ServingPool, labels
 from kvfleet.capacity import MemoryPlan
 from kvfleet.operator import naming
 from kvfleet.operator.placement import node_affinity, node_selector, tolerations
 
-ENGINE_PORT = 8000
+ENGINE_PORT = labels.ENGINE_PORT
 # The engine reads its pool's router token from this variable (a secretKeyRef): an env entry
 # works on every pod runtime, including the dev cluster's local runner, which has no volumes.
 ROUTER_TOKEN_ENV = "KVFLEET_ROUTER_TOKEN"
-ROUTER_TOKEN_KEY = "token"
+ROUTER_TOKEN_KEY = labels.ROUTER_TOKEN_KEY
 ENGINE_PORT_NAME = "http"
 # The engine drains in-flight requests for this long after SIGTERM (`--drain-grace-seconds`).
 DRAIN_SECONDS = 30

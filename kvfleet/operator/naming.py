@@ -1,51 +1,53 @@
 """Names, labels and annotations of the objects the operator owns.
 
-Label values are limited to 63 characters, so the manifest hash (64 hex digits) goes into an
-annotation in full and into labels only as a 12-digit short revision. Object names derived from
-a pool name stay valid DNS labels (63 characters): a long pool name is cut and suffixed with a
-digest of the full name, so two long names never collide.
+The manifest hash (64 hex digits) goes into an annotation in full and into labels only as a
+12-digit short revision. Object names derived from a pool name stay valid DNS labels (63
+characters): a long pool name is cut and suffixed with a digest of the full name, so two long
+names never collide (`bounded_name`, shared with the router in `kvfleet.api.labels`).
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-GROUP = "kvfleet.io"
-POOL_LABEL = f"{GROUP}/pool"
+# Shared with the router (see `kvfleet.api.labels`); re-exported here for the operator's code.
+from kvfleet.api.labels import (
+    ENGINE_COMPONENT as ENGINE_COMPONENT,
+)
+from kvfleet.api.labels import (
+    MAX_NAME as MAX_NAME,
+)
+from kvfleet.api.labels import (
+    POOL_LABEL as POOL_LABEL,
+)
+from kvfleet.api.labels import (
+    REVISION_LABEL as REVISION_LABEL,
+)
+from kvfleet.api.labels import (
+    REVISION_LENGTH as REVISION_LENGTH,
+)
+from kvfleet.api.labels import (
+    ROUTER_APP as ROUTER_APP,
+)
+from kvfleet.api.labels import (
+    ROUTER_TOKEN_LABEL as ROUTER_TOKEN_LABEL,
+)
+from kvfleet.api.labels import (
+    bounded_name as bounded_name,
+)
+from kvfleet.api.labels import (
+    label_value as label_value,
+)
+from kvfleet.api.labels import (
+    short_revision as short_revision,
+)
+from kvfleet.api.meta import GROUP
+
 MODEL_LABEL = f"{GROUP}/model"
-REVISION_LABEL = f"{GROUP}/revision"
 MANIFEST_HASH_ANNOTATION = f"{GROUP}/manifest-hash"
 ENGINE_CONFIG_HASH_ANNOTATION = f"{GROUP}/engine-config-hash"
 MANAGED_BY = "kvfleet-operator"
 FIELD_MANAGER = "kvfleet-operator"
-ENGINE_COMPONENT = "engine"
-# The Secret holding a pool's router token carries this label, valued with the pool's name:
-# the router finds each pool's token by it.
-ROUTER_TOKEN_LABEL = f"{GROUP}/router-token-for"
-ROUTER_APP = "kvfleet-router"  # app.kubernetes.io/name of router pods
-
-REVISION_LENGTH = 12
-MAX_NAME = 63
-
-
-def short_revision(manifest_hash: str) -> str:
-    return manifest_hash[:REVISION_LENGTH]
-
-
-def bounded_name(base: str, suffix: str = "") -> str:
-    """`base` + `-suffix`, cut to a 63-character DNS label with a digest when too long."""
-    full = f"{base}-{suffix}" if suffix else base
-    if len(full) <= MAX_NAME:
-        return full
-    digest = hashlib.sha256(full.encode()).hexdigest()[:8]
-    tail = f"-{digest}-{suffix}" if suffix else f"-{digest}"
-    return base[: MAX_NAME - len(tail)].rstrip("-") + tail
-
-
-def label_value(text: str) -> str:
-    """A label value (≤ 63 characters) that stays unique for long inputs."""
-    return bounded_name(text)
 
 
 def deployment_name(pool: str, manifest_hash: str) -> str:

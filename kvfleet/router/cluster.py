@@ -23,11 +23,22 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvfleet.api.labels import (
+    ENGINE_COMPONENT,
+    ENGINE_PORT,
+    POOL_LABEL,
+    REVISION_LABEL,
+    ROUTER_APP,
+    ROUTER_TOKEN_KEY,
+    ROUTER_TOKEN_LABEL,
+    TENANT_LABEL,
+    label_value,
+)
 from kvfleet.api.servingpool import ServingPoolStatus
 from kvfleet.api.tenantquota import TenantQuotaSpec
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.kube.informer import Informer
-from kvfleet.router.keys import TENANT_LABEL, KeyRing
+from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad
 from kvfleet.router.quota import QuotaLedger
 from kvfleet.router.state import PoolRoute, RouterState
@@ -35,13 +46,8 @@ from kvfleet.router.traffic import TrafficTable
 
 log = logging.getLogger("kvfleet.router")
 
-POOL_LABEL = "kvfleet.io/pool"
-REVISION_LABEL = "kvfleet.io/revision"
-ROUTER_TOKEN_LABEL = "kvfleet.io/router-token-for"
-ROUTER_TOKEN_FIELD = "token"
-ENGINE_SELECTOR = f"app.kubernetes.io/component=engine,{POOL_LABEL}"
-ROUTER_SELECTOR = "app.kubernetes.io/name=kvfleet-router"
-ENGINE_PORT = 8000
+ENGINE_SELECTOR = f"app.kubernetes.io/component={ENGINE_COMPONENT},{POOL_LABEL}"
+ROUTER_SELECTOR = f"app.kubernetes.io/name={ROUTER_APP}"
 DEBOUNCE_SECONDS = 0.05
 STATUS_INTERVAL_SECONDS = 10.0
 
@@ -84,7 +90,7 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
     """Clients name a pool by its name; a cluster-wide router also by `namespace/name`, and by
     its bare name only where that is unique."""
     tokens = {(_where(s)[0], (s["metadata"].get("labels") or {}).get(ROUTER_TOKEN_LABEL)):
-              _secret_text(s, ROUTER_TOKEN_FIELD) for s in token_secrets}
+              _secret_text(s, ROUTER_TOKEN_KEY) for s in token_secrets}
     endpoints: dict[tuple[str, str], dict[str, list[EndpointLoad]]] = {}
     for pod in pods:
         labels = pod["metadata"].get("labels") or {}
@@ -105,8 +111,8 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
                         name, exc.errors()[0]["msg"])
             continue
         route = PoolRoute(name, TrafficTable.from_status(status),
-                          endpoints.get((namespace, name[:63]), {}),
-                          tokens.get((namespace, name[:63])))
+                          endpoints.get((namespace, label_value(name)), {}),
+                          tokens.get((namespace, label_value(name))))
         if cluster_wide:
             state.pools[f"{namespace}/{name}"] = route
             names.setdefault(name, []).append(f"{namespace}/{name}")

@@ -15,11 +15,11 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvfleet.api.labels import TENANT_LABEL
 from kvfleet.router.errors import Unauthorized
 
 log = logging.getLogger(__name__)
 
-TENANT_LABEL = "kvfleet.io/tenant"
 KEY_FIELD = "key"
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-NAME = "kvfleet-router"
+from kvfleet.api.labels import ROUTER_APP
+
+NAME = ROUTER_APP
 PORT = 8080
 WATCH = ["get", "list", "watch"]
 LABELS = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/component": "router"}

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvfleet.api.labels import short_revision
 from kvfleet.api.tenantquota import PriorityClass
 from kvfleet.router.errors import (
     BadRequest,
@@ -43,7 +44,7 @@ from kvfleet.router.errors import (
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.picker import EndpointLoad, pick
 from kvfleet.router.quota import QuotaLedger, Reservation
-from kvfleet.router.state import PoolRoute, RouterState, carry_loads, short
+from kvfleet.router.state import PoolRoute, RouterState, carry_loads
 from kvfleet.router.tokens import TokenCounter, texts_of
 
 log = logging.getLogger(__name__)
@@ -387,8 +388,8 @@ class Router:
                 endpoint.in_flight -= 1
                 continue
             return resp, endpoint
-        raise NoEndpoint(f"pool {pool.name!r} revision {short(revision)}: no replica answered "
-                         f"({last}); retry shortly")
+        raise NoEndpoint(f"pool {pool.name!r} revision {short_revision(revision)}: no replica "
+                         f"answered ({last}); retry shortly")
 
     async def _request(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                        headers: dict[str, str], text: str, tenant: str
@@ -409,7 +410,7 @@ class Router:
                     headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
                     stream: bool, live_text: asyncio.Future[str | None] | None = None
                     ) -> Response:
-        labels = (pool.name, short(revision), "live")
+        labels = (pool.name, short_revision(revision), "live")
         started = time.monotonic()
         try:
             if not stream:
@@ -434,7 +435,7 @@ class Router:
             self.metrics.requests.labels(*labels, str(exc.status)).inc()
             _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
-        out_headers = {REVISION_HEADER: short(revision)}
+        out_headers = {REVISION_HEADER: short_revision(revision)}
         if not stream or status != 200:
             generated, prompt = 0, None
             if status == 200:
@@ -478,7 +479,7 @@ class Router:
                       live_text: asyncio.Future[str | None] | None) -> None:
         """A discarded copy on the shadow revision (non-streaming, capped), compared with the
         live answer of the same request when it is greedy (temperature 0)."""
-        labels = (pool.name, short(revision))
+        labels = (pool.name, short_revision(revision))
         if self._shadow_in_flight >= self.options.shadow_max_in_flight:
             self.metrics.shadow.labels(*labels, "shed").inc()
             return
@@ -501,7 +502,7 @@ class Router:
             status = str(exc.status)
         finally:
             self._shadow_in_flight -= 1
-        shadow_labels = (pool.name, short(revision), "shadow")
+        shadow_labels = (pool.name, short_revision(revision), "shadow")
         self.metrics.requests.labels(*shadow_labels, status).inc()
         self.metrics.e2e.labels(*shadow_labels).observe(time.monotonic() - started)
         shadow_text: str | None = None

@@ -30,21 +30,16 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from kvfleet.api.labels import short_revision
 from kvfleet.api.servingpool import ServingPoolStatus
 from kvfleet.api.tenantquota import TenantQuotaSpec
 from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad
 from kvfleet.router.traffic import TrafficTable
 
-SHORT_REVISION = 12
-
 
 class ConfigError(ValueError):
     """The router's config file is unusable; the message names the field."""
-
-
-def short(revision: str) -> str:
-    return revision[:SHORT_REVISION]
 
 
 @dataclass(slots=True)
@@ -56,7 +51,7 @@ class PoolRoute:
     router_token: str | None = None
 
     def ready(self, revision: str) -> list[EndpointLoad]:
-        return self.endpoints.get(short(revision), [])
+        return self.endpoints.get(short_revision(revision), [])
 
 
 @dataclass(slots=True)
@@ -103,7 +98,7 @@ def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
         except ValidationError as exc:
             raise ConfigError(f"{where}.status: {exc.errors()[0]['msg']} at "
                               f"{'.'.join(map(str, exc.errors()[0]['loc']))}") from None
-        endpoints = {short(str(rev)): [EndpointLoad(str(a)) for a in addresses]
+        endpoints = {short_revision(str(rev)): [EndpointLoad(str(a)) for a in addresses]
                      for rev, addresses in (entry.get("endpoints") or {}).items()}
         state.pools[str(entry["name"])] = PoolRoute(
             str(entry["name"]), TrafficTable.from_status(status), endpoints,

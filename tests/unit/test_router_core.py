@@ -323,3 +323,31 @@ def test_in_a_cluster_each_router_enforces_its_share_of_the_ready_routers() -> N
         router.ledger.admit("team-a", 1, 1, 0.0)
     with pytest.raises(QuotaExceeded, match="1/2 share"):
         router.ledger.admit("team-a", 1, 1, 0.0)
+
+
+def test_a_pool_with_a_long_name_finds_its_pods_and_token_by_the_operators_label_value() -> None:
+    from kvfleet.api.labels import label_value
+    from kvfleet.router.cluster import state_from_objects
+
+    name = "a-very-long-pool-name-" + "x" * 60  # over 63: the label value is cut + digest
+    token = {"metadata": {"name": "t", "namespace": "llm",
+                          "labels": {"kvfleet.io/router-token-for": label_value(name)}},
+             "data": {"token": base64.b64encode(b"t" * 32).decode()}}
+    state = state_from_objects([pool_object(name)],
+                               [engine_pod("p", label_value(name), STABLE[:12], "10.0.0.9")],
+                               [], [token], [], cluster_wide=False)
+    assert [e.address for e in state.pools[name].ready(STABLE)] == ["10.0.0.9:8000"]
+    assert state.pools[name].router_token == "t" * 32
+
+
+def test_engine_and_router_agree_on_the_headers_and_defaults_between_them() -> None:
+    # The two sides cannot import each other (the engine imports no control-plane code, the
+    # control plane talks to engines only over HTTP): the contract is checked here.
+    from kvfleet.engine import server as engine
+    from kvfleet.router import server as router
+
+    settings = engine.ServerSettings()
+    assert router.TENANT_HEADER == settings.tenant_header
+    assert router.ROUTER_TOKEN_HEADER == engine.ROUTER_TOKEN_HEADER
+    assert router.SHARED_PREFIX_HEADER == engine.SHARED_PREFIX_HEADER
+    assert router.DEFAULT_MAX_TOKENS["/v1/chat/completions"] == settings.default_max_tokens
