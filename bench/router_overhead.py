@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import latency_plot
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,28 +193,11 @@ def main() -> int:
 
 
 def plot(results: dict[float, dict[str, list[tuple[float, list[float]]]]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for rate, runs in results.items():
-        for name, style in (("direct", "--"), ("router", "-")):
-            values = sorted(x[0] * 1e3 for x in runs[name])
-            ys = [(i + 1) / len(values) for i in range(len(values))]
-            ax.plot(values, ys, style, label=f"{name} at {rate:.0f}/s")
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first byte (ms, log)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Router overhead: fake engine, direct vs through the router")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    out = ROOT / "bench" / "out"
-    out.mkdir(exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out / "router_overhead.png", dpi=110)
-    print(f"wrote {out / 'router_overhead.png'}")
+    latency_plot.write_cdfs(
+        [(f"{name} at {rate:.0f}/s", [x[0] * 1e3 for x in runs[name]], style)
+         for rate, runs in results.items() for name, style in (("direct", "--"), ("router", "-"))],
+        "time to first byte (ms, log)",
+        "Router overhead: fake engine, direct vs through the router", "router_overhead.png")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import latency_plot
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,27 +132,11 @@ def main() -> int:
 
 
 def plot(results: dict[str, tuple[list[float], float]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, (ttfts, hits) in results.items():
-        values = sorted(t * 1e3 for t in ttfts)
-        ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
-                label=f"{name} (prefix-cache hit rate {hits:.0%})")
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (ms, log)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Replica choice on 2 real replicas: prefix affinity vs round-robin")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    out = ROOT / "bench" / "out"
-    out.mkdir(exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out / "router_prefix.png", dpi=110)
-    print(f"wrote {out / 'router_prefix.png'}")
+    latency_plot.write_cdfs(
+        [(f"{name} (prefix-cache hit rate {hits:.0%})", [t * 1e3 for t in ttfts], "-")
+         for name, (ttfts, hits) in results.items()],
+        "TTFT (ms, log)", "Replica choice on 2 real replicas: prefix affinity vs round-robin",
+        "router_prefix.png")
 
 
 if __name__ == "__main__":
