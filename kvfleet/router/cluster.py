@@ -171,8 +171,7 @@ class ClusterSource:
             "routers": Informer(api, "Pod", ROUTER_SELECTOR, self._changed,
                                 namespace=namespace),
         }
-        self._reported: dict[str, tuple[int, int]] = {}
-        self._written: dict[str, Any] = {}
+        self._reported: dict[str, tuple[int, int]] = {}  # TenantQuota -> (requests, tokens)
 
     def _changed(self, _: str | None, __: JsonObj) -> None:
         self._dirty.set()
@@ -213,34 +212,40 @@ class ClusterSource:
             await asyncio.sleep(STATUS_INTERVAL_SECONDS)
             now = time.monotonic()
             for raw in self._objects("quotas"):
-                namespace, name = _where(raw)
-                tenant = (raw.get("spec") or {}).get("tenant")
-                if not isinstance(tenant, str):
-                    continue
-                status = usage_status(self.router.ledger, tenant, self._reported.get(tenant),
-                                      now - last, raw["metadata"].get("generation"))
-                usage = self.router.ledger.usage(tenant)
-                if status is None or usage is None:
-                    continue
-                self._reported[tenant] = (usage[0], usage[1])
-                enforced = self.router.state.quotas.get(tenant, ("", None))[0] == \
-                    f"{namespace}/{name}"
-                status["conditions"] = [{
-                    "type": "Ready", "status": "True" if enforced else "False",
-                    "reason": "Enforced" if enforced else "Superseded",
-                    "message": "enforced by the kvfleet router" if enforced else
-                    "another TenantQuota for the same tenant is enforced",
-                    "observedGeneration": raw["metadata"].get("generation"),
-                    "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}]
-                comparable = {**status, "conditions": [
-                    {k: v for k, v in status["conditions"][0].items()
-                     if k != "lastTransitionTime"}]}
-                if self._written.get(tenant) == comparable:
-                    continue
-                try:
-                    await self.api.patch_status("TenantQuota", namespace, name, status)
-                    self._written[tenant] = comparable
-                except KubeError as exc:
-                    log.warning("TenantQuota %s/%s: status not written (%s)", namespace, name,
-                                exc)
+                await self._write_status(raw, now - last)
             last = now
+
+    async def _write_status(self, raw: JsonObj, elapsed: float) -> None:
+        """One TenantQuota's usage and Ready condition, written only when they differ from
+        what the object (as last watched) already says."""
+        namespace, name = _where(raw)
+        key = f"{namespace}/{name}"
+        tenant = (raw.get("spec") or {}).get("tenant")
+        if not isinstance(tenant, str) or (usage := self.router.ledger.usage(tenant)) is None:
+            return
+        status = usage_status(self.router.ledger, tenant, self._reported.get(key), elapsed,
+                              raw["metadata"].get("generation"))
+        self._reported[key] = (usage[0], usage[1])
+        if status is None:
+            return
+        enforced = self.router.state.quotas.get(tenant, ("", None))[0] == key
+        current = raw.get("status") or {}
+        before: dict[str, Any] = next(
+            (c for c in current.get("conditions") or [] if c.get("type") == "Ready"), {})
+        ready = "True" if enforced else "False"
+        status["conditions"] = [{
+            "type": "Ready", "status": ready,
+            "reason": "Enforced" if enforced else "Superseded",
+            "message": "enforced by the kvfleet router" if enforced else
+            "another TenantQuota for the same tenant is enforced",
+            "observedGeneration": raw["metadata"].get("generation"),
+            # Changes only when the condition's status does.
+            "lastTransitionTime": before.get("lastTransitionTime")
+            if before.get("status") == ready else
+            datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}]
+        if all(current.get(k) == v for k, v in status.items()):
+            return
+        try:
+            await self.api.patch_status("TenantQuota", namespace, name, status)
+        except KubeError as exc:
+            log.warning("TenantQuota %s: status not written (%s)", key, exc)
