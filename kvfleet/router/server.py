@@ -192,6 +192,19 @@ class _RelayResponse(StreamingResponse):
             self._on_close()
 
 
+async def _read_whole(resp: aiohttp.ClientResponse, endpoint: EndpointLoad
+                      ) -> tuple[int, bytes, str | None]:
+    """Status, body and content type of an upstream answer, which then lets go of the replica."""
+    try:
+        return resp.status, await resp.read(), resp.headers.get("content-type")
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise UpstreamFailed(f"the replica {endpoint.address} failed while answering "
+                             f"({type(exc).__name__}); retry") from None
+    finally:
+        resp.release()
+        endpoint.in_flight -= 1
+
+
 def _resolve(future: asyncio.Future[str | None] | None, value: str | None) -> None:
     if future is not None and not future.done():
         future.set_result(value)
@@ -397,14 +410,7 @@ class Router:
         """A whole (non-streamed) answer: status, body and content type."""
         resp, endpoint = await self._connect(pool, revision, path, payload, headers, text,
                                              tenant)
-        try:
-            return resp.status, await resp.read(), resp.headers.get("content-type")
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamFailed(f"the replica {endpoint.address} failed while answering "
-                                 f"({type(exc).__name__}); retry") from None
-        finally:
-            resp.release()
-            endpoint.in_flight -= 1
+        return await _read_whole(resp, endpoint)
 
     async def _live(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                     headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
@@ -421,15 +427,7 @@ class Router:
                                                      text, tenant)
                 status = resp.status
                 if status != 200:  # a refusal: a JSON body, not a stream
-                    try:
-                        data = await resp.read()
-                    except (TimeoutError, aiohttp.ClientError) as exc:
-                        raise UpstreamFailed(f"the replica {endpoint.address} failed while "
-                                             f"refusing ({type(exc).__name__})") from None
-                    finally:
-                        resp.release()
-                        endpoint.in_flight -= 1
-                    content_type = resp.headers.get("content-type")
+                    status, data, content_type = await _read_whole(resp, endpoint)
         except RouterError as exc:
             self.ledger.settle(reservation, 0, time.monotonic(), 0)  # never answered
             self.metrics.requests.labels(*labels, str(exc.status)).inc()
