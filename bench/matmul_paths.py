@@ -32,7 +32,7 @@ def child(threads: int | None) -> None:
     model = load_model(None, show_progress=False).model
     samples = model.weight_samples()
     # How many weights of each shape one forward pass multiplies by.
-    uses = Counter(model._layer_sample(layer, index).shape.key
+    uses = Counter(model.layer_shape(layer, index).key
                    for layer in range(model.config.num_layers) for index in range(4))
     uses[model._lm_head_sample().shape.key] += 1
     packer, quant = load_packer(), load_quant_kernel()

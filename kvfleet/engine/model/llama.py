@@ -235,15 +235,23 @@ class LlamaModel(nn.Module):
 
     _WEIGHT_NAMES = ("qkv", "o", "gate_up", "down")
 
+    def _layer_parts(self, layer: int, index: int) -> list[QuantBlocks | None]:
+        return [self._quant_blocks.get(f"layers.{layer}.{name}") for name in _FUSED[index]]
+
+    def layer_shape(self, layer: int, index: int) -> WeightShape:
+        """The shape and storage type of one layer weight (no blocks are copied)."""
+        weight_t = (self.qkv_t, self.o_t, self.gate_up_t, self.down_t)[index][layer]
+        types = {p.ggml_type if p is not None else None for p in self._layer_parts(layer, index)}
+        ggml_type = types.pop() if len(types) == 1 else None  # mixed types: float32 paths
+        return WeightShape(self._WEIGHT_NAMES[index], weight_t.shape[0], weight_t.shape[1],
+                           ggml_type)
+
     def _layer_sample(self, layer: int, index: int) -> ShapeSample:
         weight_t = (self.qkv_t, self.o_t, self.gate_up_t, self.down_t)[index][layer]
-        parts = [self._quant_blocks.get(f"layers.{layer}.{name}") for name in _FUSED[index]]
+        parts = self._layer_parts(layer, index)
         blocks = (QuantBlocks.concat([p for p in parts if p is not None])
                   if all(p is not None for p in parts) else None)
-        return ShapeSample(WeightShape(self._WEIGHT_NAMES[index], weight_t.shape[0],
-                                       weight_t.shape[1],
-                                       blocks.ggml_type if blocks is not None else None),
-                           weight_t, blocks)
+        return ShapeSample(self.layer_shape(layer, index), weight_t, blocks)
 
     def _lm_head_sample(self) -> ShapeSample:
         name = "embed_tokens" if self.lm_head is self.embed_tokens else "lm_head"
@@ -261,8 +269,9 @@ class LlamaModel(nn.Module):
         samples: dict[str, ShapeSample] = {}
         for layer in range(self.config.num_layers):
             for index in range(len(_FUSED)):
-                sample = self._layer_sample(layer, index)
-                samples.setdefault(sample.shape.key, sample)
+                if self.layer_shape(layer, index).key not in samples:  # fused only when new
+                    sample = self._layer_sample(layer, index)
+                    samples[sample.shape.key] = sample
         head = self._lm_head_sample()
         samples.setdefault(head.shape.key, head)
         return list(samples.values())
