@@ -347,7 +347,7 @@ def test_engine_and_router_agree_on_the_headers_and_defaults_between_them() -> N
     from kvfleet.router import server as router
 
     settings = engine.ServerSettings()
-    assert router.TENANT_HEADER == settings.tenant_header
+    assert settings.tenant_header == router.TENANT_HEADER
     assert router.ROUTER_TOKEN_HEADER == engine.ROUTER_TOKEN_HEADER
     assert router.SHARED_PREFIX_HEADER == engine.SHARED_PREFIX_HEADER
     assert router.DEFAULT_MAX_TOKENS["/v1/chat/completions"] == settings.default_max_tokens
