@@ -137,9 +137,8 @@ def make_quota(name: str = "team-a", namespace: str = "default") -> Builder[Tena
 
 
 def make_rollout(
-    name: str = "chat-to-v2",
+    name: str = "chat",
     pool: str = "chat",
-    target: str = "qwen3-8b-v2",
     namespace: str = "default",
 ) -> Builder[Rollout]:
     return Builder(
@@ -150,17 +149,13 @@ def make_rollout(
             "metadata": _meta(name, namespace),
             "spec": {
                 "poolRef": {"name": pool},
-                "targetArtifactRef": {"name": target},
                 "steps": [{"weight": 10}, {"weight": 50}, {"weight": 100}],
                 "analysis": {
                     "metrics": [
                         {
                             "name": "ttft-p95",
-                            "query": "histogram_quantile(0.95, sum by (le) (rate("
-                            'kvfleet_engine_time_to_first_token_seconds_bucket{revision="'
-                            '{{revision}}"}[5m])))',
+                            "slo": "TTFTP95",
                             "threshold": 0.5,
-                            "comparison": "LessThan",
                         }
                     ]
                 },

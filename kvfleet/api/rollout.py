@@ -1,19 +1,29 @@
-"""Rollout: move a ServingPool from one ModelArtifact to another on measured SLOs.
+"""Rollout: the standing rollout policy of one ServingPool (like Flagger's Canary).
 
-All progress lives in `status` (current step, when it started, analysis results), so an
-operator restart resumes exactly where it stopped.
+A rollout starts when the pool's `spec.artifactRef` names an artifact whose manifest hash is
+not the one serving: one line changed in Git. The Rollout says how the new revision is tried
+(an optional shadow phase, canary steps by weight) and judged (analysis metrics read from
+Prometheus, by default the pool's SLOs), and the operator records every step, window and
+evaluation in `status`, so an operator restart resumes exactly where it stopped.
+
+Nothing here is a one-shot command: people steer a running rollout with requests in the
+`kvfleet.io/rollout-request` annotation (see `RolloutRequest`), which carry an id and, for a
+promote, the step they apply to; the operator records the last id it handled, so a repeated
+request changes nothing. Git owns the spec; the operator writes only status.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from datetime import datetime
 from enum import StrEnum
 from typing import ClassVar, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvfleet.api.meta import (
+    GROUP,
     SHA256_PATTERN,
     Condition,
     CRDNames,
@@ -24,10 +34,11 @@ from kvfleet.api.meta import (
     cel,
     conditions_field,
 )
-from kvfleet.api.servingpool import ArtifactRef
 
 MAX_STEPS = 20
 MAX_METRICS = 16
+MAX_EVALUATIONS = 60
+REQUEST_ANNOTATION = f"{GROUP}/rollout-request"
 
 
 class PoolRef(KubeModel):
@@ -38,64 +49,117 @@ class PoolRef(KubeModel):
 
 class Comparison(StrEnum):
     LESS_THAN = "LessThan"
+    AT_MOST = "AtMost"
     GREATER_THAN = "GreaterThan"
+    AT_LEAST = "AtLeast"
+
+
+class SLOMetric(StrEnum):
+    """Built-in analysis metrics over the router's client-observed series (see
+    `kvfleet.router.metrics`); their thresholds default to the pool's `spec.slos`."""
+
+    TTFT_P95 = "TTFTP95"
+    TPOT_P95 = "TPOTP95"
+    ERROR_RATE = "ErrorRate"
+    E2E_P95 = "E2EP95"
+
+
+class MissingData(StrEnum):
+    """What an empty result, NaN or infinity counts as. Never a pass."""
+
+    INCONCLUSIVE = "Inconclusive"
+    FAIL = "Fail"
 
 
 class Metric(KubeModel):
-    """One analysis metric: a PromQL query judged against a threshold."""
+    """One analysis metric: a built-in SLO metric or a PromQL query, judged against a threshold.
 
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Metric name.")
-    query: str = Field(
-        min_length=1,
-        description="PromQL; the placeholders {{pool}}, {{revision}} select canary or stable.",
+    Queries are templates: `{{pool}}`, `{{namespace}}`, `{{revision}}` (12-digit short
+    revision), `{{traffic}}` (live, or shadow in the shadow phase) and `{{window}}` (the
+    step's window so far, e.g. `95s`) are filled in, and the query is evaluated at the window's
+    end, an absolute time recorded in status."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.slo) != has(self.query)", "set exactly one of slo and query"),
+                cel("has(self.slo) || has(self.threshold)", "a query needs a threshold",
+                    ".threshold"),
+            ]
+        }
     )
-    threshold: float = Field(description="Value the canary result is compared with.")
-    comparison: Comparison = Field(description="Pass when the result is LessThan/GreaterThan it.")
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63,
+                      description="Metric name.")
+    slo: SLOMetric | None = Field(
+        default=None,
+        description="A built-in metric (TTFTP95, TPOTP95, ErrorRate, E2EP95) over the "
+        "router's series; its threshold defaults to the pool's spec.slos.")
+    query: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="PromQL template returning one value ({{pool}}, {{namespace}}, "
+        "{{revision}}, {{traffic}}, {{window}}).")
+    samples_query: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="PromQL template counting the requests the value came from; default: the "
+        "router's requests of that revision and traffic in the window.")
+    threshold: float | None = Field(
+        default=None, description="Value (or canary/stable ratio) the result is compared with.")
+    comparison: Comparison = Field(
+        default=Comparison.AT_MOST,
+        description="Pass when the result is LessThan / AtMost / GreaterThan / AtLeast it.")
     versus_stable: bool = Field(
         default=False,
-        description="Compare canary with stable: the threshold is then the largest allowed "
-        "canary/stable ratio (LessThan) or the smallest (GreaterThan).",
-    )
+        description="Judge canary/stable (the same query on both revisions) instead of the "
+        "canary's own value.")
     min_samples: int = Field(
-        default=100, ge=1, description="Requests needed before the metric counts; fewer waits."
-    )
+        default=50, ge=1, le=10_000_000,
+        description="Requests each judged revision needs in the window; fewer is waiting, "
+        "never a pass.")
+    on_missing_data: MissingData = Field(
+        default=MissingData.INCONCLUSIVE,
+        description="What no data, NaN or infinity count as: Inconclusive or Fail.")
 
 
 class Analysis(KubeModel):
-    """Metrics checked during analysis steps."""
+    """How steps are judged."""
 
-    interval_seconds: int = Field(default=60, ge=5, le=3600, description="Evaluation period.")
+    interval_seconds: int = Field(default=30, ge=1, le=3600, description="Evaluation period.")
+    warmup_seconds: int = Field(
+        default=0, ge=0, le=3600,
+        description="Traffic at the start of a step that no window includes.")
     failure_limit: int = Field(
-        default=1, ge=1, le=100, description="Failed evaluations that fail the rollout."
-    )
-    metrics: list[Metric] = Field(min_length=1, max_length=MAX_METRICS, description="Metrics.")
+        default=1, ge=1, le=100, description="Failed evaluations in a step that fail it.")
+    max_wait_seconds: int = Field(
+        default=600, ge=1, le=86400,
+        description="How long a step may wait for enough samples or a conclusive result "
+        "before the rollout pauses and says why.")
+    metrics: list[Metric] = Field(
+        default_factory=list, max_length=MAX_METRICS,
+        description="Metrics; empty: the built-in ones for the SLOs the pool declares.")
 
 
 class Step(KubeModel):
-    """One canary step: route `weight` percent to the new artifact, then pause and/or analyse."""
+    """One canary step: route `weight` percent of conversations to the new revision, stay at
+    least `pauseSeconds`, and pass analysis when it is on."""
 
-    weight: int = Field(ge=0, le=100, description="Percent of traffic to the canary.")
-    pause_seconds: int | None = Field(
-        default=None, ge=0, le=86400 * 7, description="Wait this long; unset waits for promote."
-    )
-    analysis: bool = Field(default=True, description="Run the analysis metrics during this step.")
+    weight: int = Field(ge=1, le=100, description="Percent of conversations to the canary.")
+    pause_seconds: int = Field(
+        default=0, ge=0, le=86400 * 7, description="Least time at this step.")
+    analysis: bool = Field(default=True, description="Judge this step with the analysis.")
 
 
 class Shadow(KubeModel):
-    """Mirror traffic to the new artifact before any canary; responses are discarded."""
+    """Mirror live requests to the new revision before any canary; answers are discarded."""
 
-    percent: int = Field(ge=1, le=100, description="Percent of requests mirrored.")
-    duration_seconds: int = Field(ge=1, le=86400 * 7, description="How long to mirror.")
-
-
-class ManualAction(StrEnum):
-    NONE = ""
-    ABORT = "Abort"
-    PROMOTE = "Promote"
+    percent: int = Field(ge=1, le=100, description="Percent of live requests mirrored.")
+    duration_seconds: int = Field(ge=1, le=86400 * 7, description="Least time mirroring.")
+    analysis: bool = Field(
+        default=True, description="Judge the shadow answers (error rate, latency) too.")
 
 
 class RolloutSpec(KubeModel):
-    """The move of one pool to a new artifact."""
+    """How one pool moves to a new artifact whenever its artifactRef changes."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -116,34 +180,29 @@ class RolloutSpec(KubeModel):
                     "poolRef is immutable; create a new Rollout",
                     ".poolRef",
                 ),
-                cel(
-                    "self.targetArtifactRef == oldSelf.targetArtifactRef",
-                    "targetArtifactRef is immutable; create a new Rollout",
-                    ".targetArtifactRef",
-                ),
             ]
         }
     )
 
-    pool_ref: PoolRef = Field(description="The ServingPool moved. Immutable.")
-    target_artifact_ref: ArtifactRef = Field(description="The ModelArtifact moved to. Immutable.")
+    pool_ref: PoolRef = Field(description="The ServingPool this policy governs. Immutable.")
     steps: list[Step] = Field(
         min_length=1,
         max_length=MAX_STEPS,
         description="Canary steps; weights strictly increase and the last is 100.",
     )
     shadow: Shadow | None = Field(default=None, description="Optional shadow phase first.")
-    analysis: Analysis | None = Field(default=None, description="Analysis metrics.")
+    analysis: Analysis = Field(
+        default_factory=Analysis, description="How steps are judged.",
+        json_schema_extra={"default": {}})
     auto_promote: bool = Field(
-        default=True, description="Advance past passing steps without a manual promote."
-    )
+        default=True, description="Advance past passing steps without a manual promote.")
     auto_rollback: bool = Field(
-        default=True, description="Return all traffic to stable when analysis fails."
-    )
-    action: ManualAction = Field(
-        default=ManualAction.NONE,
-        description="Manual action: Abort (back to stable) or Promote (next step now).",
-    )
+        default=True,
+        description="Return all traffic to stable when a step fails; false: pause instead.")
+    drain_seconds: int = Field(
+        default=30, ge=0, le=3600,
+        description="How long a revision that lost its traffic keeps running for its "
+        "in-flight streams before it is scaled down.")
 
     @field_validator("steps")
     @classmethod
@@ -155,60 +214,150 @@ class RolloutSpec(KubeModel):
             raise ValueError(f"canary steps must end at weight 100, got {weights}")
         return steps
 
-    @model_validator(mode="after")
-    def _analysis(self) -> RolloutSpec:
-        if any(step.analysis for step in self.steps) and self.analysis is None:
-            # Steps default to analysis=True; without metrics they would pass vacuously.
+    def analysed(self) -> bool:
+        return any(s.analysis for s in self.steps) or bool(self.shadow and self.shadow.analysis)
+
+
+class RequestAction(StrEnum):
+    PROMOTE = "promote"  # the current step passes now (needs `step`)
+    PROMOTE_FULL = "promote-full"  # skip the remaining steps and analysis
+    ABORT = "abort"  # all traffic back to stable; the canary is drained and removed
+    RETRY = "retry"  # start an aborted, rolled back or paused rollout again from the start
+    PAUSE = "pause"
+    RESUME = "resume"
+
+
+class RolloutRequest(BaseModel):
+    """A person's request, written as JSON into the `kvfleet.io/rollout-request` annotation
+    (by `kvfleet rollout ...`). `id` makes it idempotent; a promote applies only to `step`
+    (-1: the shadow phase), so a repeated promote never skips two steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    action: RequestAction
+    id: str = Field(min_length=1, max_length=64)
+    step: int | None = Field(default=None, ge=-1, le=MAX_STEPS)
+
+    @classmethod
+    def parse(cls, text: str) -> RolloutRequest:
+        try:
+            return cls.model_validate(json.loads(text))
+        except (ValueError, ValidationError) as exc:
             raise ValueError(
-                "steps request analysis but spec.analysis defines no metrics; add "
-                "spec.analysis.metrics or set analysis: false on the steps"
-            )
-        return self
+                f"annotation {REQUEST_ANNOTATION} is not a rollout request "
+                f'(e.g. {{"action": "promote", "id": "1", "step": 0}}): {exc}') from exc
+
+    def to_annotation(self) -> str:
+        return json.dumps(self.model_dump(exclude_none=True, mode="json"), sort_keys=True)
 
 
-class MetricResult(KubeModel):
-    """The last evaluation of one metric."""
+class Phase(StrEnum):
+    IDLE = "Idle"  # nothing to roll out: the pool serves its artifactRef
+    SHADOW = "Shadow"
+    PROGRESSING = "Progressing"  # canary steps
+    PAUSED = "Paused"
+    PROMOTED = "Promoted"
+    ROLLING_BACK = "RollingBack"  # traffic is back on stable; the canary drains
+    ROLLED_BACK = "RolledBack"
+    ABORTED = "Aborted"
+
+
+class Outcome(StrEnum):
+    PASS = "Pass"
+    FAIL = "Fail"
+    WAITING = "Waiting"  # too few samples
+    INCONCLUSIVE = "Inconclusive"  # no data, NaN
+    ERROR = "Error"  # Prometheus unreachable, bad query: says nothing about the canary
+
+
+class MetricEvaluation(KubeModel):
+    """One metric in one evaluation."""
 
     name: str = Field(description="Metric name.")
-    value: float | None = Field(default=None, description="Canary value (or ratio to stable).")
-    samples: int = Field(default=0, ge=0, description="Requests it was computed from.")
-    passed: bool | None = Field(default=None, description="Unset while samples are too few.")
-    failures: int = Field(default=0, ge=0, description="Failed evaluations so far.")
+    outcome: Outcome = Field(description="Pass, Fail, Waiting, Inconclusive or Error.")
+    value: float | None = Field(default=None, description="Canary value, or canary/stable.")
+    canary_value: float | None = Field(default=None, description="Canary value.")
+    stable_value: float | None = Field(default=None, description="Stable value.")
+    threshold: float | None = Field(default=None, description="Threshold applied.")
+    samples: int = Field(default=0, ge=0, description="Canary requests in the window.")
+    stable_samples: int | None = Field(default=None, ge=0, description="Stable requests.")
+    message: str = Field(default="", max_length=512, description="Why, in words.")
+
+
+class Evaluation(KubeModel):
+    """One evaluation, keyed by (revision, step, index): recomputed after a restart it covers
+    the same window and is never counted twice."""
+
+    revision: str = Field(pattern=SHA256_PATTERN, description="Canary manifest hash.")
+    step: int = Field(ge=-1, description="Step index; -1 is the shadow phase.")
+    index: int = Field(ge=1, description="Evaluation number in the step (window slot).")
+    window_start: datetime = Field(description="Start of the queried window.")
+    window_end: datetime = Field(description="End of the window: the query time.")
+    outcome: Outcome = Field(description="The evaluation's outcome (worst of its metrics).")
+    metrics: list[MetricEvaluation] = Field(
+        default_factory=list, max_length=MAX_METRICS, description="Per metric.")
+
+
+class StepCounts(KubeModel):
+    """Evaluations of the current step attempt by outcome."""
+
+    passed: int = Field(default=0, ge=0, description="Pass.")
+    failed: int = Field(default=0, ge=0, description="Fail.")
+    waiting: int = Field(default=0, ge=0, description="Too few samples.")
+    inconclusive: int = Field(default=0, ge=0, description="No data or NaN.")
+    errors: int = Field(default=0, ge=0, description="Query errors, Prometheus down.")
 
 
 class RolloutStatus(KubeModel):
-    """Progress; enough to resume after an operator restart."""
+    """Progress; the operator's only memory of a rollout."""
 
+    phase: Phase = Field(default=Phase.IDLE, description="Where the rollout stands.")
+    message: str = Field(default="", max_length=1024, description="Where and why, in words.")
     stable_revision: str | None = Field(
-        default=None, pattern=SHA256_PATTERN, description="Manifest hash serving stable traffic."
-    )
+        default=None, pattern=SHA256_PATTERN, description="Manifest hash serving stable traffic.")
     canary_revision: str | None = Field(
-        default=None, pattern=SHA256_PATTERN, description="Manifest hash of the target."
-    )
-    current_step: int | None = Field(default=None, ge=0, description="Index of the step.")
+        default=None, pattern=SHA256_PATTERN, description="Manifest hash being rolled out.")
+    canary_artifact: str | None = Field(default=None, description="Its ModelArtifact.")
+    rollout_hash: str | None = Field(
+        default=None, description="Digest of the target revision and the policy the rollout "
+        "runs; a change restarts the rollout from stable.")
+    started_at: datetime | None = Field(default=None, description="When this rollout began.")
+    current_step: int | None = Field(
+        default=None, ge=-1, description="Step index; -1 is the shadow phase.")
     current_weight: int = Field(default=0, ge=0, le=100, description="Canary traffic percent.")
-    step_started_at: datetime | None = Field(default=None, description="When the step began.")
-    shadow_started_at: datetime | None = Field(default=None, description="When shadow began.")
-    metric_results: list[MetricResult] = Field(
-        default_factory=list, max_length=MAX_METRICS, description="Latest metric results."
-    )
+    shadow_percent: int = Field(default=0, ge=0, le=100, description="Mirrored percent.")
+    step_started_at: datetime | None = Field(
+        default=None, description="When the current step's traffic took effect (window base).")
+    pause_reason: str | None = Field(default=None, description="Why the rollout is paused.")
+    drain_started_at: datetime | None = Field(
+        default=None, description="When the canary lost its traffic (rollback or abort).")
+    finished_at: datetime | None = Field(default=None, description="When it ended.")
+    counts: StepCounts = Field(
+        default_factory=StepCounts, description="Evaluations of the current step attempt.")
+    evaluations: list[Evaluation] = Field(
+        default_factory=list, max_length=MAX_EVALUATIONS,
+        description="The latest evaluations, oldest first.")
+    last_request_id: str | None = Field(
+        default=None, description="Id of the last rollout-request handled.")
     observed_generation: int | None = Field(default=None, ge=0, description="Generation seen.")
     conditions: list[Condition] = conditions_field()
 
 
 class Rollout(KubeModel):
-    """Moves a ServingPool to another ModelArtifact: optional shadow traffic, canary steps with
-    PromQL analysis, automatic promotion or rollback. Progress lives in status."""
+    """The rollout policy of one ServingPool: when the pool's artifactRef changes, the new
+    revision gets optional shadow traffic, then canary steps judged on SLOs read from
+    Prometheus, and is promoted or rolled back. Progress lives in status."""
 
     crd: ClassVar[CRDNames] = CRDNames(
         plural="rollouts",
         short_names=("ro",),
         printer_columns=(
             PrinterColumn("Pool", ".spec.poolRef.name"),
-            PrinterColumn("Target", ".spec.targetArtifactRef.name"),
+            PrinterColumn("Phase", ".status.phase"),
             PrinterColumn("Step", ".status.currentStep", type="integer"),
             PrinterColumn("Weight", ".status.currentWeight", type="integer"),
-            PrinterColumn("Progressing", '.status.conditions[?(@.type=="Progressing")].status'),
+            PrinterColumn("Canary", ".status.canaryArtifact"),
+            PrinterColumn("Message", ".status.message", priority=1),
             age_column(),
         ),
     )
@@ -218,5 +367,5 @@ class Rollout(KubeModel):
     )
     kind: Literal["Rollout"] = Field(default="Rollout", description="Rollout")
     metadata: ObjectMeta = Field(description="Standard object metadata.")
-    spec: RolloutSpec = Field(description="Desired move.")
+    spec: RolloutSpec = Field(description="The policy.")
     status: RolloutStatus | None = Field(default=None, description="Progress.")

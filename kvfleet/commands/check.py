@@ -1,7 +1,7 @@
 """`kvfleet check FILE...`: the admission webhook's verdict, offline.
 
 Every object in the files is checked as if created, with the same rules as the webhook;
-references (a pool's artifact, a rollout's pool and target) are looked up among the same
+references (a pool's artifact, a rollout's pool) are looked up among the same
 files. Prints one line per problem; exits 1 if any object would be refused.
 """
 

@@ -1,14 +1,17 @@
-"""`kvfleet operator`: run the kopf operator that reconciles ModelArtifacts and ServingPools.
+"""`kvfleet operator`: run the kopf operator that reconciles ModelArtifacts, ServingPools and
+their Rollouts.
 
 Flags follow `kopf run`: `--namespace` (repeatable, globs allowed) or `--all-namespaces`,
 `--standalone` (no peering), `--priority`, `--peering`, `--liveness`; plus the Prometheus
-metrics port, the drift-check interval and the engine image the pods run.
+metrics port, the drift-check interval, the engine image the pods run and the Prometheus the
+Rollout analysis queries (`--prometheus-url`, or $KVFLEET_PROMETHEUS_URL).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -20,7 +23,7 @@ from kvfleet import __version__
 def register(subparsers: Any) -> None:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "operator",
-        help="run the operator (ModelArtifact, ServingPool)",
+        help="run the operator (ModelArtifact, ServingPool, Rollout)",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -77,6 +80,13 @@ def register(subparsers: Any) -> None:
         default=f"ghcr.io/kvfleet/kvfleet:{__version__}",
         help="image of the engine containers",
     )
+    p.add_argument(
+        "--prometheus-url",
+        default=os.environ.get("KVFLEET_PROMETHEUS_URL"),
+        metavar="URL",
+        help="Prometheus the Rollout analysis queries (without one, every analysis is an "
+        "error and rollouts pause; default $KVFLEET_PROMETHEUS_URL)",
+    )
     p.add_argument("--matrix", default=None, help="compatibility matrix file (default: bundled)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true")
@@ -128,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         options=EngineOptions(image=args.engine_image),
         drift_interval_seconds=args.drift_interval,
         max_concurrent_reconciles=args.max_concurrent_reconciles,
+        prometheus_url=args.prometheus_url,
     )
     kopf.run(
         registry=build_registry(config),

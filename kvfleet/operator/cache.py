@@ -10,7 +10,8 @@ initial listing (as controller-runtime waits for its caches to sync), so after a
 first reconciles see what exists and create nothing twice.
 
 Indices (read-only views: kopf's, or an informer's store), by id:
-  pool_index, artifact_index      (namespace, name) -> the object
+  pool_index, artifact_index,
+  rollout_index                   (namespace, name) -> the object
   <child>_index                   (namespace, uid of the controlling ServingPool) -> children
   pod_index                       (namespace, pool label value) -> engine pods (no spec)
 
@@ -43,6 +44,7 @@ JsonObj = dict[str, Any]
 INDEX_IDS: dict[str, str] = {
     "ServingPool": "pool_index",
     "ModelArtifact": "artifact_index",
+    "Rollout": "rollout_index",
     "Deployment": "deployment_index",
     "Service": "service_index",
     "ConfigMap": "config_map_index",
@@ -51,7 +53,7 @@ INDEX_IDS: dict[str, str] = {
     "NetworkPolicy": "network_policy_index",
     "Pod": "pod_index",
 }
-TOP_LEVEL = frozenset({"ServingPool", "ModelArtifact"})
+TOP_LEVEL = frozenset({"ServingPool", "ModelArtifact", "Rollout"})
 CHILD_KINDS = frozenset({"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "Secret",
                          "NetworkPolicy"})
 # An index as kopf exposes it: key -> the values of every object filed under that key.

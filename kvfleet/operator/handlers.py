@@ -36,6 +36,7 @@ from kvfleet.kube.api import JsonObj, KubeApi, KubeError, connection_from_kopf
 from kvfleet.kube.informer import Informer
 from kvfleet.operator import cache, metrics, naming, podwatch
 from kvfleet.operator.builders import EngineOptions
+from kvfleet.operator.promquery import PromQuery
 from kvfleet.operator.runtime import InvalidObjectError, Key, Runtime
 
 log = logging.getLogger("kvfleet.operator")
@@ -56,6 +57,7 @@ PODS = ("", "v1", "pods")
 KOPF_INDEXED = {
     (GROUP, VERSION, "servingpools"): "ServingPool",
     (GROUP, VERSION, "modelartifacts"): "ModelArtifact",
+    (GROUP, VERSION, "rollouts"): "Rollout",
 }
 # The kinds `informer`s list and watch, with their server-side label selectors.
 INFORMED = {
@@ -70,6 +72,7 @@ class OperatorConfig:
     options: EngineOptions = field(default_factory=EngineOptions)
     drift_interval_seconds: float = 30.0
     max_concurrent_reconciles: int = 4
+    prometheus_url: str | None = None  # what Rollout analysis queries
 
 
 class _State:
@@ -234,6 +237,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 matrix=config.matrix,
                 options=config.options,
                 max_concurrent=config.max_concurrent_reconciles,
+                prometheus=PromQuery(config.prometheus_url),
             )
             start(state.runtime)
         return info
@@ -244,6 +248,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             task.cancel()
         await asyncio.gather(*state.loops, return_exceptions=True)
         if state.runtime is not None:
+            await state.runtime.prometheus.close()
             await state.runtime.api.close()
 
     # -- the cache: kopf indices of pools and artifacts (the rest: informers) --------------
@@ -285,5 +290,23 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         runtime = state.get()
         for key in runtime.pools_using(namespace or "default", name):
             in_background(runtime.pools.trigger, key)
+
+    # -- Rollout: its pool reconciles it (one writer of the pool's traffic table) ---------
+
+    @kopf.on.create(GROUP, VERSION, "rollouts", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "rollouts", registry=registry)
+    @kopf.on.resume(GROUP, VERSION, "rollouts", registry=registry)
+    async def rollout_changed(namespace: str | None, spec: Any, **_: Any) -> None:
+        runtime = await state.synced()
+        pool = (spec.get("poolRef") or {}).get("name")
+        if isinstance(pool, str):
+            await _handled(runtime.pools.trigger, (namespace or "default", pool))
+
+    @kopf.on.delete(GROUP, VERSION, "rollouts", optional=True, registry=registry)
+    async def rollout_deleted(namespace: str | None, spec: Any, **_: Any) -> None:
+        runtime = state.get()
+        pool = (spec.get("poolRef") or {}).get("name")
+        if isinstance(pool, str):
+            in_background(runtime.pools.trigger, (namespace or "default", pool))
 
     return registry

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 RECONCILES = Counter("kvfleet_operator_reconciles_total", "Reconciles run, by kind.", ["kind"])
 RECONCILE_ERRORS = Counter(
@@ -42,3 +42,23 @@ def count_request(verb: str) -> None:
 
 def count_informer_list(kind: str) -> None:
     INFORMER_LISTS.labels(kind=kind).inc()
+ANALYSES = Counter(
+    "kvfleet_operator_rollout_analyses_total",
+    "Rollout analysis evaluations, by outcome (Pass, Fail, Waiting, Inconclusive, Error).",
+    ["outcome"],
+)
+ROLLOUT_PHASE = Gauge(
+    "kvfleet_operator_rollout_phase",
+    "1 for each Rollout's current phase, 0 for its other phases.",
+    ["namespace", "rollout", "phase"],
+)
+ROLLOUT_STEP = Gauge(
+    "kvfleet_operator_rollout_step",
+    "Each Rollout's step index (-1: shadow phase; -2: none).",
+    ["namespace", "rollout"],
+)
+ROLLOUT_WEIGHT = Gauge(
+    "kvfleet_operator_rollout_canary_weight_percent",
+    "Percent of conversations each Rollout sends to its canary.",
+    ["namespace", "rollout"],
+)

@@ -17,15 +17,14 @@ def cluster_role_rules() -> list[dict[str, Any]]:
         # kopf watches the kinds it handles and stores progress in their annotations.
         {
             "apiGroups": ["kvfleet.io"],
-            "resources": ["servingpools", "modelartifacts"],
+            "resources": ["servingpools", "modelartifacts", "rollouts"],
             "verbs": [*WATCH, "patch"],
         },
         {
             "apiGroups": ["kvfleet.io"],
-            "resources": ["servingpools/status", "modelartifacts/status"],
+            "resources": ["servingpools/status", "modelartifacts/status", "rollouts/status"],
             "verbs": ["get", "patch", "update"],
         },
-        {"apiGroups": ["kvfleet.io"], "resources": ["rollouts"], "verbs": WATCH},
         # Owned children: server-side apply is a patch; old revisions are deleted.
         {
             "apiGroups": ["apps"],

@@ -2,11 +2,15 @@
 plan. kopf handlers (kvfleet.operator.handlers) only decide *when* these run.
 
 Reads come from `cache.Cache` (what kopf's watches delivered), not from the apiserver: the
-pool, its artifact, its Deployments, ConfigMap, Service, PDB and engine pods. The one read
-left is the namespace's Rollouts, listed only while the artifact differs from the serving
-revision. Writes go out together, in one round trip of latency: the applies of what is
-missing or drifted, deletes of retired revisions, the status if it changed, and the events.
-A reconcile where nothing drifted and nothing changed sends no request at all.
+pool, its artifact, its Rollout, its Deployments, ConfigMap, Service, PDB and engine pods.
+Writes go out together, in one round trip of latency: the applies of what is missing or
+drifted, deletes of retired revisions, the status if it changed, and the events. A reconcile
+where nothing drifted and nothing changed sends no request at all.
+
+A pool with a Rollout reconciles in two stages: the Rollout's decision first (after querying
+Prometheus for the analysis window that is due), written to the Rollout's status before
+anything else, then the pool's reconcile, which carries it out. So the Rollout's status is the
+truth a restarted operator resumes from, and what the pool shows follows from it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvfleet.api import ModelArtifact, ServingPool, manifest_hash
+from kvfleet.api import ModelArtifact, Rollout, ServingPool, manifest_hash
+from kvfleet.api.analysis import overall
+from kvfleet.api.rollout import REQUEST_ANNOTATION, Phase, RolloutRequest, RolloutStatus
 from kvfleet.compat import Matrix
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.operator import metrics, naming
@@ -29,11 +35,19 @@ from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.cache import Cache
 from kvfleet.operator.coalesce import Coalescer
 from kvfleet.operator.modelartifact import reconcile_artifact
+from kvfleet.operator.placement import diagnose
+from kvfleet.operator.promquery import PromQuery, Target
+from kvfleet.operator.rollout import SHADOW_STEP, View, decide, due_window, metric_plans
+from kvfleet.operator.rollout import Decision as RolloutDecision
 from kvfleet.operator.servingpool import (
     Event,
     Observed,
     deployment_ready,
+    ready_replicas,
     reconcile,
+    revision_deployment,
+    revision_pods,
+    target_problem,
     with_apply_failure,
 )
 
@@ -53,6 +67,7 @@ class Runtime:
     cache: Cache
     matrix: Matrix
     options: EngineOptions = field(default_factory=EngineOptions)
+    prometheus: PromQuery = field(default_factory=lambda: PromQuery(None))
     pools: Coalescer[Key] = field(init=False)
     artifacts: Coalescer[Key] = field(init=False)
 
@@ -63,6 +78,8 @@ class Runtime:
         # Like controller-runtime's MaxConcurrentReconciles: a burst of new pools queues here
         # instead of all crowding the apiserver at once, so each reconcile finishes quickly.
         self._slots = asyncio.Semaphore(self.max_concurrent)
+        self._wakeups: dict[Key, asyncio.TimerHandle] = {}
+        self._woken: set[asyncio.Task[None]] = set()
         self.pools = Coalescer(self._timed("ServingPool", self.reconcile_pool))
         self.artifacts = Coalescer(self._timed("ModelArtifact", self.reconcile_artifact))
 
@@ -87,6 +104,97 @@ class Runtime:
 
     # -- ServingPool ----------------------------------------------------------------------
 
+    def rollout_of(self, namespace: str, pool: str) -> JsonObj | None:
+        """The Rollout governing the pool: the oldest whose poolRef names it."""
+        found = [r for r in self.cache.objects("Rollout", namespace)
+                 if (r.get("spec", {}).get("poolRef") or {}).get("name") == pool
+                 and not r["metadata"].get("deletionTimestamp")]
+        found.sort(key=lambda r: (str(r["metadata"].get("creationTimestamp", "")),
+                                  str(r["metadata"]["name"])))
+        return found[0] if found else None
+
+    def pool_of_rollout(self, namespace: str, rollout: str) -> Key | None:
+        raw = self.cache.get("Rollout", namespace, rollout)
+        name = ((raw or {}).get("spec", {}).get("poolRef") or {}).get("name")
+        return (namespace, name) if isinstance(name, str) else None
+
+    def wake(self, key: Key, seconds: float) -> None:
+        """Reconcile the pool again in `seconds` (the earliest request wins)."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + seconds
+        handle = self._wakeups.get(key)
+        if handle is not None and not handle.cancelled() and handle.when() <= when:
+            return
+        if handle is not None:
+            handle.cancel()
+
+        def fire() -> None:
+            self._wakeups.pop(key, None)
+            task = loop.create_task(self._woken_reconcile(key))
+            self._woken.add(task)
+            task.add_done_callback(self._woken.discard)
+
+        self._wakeups[key] = loop.call_at(when, fire)
+
+    async def _woken_reconcile(self, key: Key) -> None:
+        try:
+            await self.pools.trigger(key)
+        except Exception as exc:  # the drift loop retries; say why meanwhile
+            log.warning("reconcile of %s/%s failed: %s", key[0], key[1], exc)
+
+    async def _rollout(self, raw_rollout: JsonObj, pool: ServingPool,
+                       artifact: ModelArtifact | None, observed: Observed) -> RolloutDecision:
+        """The Rollout's decision, its analysis queried first; its status is written here."""
+        rollout = _parse(Rollout, raw_rollout)
+        ns, name = pool.metadata.namespace or "default", pool.metadata.name
+        problem = target_problem(pool, artifact, self.matrix)
+        target = manifest_hash(artifact.spec) if artifact is not None and problem is None \
+            else None
+        request, request_error = None, None
+        text = (rollout.metadata.annotations or {}).get(REQUEST_ANNOTATION)
+        if text:
+            try:
+                request = RolloutRequest.parse(text)
+            except ValueError as exc:
+                request_error = str(exc)
+        pods = revision_pods(observed, target)
+        diagnosis = diagnose(pool.spec, pods) if pods else None
+        view = View(
+            spec=rollout.spec, status=rollout.status or RolloutStatus(),
+            generation=rollout.metadata.generation, request=request,
+            pool_replicas=pool.spec.replicas, slos=pool.spec.slos,
+            stable=pool.status.serving_revision if pool.status else None,
+            target=target, target_artifact=pool.spec.artifact_ref.name, blocked=problem,
+            canary_ready=ready_replicas(revision_deployment(observed, target)),
+            canary_problem=diagnosis.message if diagnosis is not None else None)
+        now = _now()
+        window = due_window(view, now)
+        results = None
+        if window is not None and view.status.canary_revision and view.status.stable_revision:
+            target_ = Target(pool=name, namespace=ns, canary=view.status.canary_revision,
+                             stable=view.status.stable_revision,
+                             traffic="shadow" if window.step == SHADOW_STEP else "live")
+            results = await self.prometheus.evaluate(
+                metric_plans(rollout.spec, pool.spec.slos, window.step), window, target_)
+            metrics.ANALYSES.labels(outcome=overall(results).value).inc()
+        decision = decide(view, window, results, now)
+        events = [Event(e.type, e.reason, e.message) for e in decision.events]
+        if request_error is not None:
+            events.append(Event("Warning", "BadRequest", request_error))
+        await asyncio.gather(
+            self._write_status("Rollout", raw_rollout, decision.status.to_wire()),
+            *(self._post_event(raw_rollout, e) for e in events))
+        for phase in Phase:
+            metrics.ROLLOUT_PHASE.labels(namespace=ns, rollout=rollout.metadata.name,
+                                         phase=phase.value).set(phase == decision.status.phase)
+        metrics.ROLLOUT_STEP.labels(namespace=ns, rollout=rollout.metadata.name).set(
+            decision.status.current_step if decision.status.current_step is not None else -2)
+        metrics.ROLLOUT_WEIGHT.labels(namespace=ns, rollout=rollout.metadata.name).set(
+            decision.status.current_weight)
+        if decision.requeue_seconds is not None:
+            self.wake((ns, name), decision.requeue_seconds)
+        return decision
+
     async def _observe(self, pool: ServingPool, artifact: ModelArtifact | None) -> Observed:
         ns, name = pool.metadata.namespace or "default", pool.metadata.name
         uid = pool.metadata.uid or ""
@@ -96,14 +204,6 @@ class Runtime:
         pods: list[JsonObj] = []
         if not deployments or not all(deployment_ready(d) for d in deployments):
             pods = self.cache.pods(ns, naming.label_value(name))
-        serving = pool.status.serving_revision if pool.status else None
-        rollouts: tuple[str, ...] = ()
-        if artifact is not None and serving is not None and manifest_hash(artifact.spec) != serving:
-            rollouts = tuple(
-                r["metadata"]["name"]
-                for r in await self.api.list("Rollout", ns)
-                if (r.get("spec", {}).get("poolRef") or {}).get("name") == name
-            )
         return Observed(
             deployments=tuple(deployments),
             config_map=self._owned_named("ConfigMap", ns, uid, naming.config_map_name(name)),
@@ -113,7 +213,6 @@ class Runtime:
             network_policy=self._owned_named("NetworkPolicy", ns, uid,
                                              naming.network_policy_name(name)),
             pods=tuple(pods),
-            rollouts=rollouts,
         )
 
     def _owned_named(self, kind: str, ns: str, uid: str, name: str) -> JsonObj | None:
@@ -139,9 +238,13 @@ class Runtime:
         raw_artifact = self.cache.get("ModelArtifact", ns, pool.spec.artifact_ref.name)
         artifact = _parse(ModelArtifact, raw_artifact) if raw_artifact else None
         observed = await self._observe(pool, artifact)
+        raw_rollout = self.rollout_of(ns, name)
+        decision = None
+        if raw_rollout is not None:
+            decision = await self._rollout(raw_rollout, pool, artifact, observed)
         plan = reconcile(
             pool, artifact, observed, matrix=self.matrix, now=_now(), options=self.options,
-            new_router_token=secrets.token_hex(24),
+            new_router_token=secrets.token_hex(24), rollout=decision,
         )
         # Every write is independent of the others (a pod waits for its ConfigMap by itself;
         # the status describes what was decided, and is corrected below if an apply fails),
@@ -284,7 +387,7 @@ def _owned_by(obj: JsonObj, pool: ServingPool) -> bool:
     return any(r.get("uid") == pool.metadata.uid and r.get("controller") for r in refs)
 
 
-def _parse(cls: type[ServingPool] | type[ModelArtifact], raw: JsonObj) -> Any:
+def _parse(cls: type[ServingPool] | type[ModelArtifact] | type[Rollout], raw: JsonObj) -> Any:
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:

@@ -5,10 +5,11 @@ of them must be (re)applied because they are missing or drifted, which old-revis
 Deployments to delete, and the status to write. It never changes the pool's spec.
 
 Revisions: each artifact manifest hash is served by its own Deployment. When the artifact
-reference changes and no Rollout owns the pool, the new revision is created beside the old one
-and the old one is deleted once the new one is fully ready (the Service spans both). When a
-Rollout names the pool, revisions are the Rollout's business: the operator keeps every
-existing Deployment and does not create a new revision.
+reference changes and no Rollout governs the pool, the new revision is created beside the old
+one and the old one is deleted once the new one is fully ready (the Service spans both). When
+a Rollout governs the pool, its decision (`kvfleet.operator.rollout`) says how many canary
+replicas exist, the traffic table the routers follow and when the canary is promoted; the
+serving revision's Deployment is then never re-applied, scaled or restarted.
 
 Blocking problems (artifact missing, incompatible, does not fit the GPU) stop the creation of
 a new revision but never delete what is already serving.
@@ -27,6 +28,8 @@ from kvfleet.operator import builders, naming
 from kvfleet.operator.conditions import Cond, merge_conditions
 from kvfleet.operator.drift import has_drifted
 from kvfleet.operator.placement import diagnose
+from kvfleet.operator.rollout import ACTIVE
+from kvfleet.operator.rollout import Decision as RolloutDecision
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,6 @@ class Observed:
     router_secret: dict[str, Any] | None = None
     network_policy: dict[str, Any] | None = None
     pods: tuple[dict[str, Any], ...] = ()
-    rollouts: tuple[str, ...] = ()  # names of Rollouts whose poolRef is this pool
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,24 @@ def _revision_of(deployment: dict[str, Any]) -> str | None:
     annotations = deployment.get("metadata", {}).get("annotations") or {}
     value = annotations.get(naming.MANIFEST_HASH_ANNOTATION)
     return value if isinstance(value, str) else None
+
+
+def revision_deployment(observed: Observed, revision: str | None) -> dict[str, Any] | None:
+    return next((d for d in observed.deployments
+                 if revision is not None and _revision_of(d) == revision), None)
+
+
+def revision_pods(observed: Observed, revision: str | None) -> list[dict[str, Any]]:
+    return [
+        p for p in observed.pods
+        if revision is not None
+        and (p.get("metadata", {}).get("labels") or {}).get(naming.REVISION_LABEL)
+        == naming.short_revision(revision)
+    ]
+
+
+def ready_replicas(deployment: dict[str, Any] | None) -> int:
+    return int(((deployment or {}).get("status") or {}).get("readyReplicas", 0))
 
 
 def deployment_ready(deployment: dict[str, Any]) -> bool:
@@ -126,6 +146,13 @@ def _blocker(
     return None
 
 
+def target_problem(pool: ServingPool, artifact: ModelArtifact | None, matrix: Matrix) -> str | None:
+    """Why the pool's artifactRef cannot be deployed (missing, incompatible, does not fit)."""
+    capacity = None if artifact is None else _capacity(pool, artifact, matrix)[1]
+    found = _blocker(pool, artifact, matrix, capacity)
+    return None if found is None else f"{found.reason}: {found.message}"
+
+
 def _desired(
     pool: ServingPool,
     artifact: ModelArtifact,
@@ -166,16 +193,20 @@ def reconcile(
     now: datetime,
     options: builders.EngineOptions = builders.EngineOptions(),  # noqa: B008 (frozen)
     new_router_token: str = "",
+    rollout: RolloutDecision | None = None,
 ) -> Plan:
     """`new_router_token`: the pool's router token if it has none yet (random, from the
-    caller: this function stays pure); an existing token is kept."""
+    caller: this function stays pure); an existing token is kept. `rollout`: the decision of
+    the Rollout that governs the pool, if one does."""
     previous = pool.status.to_wire() if pool.status is not None else {}
     generation = pool.metadata.generation
     plan, capacity = (None, None) if artifact is None else _capacity(pool, artifact, matrix)
     blocker = _blocker(pool, artifact, matrix, capacity)
     revision = manifest_hash(artifact.spec) if artifact is not None else None
     serving = previous.get("servingRevision")
-    managed_by_rollout = bool(observed.rollouts) and serving is not None and revision != serving
+    if rollout is not None and rollout.promote and rollout.status.canary_revision == revision:
+        serving = revision  # promoted: from now on the canary is the revision that serves
+    governed = rollout is not None and serving is not None and revision != serving
 
     apply: list[dict[str, Any]] = []
     events: list[Event] = []
@@ -183,7 +214,6 @@ def reconcile(
     # (artifact is None implies a blocker; the explicit checks narrow the types.)
     if (
         blocker is None
-        and not managed_by_rollout
         and artifact is not None
         and revision is not None
         and plan is not None
@@ -191,6 +221,11 @@ def reconcile(
         created: list[str] = []
         token = builders.router_token_of(observed.router_secret) or new_router_token
         for desired in _desired(pool, artifact, revision, plan, options, token):
+            if desired["kind"] == "Deployment" and governed:
+                assert rollout is not None
+                if rollout.canary_replicas is None:
+                    continue
+                desired["spec"]["replicas"] = rollout.canary_replicas
             current = _observed_for(desired, observed)
             name = f"{desired['kind']} {desired['metadata']['name']}"
             if current is None:
@@ -199,7 +234,7 @@ def reconcile(
             elif (where := has_drifted(desired, current)) is not None:
                 apply.append(desired)
                 events.append(Event("Normal", "Restored", f"{name} drifted at {where}; restored"))
-            if desired["kind"] == "Deployment":
+            if desired["kind"] == "Deployment" and not governed:
                 target = current
         if created:
             # One event for the lot: events are apiserver writes too.
@@ -214,7 +249,16 @@ def reconcile(
 
     # Old revisions go only once the new one serves every replica.
     delete: list[dict[str, Any]] = []
-    if target is not None and deployment_ready(target) and not apply:
+    if governed:
+        assert rollout is not None
+        keep = {serving, revision if rollout.canary_replicas is not None else None}
+        for old in observed.deployments:
+            if _revision_of(old) not in keep:
+                delete.append(old)
+                events.append(Event("Normal", "CanaryRemoved",
+                                    f"Deployment {old['metadata']['name']} deleted: the rollout "
+                                    "no longer runs its revision"))
+    elif target is not None and deployment_ready(target) and not apply:
         for old in observed.deployments:
             if _revision_of(old) != revision:
                 delete.append(old)
@@ -230,7 +274,8 @@ def reconcile(
 
     # Available follows the Deployment that serves: the target revision's, or while a new
     # revision is blocked or left to a Rollout, the one already serving.
-    target_drifted = any(a["kind"] == "Deployment" for a in apply)
+    # (A governed canary being applied says nothing about the revision that serves.)
+    target_drifted = not governed and any(a["kind"] == "Deployment" for a in apply)
     serving_deployment = (
         target
         if target is not None
@@ -255,14 +300,8 @@ def reconcile(
     num_ready = sum(
         int((d.get("status") or {}).get("readyReplicas", 0)) for d in observed.deployments
     )
-    target_pods = [
-        p
-        for p in observed.pods
-        if revision is not None
-        and (p.get("metadata", {}).get("labels") or {}).get(naming.REVISION_LABEL)
-        == naming.short_revision(revision)
-    ]
-    diagnosis = diagnose(pool.spec, target_pods)
+    # A governed canary's pods are the Rollout's to report; the pool keeps serving meanwhile.
+    diagnosis = None if governed else diagnose(pool.spec, revision_pods(observed, revision))
     want = pool.spec.replicas
 
     decided: list[Cond] = []
@@ -287,16 +326,13 @@ def reconcile(
             f"{num_ready}/{want} replicas ready"
             + (f": {degraded.message}" if degraded.status else ""),
         )
-    if managed_by_rollout:
-        progressing = Cond(
-            "Progressing",
-            False,
-            "ManagedByRollout",
-            f"artifact changed to {pool.spec.artifact_ref.name}; Rollout "
-            f"{', '.join(observed.rollouts)} moves the pool between revisions",
-        )
-    elif blocker is not None:
+    if blocker is not None:
         progressing = Cond("Progressing", False, "Blocked", blocker.message)
+    elif governed:
+        assert rollout is not None
+        phase = rollout.status.phase
+        progressing = Cond("Progressing", phase in ACTIVE and phase.value != "Paused",
+                           f"Rollout{phase.value}", rollout.status.message)
     elif ready:
         progressing = Cond("Progressing", False, "Complete", "")
     else:
@@ -325,6 +361,8 @@ def reconcile(
         status["capacity"] = plan.to_status().to_wire()
     if serving is not None:
         status["servingRevision"] = serving
+    if governed and rollout is not None and rollout.traffic:
+        status["traffic"] = [t.to_wire() for t in rollout.traffic]
     if generation is not None:
         status["observedGeneration"] = generation
     return Plan(apply=tuple(apply), delete=tuple(delete), status=status, events=tuple(events))

@@ -112,8 +112,7 @@ async def admit(
         found = validate_tenantquota(new, old)
     elif isinstance(new, Rollout):
         pool = await _get(fetch, ServingPool, namespace, new.spec.pool_ref.name)
-        target = await _get(fetch, ModelArtifact, namespace, new.spec.target_artifact_ref.name)
-        found = validate_rollout(new, old, pool=pool, target=target, matrix=matrix)
+        found = validate_rollout(new, old, pool=pool)
     else:
         raise TypeError(f"no admission rules for {type(new).__name__}")
     return Decision(

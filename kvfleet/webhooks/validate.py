@@ -1,6 +1,6 @@
 """Pure admission rules: `validate_<kind>(new, old, ...) -> list[FieldError]`.
 
-No I/O here: referenced objects (the pool's ModelArtifact, the rollout's pool and target) are
+No I/O here: referenced objects (the pool's ModelArtifact, the rollout's pool) are
 arguments, resolved by the caller — the HTTPS adapter reads them from the apiserver, `kvfleet
 check` from the files it was given. An empty list admits the object; errors reject it;
 warnings (severity "warning") admit it with a warning shown by kubectl.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvfleet.api import ModelArtifact, Rollout, ServingPool, TenantQuota, manifest_hash
+from kvfleet.api.analysis import AnalysisConfigError, plans
 from kvfleet.api.quantity import GIB, format_bytes
 from kvfleet.capacity import MemoryPlan, plan_for_pool
 from kvfleet.compat import ENGINE_VERSION, Incompatibility, Matrix, check
@@ -179,28 +180,16 @@ def validate_tenantquota(new: TenantQuota, old: TenantQuota | None) -> list[Fiel
     return errors
 
 
-def validate_rollout(
-    new: Rollout,
-    old: Rollout | None,
-    *,
-    pool: ServingPool | None,
-    target: ModelArtifact | None,
-    matrix: Matrix,
-    engine_version: str = ENGINE_VERSION,
-) -> list[FieldError]:
+def validate_rollout(new: Rollout, old: Rollout | None, *, pool: ServingPool | None
+                     ) -> list[FieldError]:
+    """The policy's own consistency and its pool. The artifacts it will move the pool to are
+    the pool's artifactRef, checked when the pool changes (validate_servingpool)."""
     errors = []
     spec = new.spec
-    if old is not None:
-        for field, name in (("poolRef", "pool_ref"), ("targetArtifactRef", "target_artifact_ref")):
-            if getattr(spec, name) != getattr(old.spec, name):
-                errors.append(
-                    FieldError(
-                        f"spec.{field}",
-                        "immutable",
-                        f"{field} is immutable; create a new Rollout",
-                    )
-                )
-    names = [m.name for m in spec.analysis.metrics] if spec.analysis else []
+    if old is not None and spec.pool_ref != old.spec.pool_ref:
+        errors.append(FieldError("spec.poolRef", "immutable",
+                                 "poolRef is immutable; create a new Rollout"))
+    names = [m.name for m in spec.analysis.metrics]
     for index, name in enumerate(names):
         if name in names[:index]:
             errors.append(
@@ -208,34 +197,23 @@ def validate_rollout(
                     f"spec.analysis.metrics[{index}].name", "consistency", f"duplicate {name}"
                 )
             )
-    namespace = new.metadata.namespace
     if pool is None:
         errors.append(
             FieldError(
                 "spec.poolRef.name",
                 "reference",
-                f"ServingPool {spec.pool_ref.name!r} not found in namespace {namespace!r}",
+                f"ServingPool {spec.pool_ref.name!r} not found in namespace "
+                f"{new.metadata.namespace!r}",
             )
         )
-    if target is None:
-        errors.append(
-            FieldError(
-                "spec.targetArtifactRef.name",
-                "reference",
-                f"ModelArtifact {spec.target_artifact_ref.name!r} not found in namespace "
-                f"{namespace!r}; create it first",
-            )
-        )
-    if pool is None or target is None:
         return errors
-    field = "spec.targetArtifactRef.name"
-    what = f"ModelArtifact {target.metadata.name} cannot run on pool {pool.metadata.name}"
-    found = check(target.spec, pool.spec, matrix=matrix, engine_version=engine_version)
-    errors += _referenced(found, field, what)
-    errors += [
-        FieldError(field, "compatibility", f"{what}: {i}") for i in found if i.kind == "ServingPool"
-    ]
-    if not found:
-        plan = plan_for_pool(target.spec, pool.spec, gpu_memory_bytes(pool, matrix))
-        errors += _capacity(plan, pool, target, field)
+    phases = [(shadow, analysed) for shadow, analysed in (
+        (True, bool(spec.shadow and spec.shadow.analysis)),
+        (False, any(step.analysis for step in spec.steps))) if analysed]
+    for shadow, _ in phases:
+        try:
+            plans(spec.analysis.metrics, pool.spec.slos, shadow=shadow)
+        except AnalysisConfigError as exc:
+            errors.append(FieldError("spec.analysis.metrics", "consistency",
+                                     f"{'shadow phase' if shadow else 'canary steps'}: {exc}"))
     return errors

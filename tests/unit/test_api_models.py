@@ -9,6 +9,7 @@ import kvfleet.api
 from kvfleet.api import DocumentError, load_yaml_documents, parse_object
 from kvfleet.api.builders import make_artifact, make_pool, make_quota, make_rollout
 from kvfleet.api.documents import error_path
+from kvfleet.api.rollout import Rollout, RolloutRequest
 
 
 def test_public_surface_is_complete() -> None:
@@ -69,12 +70,25 @@ def test_rollout_weights_increase_and_end_at_100(weights: list[int], message: st
     assert error_path(tuple(info.value.errors()[0]["loc"])) == "spec.steps"
 
 
-def test_rollout_analysis_steps_need_metrics() -> None:
-    with pytest.raises(ValidationError, match="defines no metrics"):
-        make_rollout().delete("spec.analysis").obj()
-    steps = [{"weight": 50, "analysis": False}, {"weight": 100, "analysis": False}]
-    rollout = make_rollout().delete("spec.analysis").set("spec.steps", steps).obj()
-    assert rollout.spec.analysis is None
+def test_rollout_analysis_defaults_to_the_pools_slos() -> None:
+    rollout = make_rollout().delete("spec.analysis").obj()
+    assert rollout.spec.analysis.metrics == []
+    assert rollout.spec.analysis.interval_seconds == 30
+
+
+def test_rollout_metric_is_a_slo_or_a_query_with_a_threshold() -> None:
+    assert make_rollout().obj().spec.analysis.metrics[0].slo == "TTFTP95"
+    rules = [r["rule"] for r in Rollout.model_json_schema()["$defs"]["Metric"][
+        "x-kubernetes-validations"]]
+    assert rules == ["has(self.slo) != has(self.query)", "has(self.slo) || has(self.threshold)"]
+
+
+def test_rollout_request_parses_and_names_the_annotation() -> None:
+    request = RolloutRequest.parse('{"action": "promote", "id": "a1", "step": 2}')
+    assert (request.action, request.step) == ("promote", 2)
+    assert RolloutRequest.parse(request.to_annotation()) == request
+    with pytest.raises(ValueError, match=r"kvfleet\.io/rollout-request is not a rollout request"):
+        RolloutRequest.parse('{"action": "skip-ahead", "id": "a1"}')
 
 
 def test_quota_is_parsed_by_kind() -> None:

@@ -78,7 +78,7 @@ def test_rollout_weights_rule_and_bounds() -> None:
     # CEL cost estimation needs bounded lists.
     assert spec["properties"]["steps"]["maxItems"] == 20
     weight = spec["properties"]["steps"]["items"]["properties"]["weight"]
-    assert (weight["minimum"], weight["maximum"]) == (0, 100)
+    assert (weight["minimum"], weight["maximum"]) == (1, 100)  # weight 0 is no step
 
 
 def test_defaults_enums_and_exclusive_bounds_are_openapi_v3() -> None:

@@ -11,8 +11,11 @@ from operator_fakes import NOW, artifact, as_observed, pod, pool
 
 from kvfleet.api import ModelArtifact, ServingPool, manifest_hash
 from kvfleet.api.builders import make_artifact
+from kvfleet.api.rollout import Phase, RolloutStatus
+from kvfleet.api.servingpool import TrafficRole, TrafficTarget
 from kvfleet.compat import default_matrix
 from kvfleet.operator import naming
+from kvfleet.operator.rollout import Decision as RolloutDecision
 from kvfleet.operator.servingpool import Observed, Plan, reconcile
 
 MATRIX = default_matrix()
@@ -216,19 +219,58 @@ def test_artifact_change_switches_revision_only_when_the_new_one_is_ready() -> N
     assert done.status["servingRevision"] == manifest_hash(new.spec)
 
 
-def test_a_rollout_owns_revision_changes() -> None:
+def _decision(old: ModelArtifact, new: ModelArtifact, *, phase: Phase, weight: int,
+              canary: int | None, promote: bool = False) -> RolloutDecision:
+    status = RolloutStatus(phase=phase, stable_revision=manifest_hash(old.spec),
+                           canary_revision=manifest_hash(new.spec), current_weight=weight,
+                           message=f"step 1/3 weight {weight}%")
+    traffic = [TrafficTarget(revision=manifest_hash(old.spec), role=TrafficRole.STABLE,
+                             weight=100 - weight)]
+    if weight:
+        traffic.append(TrafficTarget(revision=manifest_hash(new.spec), role=TrafficRole.CANARY,
+                                     weight=weight))
+    return RolloutDecision(status=status, traffic=traffic if canary else [],
+                           canary_replicas=canary, promote=promote)
+
+
+def test_a_rollout_runs_the_canary_beside_an_untouched_stable() -> None:
     p, old, new = pool(), artifact(), _new_artifact()
     converged = _converged(p, old)
     p = _with_status(p, _run(p, old, converged))
-    plan = _run(
-        p,
-        new,
-        replace(converged, rollouts=("chat-to-v2",)),
-    )
-    assert plan.apply == () and plan.delete == ()
-    assert _cond(plan, "Progressing")["reason"] == "ManagedByRollout"
-    assert _cond(plan, "Available")["status"] == "True"
+    stable_name = converged.deployments[0]["metadata"]["name"]
+    # Even a drifted stable Deployment is not re-applied mid-rollout: its pods must not restart.
+    drifted = json.loads(json.dumps(converged.deployments[0]))
+    drifted["spec"]["template"]["spec"]["containers"][0]["args"].append("--drifted")
+    observed = replace(converged, deployments=(drifted,))
+    decision = _decision(old, new, phase=Phase.PROGRESSING, weight=10, canary=1)
+    plan = _run(p, new, observed, rollout=decision)
+    [canary] = [o for o in plan.apply if o["kind"] == "Deployment"]
+    assert canary["metadata"]["name"] != stable_name and canary["spec"]["replicas"] == 1
+    assert plan.delete == ()
     assert plan.status["servingRevision"] == manifest_hash(old.spec)
+    assert plan.status["traffic"] == [t.to_wire() for t in decision.traffic]
+    assert (_cond(plan, "Progressing")["status"], _cond(plan, "Progressing")["reason"]) == (
+        "True", "RolloutProgressing")
+    assert _cond(plan, "Available")["status"] == "True"
+
+    # Rolled back: the canary goes, stable stays.
+    with_canary = replace(converged, deployments=(converged.deployments[0],
+                                                  as_observed(canary)))
+    back = _run(p, new, with_canary, rollout=_decision(old, new, phase=Phase.ROLLED_BACK,
+                                                       weight=0, canary=None))
+    assert [d["metadata"]["name"] for d in back.delete] == [canary["metadata"]["name"]]
+    assert not any(o["kind"] == "Deployment" for o in back.apply)
+    assert "traffic" not in back.status
+    assert _cond(back, "Progressing")["reason"] == "RolloutRolledBack"
+
+    # Promoted: the canary serves and (at full size) the old revision retires.
+    full = dict(canary, spec={**canary["spec"], "replicas": p.spec.replicas})
+    both = replace(converged, deployments=(converged.deployments[0], as_observed(full)))
+    done = _run(p, new, both, rollout=_decision(old, new, phase=Phase.PROMOTED, weight=100,
+                                                 canary=None, promote=True))
+    assert done.status["servingRevision"] == manifest_hash(new.spec)
+    assert [d["metadata"]["name"] for d in done.delete] == [stable_name]
+    assert done.apply == ()
 
 
 def test_revision_label_matches_the_manifest_hash() -> None:

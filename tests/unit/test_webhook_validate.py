@@ -41,9 +41,8 @@ def test_good_objects_are_admitted() -> None:
     assert validate_modelartifact(artifact, None, matrix=MATRIX) == []
     assert validate_servingpool(_pool(), None, artifact=artifact, matrix=MATRIX) == []
     assert validate_tenantquota(make_quota().obj(), None) == []
-    target = make_artifact("qwen3-8b-v2").obj()
     rollout = make_rollout().obj()
-    assert validate_rollout(rollout, None, pool=_pool(), target=target, matrix=MATRIX) == []
+    assert validate_rollout(rollout, None, pool=_pool()) == []
 
 
 def test_artifact_spec_change_is_refused_naming_the_fields() -> None:
@@ -128,28 +127,28 @@ def test_quota_tenant_is_immutable_and_borrowing_needs_limits() -> None:
     assert error.field == "spec.borrowing.resources[0]"
 
 
-def test_rollout_to_artifact_incompatible_with_pool_gpus() -> None:
-    target = (
-        make_artifact("qwen3-8b-v2")
-        .set("spec.dtype", "float16")
-        .set("spec.gpuArchitectures", ["sm90"])
-        .obj()
-    )
-    [error] = validate_rollout(
-        make_rollout().obj(), None, pool=_pool(), target=target, matrix=MATRIX
-    )
-    assert error.field == "spec.targetArtifactRef.name"
-    assert "cannot run on pool chat" in error.message
-    assert "qualified only on ['sm90']" in error.message
+def test_rollout_that_could_never_judge_a_step_is_refused() -> None:
+    no_slos = make_pool().obj()
+    with_slos = make_pool().set("spec.slos", {"ttftP95Seconds": 0.5}).obj()
+    rollout = make_rollout().set("spec.analysis.metrics", []).obj()
+    [error] = validate_rollout(rollout, None, pool=no_slos)
+    assert error.field == "spec.analysis.metrics"
+    assert "pool declares no spec.slos" in error.message
+    # The pool's SLOs are enough; or steps without analysis.
+    assert validate_rollout(rollout, None, pool=with_slos) == []
+    steps = [{"weight": 50, "analysis": False}, {"weight": 100, "analysis": False}]
+    assert validate_rollout(rollout.model_copy(update={"spec": rollout.spec.model_copy(
+        update={"steps": make_rollout().set("spec.steps", steps).obj().spec.steps})}),
+        None, pool=no_slos) == []
 
 
 def test_rollout_references_and_immutable_refs() -> None:
-    errors = validate_rollout(make_rollout().obj(), None, pool=None, target=None, matrix=MATRIX)
-    assert [e.field for e in errors] == ["spec.poolRef.name", "spec.targetArtifactRef.name"]
+    errors = validate_rollout(make_rollout().obj(), None, pool=None)
+    assert [e.field for e in errors] == ["spec.poolRef.name"]
     old = make_rollout().obj()
-    new = make_rollout().set("spec.targetArtifactRef.name", "other").obj()
-    errors = validate_rollout(new, old, pool=_pool(), target=_artifact(), matrix=MATRIX)
-    assert [(e.field, e.rule) for e in errors] == [("spec.targetArtifactRef", "immutable")]
+    new = make_rollout().set("spec.poolRef.name", "other").obj()
+    errors = validate_rollout(new, old, pool=_pool())
+    assert [(e.field, e.rule) for e in errors] == [("spec.poolRef", "immutable")]
 
 
 def _store(*objects: Any) -> Any:

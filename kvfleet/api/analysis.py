@@ -1,0 +1,259 @@
+"""Rollout analysis, pure: which metrics judge a step, the PromQL they run over which window,
+and what a set of query results means (`judge`). The Prometheus I/O is the operator's
+(`kvfleet.operator.promquery`); the webhook uses `plans` to refuse an analysis that could
+never judge anything.
+
+Windows are anchored to the step: evaluation number k of a step covers
+[stepStartedAt + warmup, stepStartedAt + warmup + k * interval] and is queried *at* its end, an
+absolute time. So an evaluation recomputed after an operator restart covers the same requests
+and gives the same answer, and no traffic from before the step (or from the shadow phase) leaks
+into a canary step's window.
+
+Nothing is ever a pass by default: too few samples is Waiting, an empty result or NaN is
+Inconclusive (or Fail, per metric), a query that could not run is Error, which says nothing
+about the canary (Prometheus being down must neither promote nor roll back).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from kvfleet.api.labels import short_revision
+from kvfleet.api.rollout import (
+    Comparison,
+    Metric,
+    MetricEvaluation,
+    MissingData,
+    Outcome,
+    SLOMetric,
+)
+from kvfleet.api.servingpool import SLOs
+
+# The router's series (kvfleet.router.metrics). `pool` is the pool's name.
+_SELECTOR = 'pool="{{pool}}",revision="{{revision}}",traffic="{{traffic}}"'
+
+
+def _p95(histogram: str) -> str:
+    return (f"histogram_quantile(0.95, sum by (le) (increase({histogram}_bucket{{{_SELECTOR}}}"
+            "[{{window}}])))")
+
+
+def _count(histogram: str) -> str:
+    return f"sum(increase({histogram}_count{{{_SELECTOR}}}[{{window}}]))"
+
+
+_REQUESTS = f"sum(increase(kvfleet_router_requests_total{{{_SELECTOR}}}[{{window}}]))"
+# Server-side failures only: a 4xx is the client's request, not the revision's fault.
+_ERRORS = ("(sum(increase(kvfleet_router_requests_total{" + _SELECTOR
+           + ',code=~"5..|stream_error"}[{{window}}])) or vector(0))')
+
+
+@dataclass(frozen=True)
+class _Builtin:
+    query: str
+    samples: str
+    shadow: bool  # the router records it for shadow copies too
+
+
+BUILTINS = {
+    SLOMetric.TTFT_P95: _Builtin(_p95("kvfleet_router_time_to_first_token_seconds"),
+                                 _count("kvfleet_router_time_to_first_token_seconds"), False),
+    SLOMetric.TPOT_P95: _Builtin(_p95("kvfleet_router_time_per_output_token_seconds"),
+                                 _count("kvfleet_router_time_per_output_token_seconds"), False),
+    SLOMetric.ERROR_RATE: _Builtin(f"{_ERRORS} / {_REQUESTS}", _REQUESTS, True),
+    SLOMetric.E2E_P95: _Builtin(_p95("kvfleet_router_e2e_request_latency_seconds"),
+                                _count("kvfleet_router_e2e_request_latency_seconds"), True),
+}
+# Shadow copies are not streamed to anyone, so TTFT/TPOT have no shadow series; their latency
+# is judged end to end against stable's live requests, allowing this factor.
+SHADOW_E2E_RATIO = 1.5
+DEFAULT_MIN_SAMPLES = 50
+
+
+@dataclass(frozen=True)
+class MetricPlan:
+    """A metric with its template resolved and its threshold known."""
+
+    name: str
+    query: str
+    samples_query: str
+    threshold: float
+    comparison: Comparison
+    versus_stable: bool
+    min_samples: int
+    on_missing: MissingData
+
+
+@dataclass(frozen=True)
+class Window:
+    """Evaluation `index` of step `step` (-1: shadow): [start, end], queried at `end`."""
+
+    step: int
+    index: int
+    start: datetime
+    end: datetime
+
+    @property
+    def range(self) -> str:
+        return f"{max(1, round((self.end - self.start).total_seconds()))}s"
+
+
+class AnalysisConfigError(ValueError):
+    """The analysis cannot run as declared (a metric without a threshold, nothing to judge)."""
+
+
+def _slo_threshold(slo: SLOMetric, slos: SLOs | None) -> float | None:
+    if slos is None:
+        return None
+    return {
+        SLOMetric.TTFT_P95: slos.ttft_p95_seconds,
+        SLOMetric.TPOT_P95: slos.tpot_p95_seconds,
+        SLOMetric.ERROR_RATE: slos.error_rate,
+        SLOMetric.E2E_P95: None,
+    }[slo]
+
+
+def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool) -> list[MetricPlan]:
+    """The metrics that judge a step (shadow: the shadow phase). Empty `metrics`: the built-in
+    ones for the SLOs the pool declares. Raises AnalysisConfigError when nothing can judge."""
+    if not metrics:
+        metrics = [Metric(name=f"{slo.value.lower()}", slo=slo) for slo in
+                   (SLOMetric.TTFT_P95, SLOMetric.TPOT_P95, SLOMetric.ERROR_RATE)
+                   if _slo_threshold(slo, slos) is not None]
+        if shadow and metrics:
+            metrics.append(Metric(name="e2ep95-vs-stable", slo=SLOMetric.E2E_P95,
+                                  threshold=SHADOW_E2E_RATIO, versus_stable=True))
+    out: list[MetricPlan] = []
+    for index, metric in enumerate(metrics):
+        where = f"spec.analysis.metrics[{index}] ({metric.name})"
+        if metric.slo is not None:
+            builtin = BUILTINS[metric.slo]
+            if shadow and not builtin.shadow:
+                continue
+            query, samples = builtin.query, builtin.samples
+            threshold = metric.threshold if metric.threshold is not None else \
+                _slo_threshold(metric.slo, slos)
+            if threshold is None:
+                raise AnalysisConfigError(
+                    f"{where}: {metric.slo.value} has no threshold: set threshold, or the "
+                    "pool's spec.slos")
+        else:
+            if metric.query is None or metric.threshold is None:
+                raise AnalysisConfigError(f"{where}: a query needs a threshold")
+            query, threshold = metric.query, metric.threshold
+            samples = metric.samples_query or _REQUESTS
+        out.append(MetricPlan(metric.name, query, metric.samples_query or samples, threshold,
+                              metric.comparison, metric.versus_stable, metric.min_samples,
+                              metric.on_missing_data))
+    if not out:
+        raise AnalysisConfigError(
+            "nothing judges this step: the Rollout's spec.analysis.metrics is empty and the "
+            "pool declares no spec.slos; add either, or set analysis: false on the steps")
+    return out
+
+
+def render(template: str, *, pool: str, namespace: str, revision: str, traffic: str,
+           window: Window) -> str:
+    values = {"pool": pool, "namespace": namespace, "revision": short_revision(revision),
+              "traffic": traffic, "window": window.range}
+    for key, value in values.items():
+        template = template.replace("{{" + key + "}}", value)
+    return template
+
+
+def due(start: datetime | None, interval: float, warmup: float, done: set[int],
+        now: datetime, step: int) -> Window | None:
+    """The newest evaluation slot that ended by `now` and is not `done`, or None."""
+    if start is None:
+        return None
+    base = start + timedelta(seconds=warmup)
+    slot = math.floor((now - base).total_seconds() / interval)
+    if slot < 1 or slot in done:
+        return None
+    return Window(step, slot, base, base + timedelta(seconds=slot * interval))
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """One revision's answer: the value (None: empty result), the samples it came from, or
+    the error that kept the query from running."""
+
+    value: float | None = None
+    samples: int = 0
+    error: str | None = None
+
+
+def _passes(value: float, threshold: float, comparison: Comparison) -> bool:
+    return {
+        Comparison.LESS_THAN: value < threshold,
+        Comparison.AT_MOST: value <= threshold,
+        Comparison.GREATER_THAN: value > threshold,
+        Comparison.AT_LEAST: value >= threshold,
+    }[comparison]
+
+
+_SYMBOL = {Comparison.LESS_THAN: "<", Comparison.AT_MOST: "<=", Comparison.GREATER_THAN: ">",
+           Comparison.AT_LEAST: ">="}
+_NEGATED = {Comparison.LESS_THAN: ">=", Comparison.AT_MOST: ">", Comparison.GREATER_THAN: "<=",
+            Comparison.AT_LEAST: "<"}
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def judge(plan: MetricPlan, canary: QueryResult, stable: QueryResult | None) -> MetricEvaluation:
+    """One metric's outcome. `stable` is given for a versus-stable metric."""
+    result = MetricEvaluation(name=plan.name, outcome=Outcome.INCONCLUSIVE,
+                              threshold=plan.threshold, samples=canary.samples,
+                              canary_value=canary.value if _finite(canary.value) else None)
+    if stable is not None:
+        result.stable_samples = stable.samples
+        result.stable_value = stable.value if _finite(stable.value) else None
+    errors = [r.error for r in (canary, stable) if r is not None and r.error]
+    if errors:
+        result.outcome, result.message = Outcome.ERROR, errors[0][:500]
+        return result
+    short = [(who, r.samples) for who, r in (("canary", canary), ("stable", stable))
+             if r is not None and r.samples < plan.min_samples]
+    if short:
+        result.outcome = Outcome.WAITING
+        result.message = ", ".join(f"{who} {n}/{plan.min_samples} samples" for who, n in short)
+        return result
+    missing = Outcome.FAIL if plan.on_missing == MissingData.FAIL else Outcome.INCONCLUSIVE
+    if not _finite(canary.value):
+        result.outcome = missing
+        result.message = "canary: " + ("no data" if canary.value is None else f"{canary.value}")
+        return result
+    value = canary.value
+    assert value is not None
+    if stable is not None:
+        if not _finite(stable.value):
+            result.outcome = missing
+            result.message = "stable: " + ("no data" if stable.value is None else
+                                           f"{stable.value}")
+            return result
+        assert stable.value is not None
+        # 0/0: both revisions equally good; x/0: the canary is infinitely worse.
+        ratio_of_zero = 1.0 if value == 0 else math.inf
+        value = ratio_of_zero if stable.value == 0 else value / stable.value
+    result.value = value if math.isfinite(value) else None
+    passed = _passes(value, plan.threshold, plan.comparison)
+    result.outcome = Outcome.PASS if passed else Outcome.FAIL
+    what = f"{plan.name}{' canary/stable' if stable is not None else ''} {value:.4g}"
+    symbol = _SYMBOL[plan.comparison] if passed else _NEGATED[plan.comparison]
+    result.message = f"{what} {symbol} {plan.threshold:g}"
+    return result
+
+
+_SEVERITY = [Outcome.PASS, Outcome.WAITING, Outcome.INCONCLUSIVE, Outcome.ERROR, Outcome.FAIL]
+
+
+def overall(metrics: list[MetricEvaluation]) -> Outcome:
+    """The evaluation's outcome: any Fail fails it; else an Error, Inconclusive or Waiting
+    metric makes it that; Pass only when every metric passed (and there is at least one)."""
+    if not metrics:
+        return Outcome.INCONCLUSIVE
+    return max((m.outcome for m in metrics), key=_SEVERITY.index)

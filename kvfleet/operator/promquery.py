@@ -1,0 +1,105 @@
+"""The analysis's I/O: instant PromQL queries at a window's end time, over Prometheus's HTTP
+API. A failure of any kind (unreachable, timeout, a query Prometheus refuses, an answer with
+more than one series) becomes `QueryResult.error`, which the analysis counts as Error — apart
+from failures, because it says nothing about the canary."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvfleet.api.analysis import MetricPlan, QueryResult, Window, judge, render
+from kvfleet.api.rollout import MetricEvaluation
+
+QUERY_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one analysis judges: the pool, the canary and stable revisions, and the traffic
+    kind of the canary's series (shadow in the shadow phase; stable's is always live)."""
+
+    pool: str
+    namespace: str
+    canary: str
+    stable: str
+    traffic: str
+
+
+def _value(body: dict[str, Any]) -> float | None:
+    if body.get("status") != "success":
+        raise ValueError(f"{body.get('errorType', 'error')}: {body.get('error', body)}")
+    data = body.get("data") or {}
+    kind, result = data.get("resultType"), data.get("result")
+    if kind == "scalar" and isinstance(result, list):
+        return float(result[1])
+    if kind != "vector" or not isinstance(result, list):
+        raise ValueError(f"the query returned a {kind}, not one value")
+    if not result:
+        return None
+    if len(result) > 1:
+        raise ValueError(f"the query returned {len(result)} series; aggregate it to one "
+                         "(sum, max, histogram_quantile over sum by (le))")
+    return float(result[0]["value"][1])
+
+
+class PromQuery:
+    def __init__(self, url: str | None, timeout: float = QUERY_TIMEOUT_SECONDS) -> None:
+        self.url = url.rstrip("/") if url else None
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def instant(self, query: str, at: float) -> float | None:
+        """The one value of `query` at unix time `at` (None: empty result). Raises on error."""
+        if self.url is None:
+            raise ValueError("the operator has no Prometheus (start it with --prometheus-url)")
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout))
+        async with self._session.post(f"{self.url}/api/v1/query",
+                                      data={"query": query, "time": f"{at:.3f}"}) as resp:
+            try:
+                body = await resp.json(content_type=None)
+            except ValueError:
+                raise ValueError(f"HTTP {resp.status} from Prometheus") from None
+            return _value(body)
+
+    async def result(self, query: str, samples_query: str, at: float) -> QueryResult:
+        try:
+            value, samples = await asyncio.gather(self.instant(query, at),
+                                                  self.instant(samples_query, at))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError,
+                IndexError) as exc:
+            return QueryResult(error=f"{type(exc).__name__}: {exc}" if not isinstance(
+                exc, ValueError) else str(exc))
+        count = 0 if samples is None or not math.isfinite(samples) else round(samples)
+        return QueryResult(value=value, samples=count)
+
+    async def evaluate(self, plans: list[MetricPlan], window: Window,
+                       target: Target) -> list[MetricEvaluation]:
+        at = window.end.timestamp()
+
+        def one(template: str, revision: str, traffic: str) -> str:
+            return render(template, pool=target.pool, namespace=target.namespace,
+                          revision=revision, traffic=traffic, window=window)
+
+        async def metric(plan: MetricPlan) -> MetricEvaluation:
+            canary = self.result(one(plan.query, target.canary, target.traffic),
+                                 one(plan.samples_query, target.canary, target.traffic), at)
+            if not plan.versus_stable:
+                return judge(plan, await canary, None)
+            stable = self.result(one(plan.query, target.stable, "live"),
+                                 one(plan.samples_query, target.stable, "live"), at)
+            got_canary, got_stable = await asyncio.gather(canary, stable)
+            return judge(plan, got_canary, got_stable)
+
+        return list(await asyncio.gather(*(metric(p) for p in plans)))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,511 @@
+"""The Rollout controller's decision, pure: `decide(view, evaluation, now) -> Decision`.
+
+Input: the Rollout (spec, status, the pending request), what the pool serves and wants, how
+ready the canary Deployment is, and the result of the analysis window that was due (queried by
+the runtime between `due_window` and this call). Output: the Rollout's next status, the pool's
+traffic table, how many canary replicas should exist, whether the canary is promoted, events,
+and when to look again. The pool reconciler turns that into Deployments and the pool's status;
+the router reads the traffic table. Status is the only memory, so a restart at any point
+resumes the same step and recomputes the same window.
+
+Invariants (property-tested): stable is never scaled down or restarted by a rollout; a
+promotion needs a passing last evaluation of the 100 % step (unless a person asked for it); a
+failed, waiting, inconclusive or erroring evaluation never advances a step; a query error
+pauses and holds the weight, never rolls back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from kvfleet.api.analysis import AnalysisConfigError, MetricPlan, Window, due, overall, plans
+from kvfleet.api.labels import short_revision
+from kvfleet.api.meta import Condition
+from kvfleet.api.rollout import (
+    MAX_EVALUATIONS,
+    Evaluation,
+    MetricEvaluation,
+    Outcome,
+    Phase,
+    RequestAction,
+    RolloutRequest,
+    RolloutSpec,
+    RolloutStatus,
+    StepCounts,
+)
+from kvfleet.api.servingpool import SLOs, TrafficRole, TrafficTarget
+from kvfleet.operator.conditions import Cond, merge_conditions
+
+SHADOW_STEP = -1
+RUNNING = (Phase.SHADOW, Phase.PROGRESSING)
+ACTIVE = (Phase.SHADOW, Phase.PROGRESSING, Phase.PAUSED, Phase.ROLLING_BACK)
+# Paused for a query error: evaluation goes on and the rollout resumes by itself.
+ANALYSIS_ERROR = "AnalysisError"
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class View:
+    """What the decision reads."""
+
+    spec: RolloutSpec
+    status: RolloutStatus
+    generation: int | None
+    request: RolloutRequest | None
+    pool_replicas: int
+    slos: SLOs | None
+    stable: str | None  # the pool's servingRevision
+    target: str | None  # manifest hash of the pool's artifactRef; None: missing or blocked
+    target_artifact: str
+    blocked: str | None = None  # why the target cannot be deployed
+    canary_ready: int = 0  # ready replicas of the target revision's Deployment
+    canary_problem: str | None = None  # why canary pods do not run (e.g. unschedulable)
+
+
+@dataclass
+class Decision:
+    status: RolloutStatus
+    traffic: list[TrafficTarget] = field(default_factory=list)
+    # Replicas the canary revision's Deployment should have; None: it should not exist.
+    canary_replicas: int | None = None
+    promote: bool = False  # the pool's servingRevision becomes status.canaryRevision
+    events: list[Event] = field(default_factory=list)
+    requeue_seconds: float | None = None
+
+    @property
+    def governs(self) -> bool:
+        """The rollout decides which revisions run (else the pool reconciler alone does)."""
+        return self.canary_replicas is not None or bool(self.traffic) or self.promote
+
+
+def rollout_hash(target: str, spec: RolloutSpec) -> str:
+    """Digest of what a rollout runs: a change restarts it from stable."""
+    policy = spec.to_wire()
+    policy.pop("poolRef", None)
+    text = json.dumps({"target": target, "policy": policy}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def step_name(spec: RolloutSpec, step: int | None) -> str:
+    if step is None:
+        return "not started"
+    if step == SHADOW_STEP:
+        return f"shadow {spec.shadow.percent if spec.shadow else 0}%"
+    return f"step {step + 1}/{len(spec.steps)} weight {spec.steps[step].weight}%"
+
+
+def _analysed(spec: RolloutSpec, step: int) -> bool:
+    if step == SHADOW_STEP:
+        return bool(spec.shadow and spec.shadow.analysis)
+    return spec.steps[step].analysis
+
+
+def metric_plans(spec: RolloutSpec, slos: SLOs | None, step: int) -> list[MetricPlan]:
+    return plans(spec.analysis.metrics, slos, shadow=step == SHADOW_STEP)
+
+
+def due_window(view: View, now: datetime) -> Window | None:
+    """The analysis window to query before `decide`, or None."""
+    status = view.status
+    evaluating = status.phase in RUNNING or (
+        status.phase == Phase.PAUSED and status.pause_reason == ANALYSIS_ERROR)
+    step = status.current_step
+    if (not evaluating or step is None or status.step_started_at is None
+            or status.canary_revision != view.target or _promote_full(status)
+            or not _analysed(view.spec, step)):
+        return None
+    return due(status.step_started_at, view.spec.analysis.interval_seconds,
+               view.spec.analysis.warmup_seconds, _done(status, step), now, step)
+
+
+def _done(status: RolloutStatus, step: int) -> set[int]:
+    return {e.index for e in _attempt(status, step)}
+
+
+def _attempt(status: RolloutStatus, step: int) -> list[Evaluation]:
+    """The current step attempt's evaluations (a resume starts a new attempt)."""
+    return [e for e in status.evaluations
+            if e.revision == status.canary_revision and e.step == step
+            and status.step_started_at is not None and e.window_start >= status.step_started_at]
+
+
+def _promote_full(status: RolloutStatus) -> bool:
+    return status.pause_reason == "PromoteFull"
+
+
+def _needed(view: View, step: int) -> int:
+    """Canary replicas a step needs: its share of the pool, at least one."""
+    share = (view.spec.shadow.percent if view.spec.shadow else 0) if step == SHADOW_STEP \
+        else view.spec.steps[step].weight
+    return max(1, math.ceil(view.pool_replicas * share / 100))
+
+
+def _traffic(status: RolloutStatus) -> list[TrafficTarget]:
+    stable, canary = status.stable_revision, status.canary_revision
+    if stable is None or canary is None:
+        return []
+    table = [TrafficTarget(revision=stable, role=TrafficRole.STABLE,
+                           weight=100 - status.current_weight)]
+    if status.current_weight > 0:
+        table.append(TrafficTarget(revision=canary, role=TrafficRole.CANARY,
+                                   weight=status.current_weight))
+    if status.shadow_percent > 0:
+        table.append(TrafficTarget(revision=canary, role=TrafficRole.SHADOW,
+                                   shadow_percent=status.shadow_percent))
+    return table
+
+
+class _Run:
+    """One decision in progress: the status being edited, the events, the requeue time."""
+
+    def __init__(self, view: View, now: datetime) -> None:
+        self.view, self.now, self.spec = view, now, view.spec
+        self.status = view.status.model_copy(deep=True)
+        self.events: list[Event] = []
+        self.requeue: float | None = None
+        self.promote = False
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        self.events.append(Event(type_, reason, message))
+
+    def wake_in(self, seconds: float) -> None:
+        seconds = max(0.5, seconds)
+        self.requeue = seconds if self.requeue is None else min(self.requeue, seconds)
+
+    def where(self) -> str:
+        return step_name(self.spec, self.status.current_step)
+
+    def start(self, reason: str) -> None:
+        """(Re)start from stable: no canary traffic, the first phase not yet effective."""
+        view, s = self.view, self.status
+        assert view.target is not None and view.stable is not None
+        s.phase = Phase.SHADOW if self.spec.shadow else Phase.PROGRESSING
+        s.stable_revision, s.canary_revision = view.stable, view.target
+        s.canary_artifact = view.target_artifact
+        s.rollout_hash = rollout_hash(view.target, self.spec)
+        s.started_at, s.finished_at, s.drain_started_at = self.now, None, None
+        s.current_step = SHADOW_STEP if self.spec.shadow else 0
+        s.current_weight, s.shadow_percent = 0, 0
+        s.step_started_at, s.pause_reason = None, None
+        s.counts = StepCounts()
+        s.message = f"{self.where()}: starting the canary revision"
+        self.event("Normal", "RolloutStarted",
+                   f"{reason}: {short_revision(view.stable)} -> "
+                   f"{short_revision(view.target)} ({view.target_artifact})")
+
+    def enter_step(self, step: int) -> None:
+        s = self.status
+        s.current_step, s.step_started_at, s.counts = step, None, StepCounts()
+        if step != SHADOW_STEP:
+            s.shadow_percent = 0
+
+    def back_to_stable(self, phase: Phase, message: str, reason: str) -> None:
+        s = self.status
+        s.phase, s.message = phase, message
+        s.current_weight, s.shadow_percent, s.pause_reason = 0, 0, None
+        s.drain_started_at = self.now
+        self.event("Warning", reason, message)
+
+    def pause(self, reason: str, message: str) -> None:
+        s = self.status
+        if s.phase != Phase.PAUSED or s.pause_reason != reason:
+            self.event("Warning" if reason != "Manual" else "Normal", "Paused",
+                       f"{message} ({reason})")
+        s.phase, s.pause_reason, s.message = Phase.PAUSED, reason, message
+
+    def resume(self) -> None:
+        s = self.status
+        s.phase = Phase.SHADOW if s.current_step == SHADOW_STEP else Phase.PROGRESSING
+        s.pause_reason = None
+        if s.step_started_at is not None:
+            # A new attempt at the step: a fresh window, so the pause's traffic is judged anew.
+            s.step_started_at, s.counts = self.now, StepCounts()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def handle(self, request: RolloutRequest) -> None:
+        s = self.status
+        if request.id == s.last_request_id:
+            return
+        s.last_request_id = request.id
+        action, where = request.action, self.where()
+        if action == RequestAction.ABORT and s.phase in ACTIVE and s.phase != Phase.ROLLING_BACK:
+            self.back_to_stable(Phase.ABORTED, f"{where}: aborted on request; all traffic on "
+                                "stable", "Aborted")
+        elif action == RequestAction.RETRY and s.phase in (
+                Phase.ABORTED, Phase.ROLLED_BACK, Phase.ROLLING_BACK, Phase.PAUSED):
+            self.start("retried on request")
+        elif action == RequestAction.PAUSE and s.phase in RUNNING:
+            self.pause("Manual", f"{where}: paused on request; weight held")
+        elif action == RequestAction.RESUME and s.phase == Phase.PAUSED:
+            self.resume()
+            self.event("Normal", "Resumed", f"{where}: resumed on request")
+        elif action == RequestAction.PROMOTE and s.phase in (*RUNNING, Phase.PAUSED):
+            if request.step != s.current_step:
+                self.event("Normal", "RequestIgnored",
+                           f"promote of step {request.step} ignored: the rollout is at {where}")
+                return
+            if s.phase == Phase.PAUSED:
+                self.resume()
+            self.event("Normal", "PromotedStep", f"{where} promoted on request")
+            self.advance()
+        elif action == RequestAction.PROMOTE_FULL and s.phase in (*RUNNING, Phase.PAUSED):
+            s.phase, s.pause_reason = Phase.PROGRESSING, "PromoteFull"
+            self.enter_step(len(self.spec.steps) - 1)
+            self.event("Normal", "PromoteFull",
+                       "full promotion on request: the canary goes to 100% without analysis")
+        else:
+            self.event("Normal", "RequestIgnored",
+                       f"{action.value} does not apply to a rollout in phase {s.phase.value}")
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def advance(self) -> None:
+        s = self.status
+        step = s.current_step if s.current_step is not None else SHADOW_STEP
+        if step + 1 < len(self.spec.steps):
+            self.enter_step(step + 1)
+            s.phase = Phase.PROGRESSING
+            s.message = f"{self.where()}: scaling the canary"
+            return
+        s.phase, s.finished_at, s.pause_reason = Phase.PROMOTED, self.now, None
+        s.stable_revision = s.canary_revision
+        s.current_weight, s.shadow_percent = 100, 0
+        s.message = f"promoted {s.canary_artifact} ({short_revision(s.canary_revision or '')})"
+        self.promote = True
+        self.event("Normal", "Promoted", s.message)
+
+    def record(self, window: Window, metrics: list[MetricEvaluation]) -> Outcome:
+        s = self.status
+        assert s.canary_revision is not None
+        outcome = overall(metrics)
+        s.evaluations.append(Evaluation(
+            revision=s.canary_revision, step=window.step, index=window.index,
+            window_start=window.start, window_end=window.end, outcome=outcome, metrics=metrics))
+        del s.evaluations[:-MAX_EVALUATIONS]
+        counts = s.counts
+        attr = {Outcome.PASS: "passed", Outcome.FAIL: "failed", Outcome.WAITING: "waiting",
+                Outcome.INCONCLUSIVE: "inconclusive", Outcome.ERROR: "errors"}[outcome]
+        setattr(counts, attr, getattr(counts, attr) + 1)
+        if outcome in (Outcome.FAIL, Outcome.ERROR):
+            self.event("Warning", f"Analysis{outcome.value}",
+                       f"{self.where()}: {_explain(metrics, outcome)}")
+        return outcome
+
+    def run_step(self, window: Window | None, results: list[MetricEvaluation] | None) -> None:
+        """A running (or error-paused) phase whose step is effective."""
+        s, spec = self.status, self.spec
+        step = s.current_step
+        assert step is not None and s.step_started_at is not None
+        analysed = _analysed(spec, step) and not _promote_full(s)
+        if analysed:
+            try:
+                metric_plans(spec, self.view.slos, step)
+            except AnalysisConfigError as exc:
+                self.pause("NoAnalysisMetrics", f"{self.where()}: {exc}")
+                return
+        if window is not None and results is not None and window.step == step \
+                and window.index not in _done(s, step):
+            outcome = self.record(window, results)
+            if outcome == Outcome.ERROR:
+                self.pause(ANALYSIS_ERROR, f"{self.where()}: analysis could not run, weight "
+                           f"held until it can: {_explain(results, outcome)}")
+            elif s.phase == Phase.PAUSED:  # the analysis runs again
+                s.phase = Phase.SHADOW if step == SHADOW_STEP else Phase.PROGRESSING
+                s.pause_reason = None
+                self.event("Normal", "Resumed", f"{self.where()}: analysis runs again")
+        if s.phase == Phase.PAUSED:
+            self.wake_in(spec.analysis.interval_seconds)
+            return
+        attempt = _attempt(s, step)
+        last = attempt[-1] if attempt else None
+        if s.counts.failed >= spec.analysis.failure_limit:
+            message = f"{self.where()}: {_explain(last.metrics if last else [], Outcome.FAIL)}"
+            if spec.auto_rollback:
+                self.back_to_stable(Phase.ROLLING_BACK, message + "; rolled back", "RollingBack")
+                self.wake_in(spec.drain_seconds)
+            else:
+                self.pause("AnalysisFailed", message)
+            return
+        elapsed = (self.now - s.step_started_at).total_seconds()
+        least = (spec.shadow.duration_seconds if spec.shadow else 0) if step == SHADOW_STEP \
+            else spec.steps[step].pause_seconds
+        passed = not analysed or (last is not None and last.outcome == Outcome.PASS)
+        if elapsed >= least and passed:
+            if spec.auto_promote or _promote_full(s):
+                self.event("Normal", "StepPassed", f"{self.where()} passed")
+                self.advance()
+            else:
+                s.message = f"{self.where()}: passed; waiting for a promote request"
+            return
+        if analysed and last is not None and last.outcome in (Outcome.WAITING,
+                                                              Outcome.INCONCLUSIVE):
+            waited = elapsed - spec.analysis.warmup_seconds
+            if waited >= spec.analysis.max_wait_seconds:
+                reason = "TooFewSamples" if last.outcome == Outcome.WAITING else "Inconclusive"
+                self.pause(reason, f"{self.where()}: no conclusive analysis after "
+                           f"{int(waited)}s: {_explain(last.metrics, last.outcome)}; send "
+                           "traffic, fix the metrics, or promote/abort")
+                return
+        s.message = f"{self.where()}: " + (
+            _explain(last.metrics, last.outcome) if last is not None else
+            "analysing" if analysed else f"{int(least - elapsed)}s left")
+        if analysed:
+            base = s.step_started_at + timedelta(seconds=spec.analysis.warmup_seconds)
+            done = _done(s, step)
+            slot = max(done, default=0) + 1
+            self.wake_in((base + timedelta(seconds=slot * spec.analysis.interval_seconds)
+                          - self.now).total_seconds() + 0.05)
+        if elapsed < least:
+            self.wake_in(least - elapsed)
+
+    def make_effective(self) -> None:
+        """The step's canary replicas are ready: its traffic takes effect now."""
+        s, spec = self.status, self.spec
+        step = s.current_step
+        assert step is not None
+        if step == SHADOW_STEP:
+            s.shadow_percent = spec.shadow.percent if spec.shadow else 0
+        else:
+            s.current_weight = spec.steps[step].weight
+        s.step_started_at = self.now
+        s.counts = StepCounts()
+        s.message = f"{self.where()}: traffic moved"
+        self.event("Normal", "StepStarted", f"{self.where()}")
+
+
+def _explain(metrics: list[MetricEvaluation], outcome: Outcome) -> str:
+    relevant = [m for m in metrics if m.outcome == outcome] or metrics
+    return "; ".join(m.message or f"{m.name} {m.outcome.value}" for m in relevant) or \
+        outcome.value.lower()
+
+
+def decide(view: View, window: Window | None, results: list[MetricEvaluation] | None,
+           now: datetime) -> Decision:
+    """The next status and actions. `results`: the metrics of `window` (from `due_window`)."""
+    run = _Run(view, now)
+    s = run.status
+    nothing_to_do = view.target is None or view.stable is None or view.target == view.stable
+    if nothing_to_do:
+        _settle(run)
+    else:
+        assert view.target is not None
+        if s.rollout_hash != rollout_hash(view.target, view.spec) and not (
+                s.phase == Phase.PROMOTED and s.canary_revision == view.target):
+            changed = s.phase in ACTIVE and s.canary_revision not in (None, view.target)
+            run.start("artifact changed during a rollout; restarted from stable" if changed
+                      else "policy changed; restarted from stable" if s.phase in ACTIVE
+                      else f"artifactRef is now {view.target_artifact}")
+        if view.request is not None:
+            run.handle(view.request)
+        _progress(run, window, results)
+    decision = Decision(status=s, events=run.events, requeue_seconds=run.requeue,
+                        promote=run.promote)
+    if not nothing_to_do:
+        _actions(run, decision)
+    s.observed_generation = view.generation
+    s.conditions = [Condition.model_validate(c) for c in _conditions(run, view)]
+    return decision
+
+
+def _settle(run: _Run) -> None:
+    """The pool serves its artifactRef (or cannot run it): no rollout runs."""
+    view, s = run.view, run.status
+    if view.request is not None and view.request.id != s.last_request_id:
+        s.last_request_id = view.request.id
+        run.event("Normal", "RequestIgnored",
+                  f"{view.request.action.value}: no rollout is running")
+    if s.phase in (Phase.SHADOW, Phase.PROGRESSING, Phase.PAUSED):
+        why = (f"artifactRef {view.target_artifact} cannot be deployed: {view.blocked}"
+               if view.target is None else "artifactRef is back on the serving revision")
+        run.back_to_stable(Phase.ABORTED, f"{run.where()}: {why}; all traffic on stable",
+                           "Aborted")
+    elif s.phase == Phase.PROMOTED and view.stable == s.canary_revision:
+        pass
+    elif s.phase not in ACTIVE and s.phase not in (Phase.ABORTED, Phase.ROLLED_BACK):
+        s.phase = Phase.IDLE
+        s.message = f"serving {view.target_artifact}" if view.target else \
+            f"artifactRef {view.target_artifact}: {view.blocked or 'not found'}"
+
+
+def _progress(run: _Run, window: Window | None, results: list[MetricEvaluation] | None) -> None:
+    view, s = run.view, run.status
+    if s.phase == Phase.PROMOTED:
+        run.promote = True  # idempotent: the pool may not have taken it yet
+        return
+    if s.phase not in (*RUNNING, Phase.PAUSED):
+        return
+    step = s.current_step
+    assert step is not None
+    if s.step_started_at is None:
+        if s.phase == Phase.PAUSED:
+            return
+        needed = _needed(view, step)
+        if view.canary_ready >= needed:
+            run.make_effective()
+        else:
+            s.message = (f"{run.where()}: waiting for canary replicas "
+                         f"({view.canary_ready}/{needed} ready)"
+                         + (f": {view.canary_problem}" if view.canary_problem else ""))
+            return
+    if s.phase != Phase.PAUSED or s.pause_reason == ANALYSIS_ERROR:
+        run.run_step(window, results)
+        if s.phase in RUNNING and s.step_started_at is None and not run.promote:
+            _progress(run, None, None)  # the next step: make it effective if it can be
+
+
+def _actions(run: _Run, decision: Decision) -> None:
+    view, s = run.view, run.status
+    if s.phase in (*RUNNING, Phase.PAUSED):
+        step = s.current_step if s.current_step is not None else 0
+        decision.canary_replicas = max(_needed(view, step), view.canary_ready if
+                                       s.step_started_at is not None else 0)
+        decision.traffic = _traffic(s)
+    elif s.phase in (Phase.ROLLING_BACK, Phase.ABORTED) and s.drain_started_at is not None:
+        left = view.spec.drain_seconds - (run.now - s.drain_started_at).total_seconds()
+        if left > 0 and s.canary_revision == view.target:
+            # In-flight streams finish on the canary; it has no new traffic.
+            decision.canary_replicas = max(1, view.canary_ready)
+            decision.traffic = _traffic(s)
+            run.wake_in(left)
+            decision.requeue_seconds = run.requeue
+        elif s.phase == Phase.ROLLING_BACK:
+            s.phase, s.finished_at = Phase.ROLLED_BACK, run.now
+            s.message = s.message.replace("; rolled back", "") + "; rolled back"
+            run.event("Warning", "RolledBack", s.message)
+    elif s.phase == Phase.PROMOTED:
+        decision.promote = run.promote
+    decision.events = run.events
+
+
+def _conditions(run: _Run, view: View) -> list[dict[str, Any]]:
+    s = run.status
+    progressing = s.phase in (Phase.SHADOW, Phase.PROGRESSING, Phase.ROLLING_BACK)
+    degraded = s.phase in (Phase.ROLLED_BACK, Phase.ROLLING_BACK) or (
+        s.phase == Phase.PAUSED and s.pause_reason not in ("Manual", ANALYSIS_ERROR))
+    decided = [
+        Cond("Progressing", progressing, s.phase.value, s.message),
+        Cond("Degraded", degraded, s.pause_reason or s.phase.value if degraded else "AsExpected",
+             s.message if degraded else ""),
+    ]
+    waiting = (s.phase in RUNNING and s.step_started_at is None and view.canary_problem)
+    decided.append(Cond("CapacityOK", not waiting,
+                        "InsufficientCapacity" if waiting else "AsExpected",
+                        view.canary_problem or "" if waiting else ""))
+    ready = not progressing and not degraded and s.phase != Phase.PAUSED
+    decided.append(Cond("Ready", ready, s.phase.value, s.message))
+    previous = [c.to_wire() for c in s.conditions]
+    return merge_conditions(previous, decided, view.generation, run.now)

@@ -1,0 +1,426 @@
+"""The Rollout controller's pure decision: steps, analysis outcomes, requests, restarts.
+
+`_Sim` drives `decide` the way the runtime does: the due window is judged by a scripted
+outcome, the canary becomes ready as soon as it is asked for, and the status goes through its
+wire form between calls (what a restarted operator would read back)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvfleet.api.analysis import (
+    AnalysisConfigError,
+    MetricPlan,
+    QueryResult,
+    Window,
+    judge,
+    plans,
+    render,
+)
+from kvfleet.api.builders import make_rollout
+from kvfleet.api.rollout import (
+    Comparison,
+    Metric,
+    MetricEvaluation,
+    MissingData,
+    Outcome,
+    Phase,
+    RequestAction,
+    RolloutRequest,
+    RolloutSpec,
+    RolloutStatus,
+    SLOMetric,
+)
+from kvfleet.api.servingpool import SLOs, TrafficRole
+from kvfleet.operator.rollout import Decision, View, decide, due_window, rollout_hash
+
+T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
+STABLE, CANARY, OTHER = "a" * 64, "b" * 64, "c" * 64
+SLO = SLOs(ttft_p95_seconds=0.5, tpot_p95_seconds=0.05, error_rate=0.01)
+
+
+def _spec(**changes: Any) -> RolloutSpec:
+    builder = make_rollout().set("spec.analysis", {"intervalSeconds": 10, "maxWaitSeconds": 60})
+    for path, value in changes.items():
+        builder.set(f"spec.{path}", value)
+    return builder.obj().spec
+
+
+@dataclass
+class _Sim:
+    spec: RolloutSpec
+    outcomes: Callable[[Window], Outcome] = lambda w: Outcome.PASS
+    replicas: int = 4
+    now: datetime = T0
+    status: RolloutStatus = field(default_factory=RolloutStatus)
+    stable: str = STABLE
+    target: str | None = CANARY
+    ready: int = 0
+    ready_revision: str | None = None  # whose Deployment `ready` counts
+    request: RolloutRequest | None = None
+    decisions: list[Decision] = field(default_factory=list)
+    evaluated: list[Window] = field(default_factory=list)
+
+    def view(self) -> View:
+        return View(spec=self.spec, status=self.status, generation=1, request=self.request,
+                    pool_replicas=self.replicas, slos=SLO, stable=self.stable,
+                    target=self.target, target_artifact="qwen3-8b-v2",
+                    canary_ready=self.ready if self.ready_revision == self.target else 0)
+
+    def tick(self, seconds: float = 0.0) -> Decision:
+        self.now += timedelta(seconds=seconds)
+        view = self.view()
+        window = due_window(view, self.now)
+        results = None
+        if window is not None:
+            self.evaluated.append(window)
+            results = [MetricEvaluation(name="m", outcome=self.outcomes(window),
+                                        message="scripted")]
+        decision = decide(view, window, results, self.now)
+        # Between reconciles only the wire form survives (the apiserver's copy).
+        self.status = RolloutStatus.model_validate(decision.status.to_wire())
+        self.ready = decision.canary_replicas or 0
+        self.ready_revision = self.target
+        if decision.promote:
+            self.stable = self.status.canary_revision or self.stable
+        self.decisions.append(decision)
+        return decision
+
+    def run(self, seconds: float, every: float = 5.0) -> Decision:
+        decision = self.tick()
+        for _ in range(int(seconds / every)):
+            decision = self.tick(every)
+        return decision
+
+    def ask(self, action: RequestAction, id: str, step: int | None = None) -> Decision:
+        self.request = RolloutRequest(action=action, id=id, step=step)
+        return self.tick()
+
+
+def _events(sim: _Sim) -> list[str]:
+    return [e.reason for d in sim.decisions for e in d.events]
+
+
+def _table(decision: Decision) -> dict[str, int]:
+    return {t.role.value: t.weight if t.role != TrafficRole.SHADOW else t.shadow_percent
+            for t in decision.traffic}
+
+
+# -- the happy path -----------------------------------------------------------------------
+
+
+def test_a_good_canary_goes_through_every_step_and_is_promoted() -> None:
+    sim = _Sim(_spec(shadow={"percent": 20, "durationSeconds": 20}))
+    first = sim.tick()
+    # Before the canary is ready nothing moves: stable keeps all traffic.
+    assert first.status.phase == Phase.SHADOW and first.status.step_started_at is None
+    assert first.canary_replicas == 1 and _table(first) == {"stable": 100}
+    weights = []
+    for _ in range(40):
+        decision = sim.tick(5)
+        weights.append(_table(decision).get("canary", 0))
+        if decision.status.phase == Phase.PROMOTED:
+            break
+    assert decision.promote and sim.stable == CANARY
+    assert decision.status.stable_revision == CANARY
+    assert sorted(set(weights)) == [0, 10, 50, 100]  # 100: the final check before promotion
+    assert decision.traffic == []  # promoted: the pool serves the canary, no table
+    assert _events(sim).count("Promoted") == 1
+    steps = [(w.step, w.index) for w in sim.evaluated]
+    assert {s for s, _ in steps} == {-1, 0, 1, 2}
+    # Canary replicas follow the weight (4 replicas: 10% -> 1, 50% -> 2, 100% -> 4).
+    assert [d.canary_replicas for d in sim.decisions if d.canary_replicas] == sorted(
+        d.canary_replicas for d in sim.decisions if d.canary_replicas)
+    assert max(d.canary_replicas or 0 for d in sim.decisions) == 4
+    # Afterwards the pool serves the canary: nothing to do, the status stays Promoted.
+    assert sim.tick(5).status.phase == Phase.PROMOTED and _events(sim).count("Promoted") == 1
+
+
+def test_shadow_phase_mirrors_without_moving_live_traffic() -> None:
+    sim = _Sim(_spec(shadow={"percent": 30, "durationSeconds": 600}))
+    sim.tick()
+    decision = sim.tick(1)
+    assert decision.status.phase == Phase.SHADOW
+    assert _table(decision) == {"stable": 100, "shadow": 30}
+    assert decision.status.current_weight == 0
+
+
+def test_the_window_is_anchored_to_the_step_and_queried_at_its_end() -> None:
+    sim = _Sim(_spec(analysis={"intervalSeconds": 10, "warmupSeconds": 5}))
+    sim.tick()
+    sim.tick(1)
+    started = sim.status.step_started_at
+    assert started is not None
+    sim.tick(14)  # 5 s warm-up + 10 s interval: not yet
+    assert sim.evaluated == []
+    sim.tick(1)  # now the first window is due
+    [window] = sim.evaluated
+    assert window.start == started + timedelta(seconds=5)
+    assert window.end == window.start + timedelta(seconds=10)
+    assert window.range == "10s"
+    evaluation = sim.status.evaluations[-1]
+    assert (evaluation.window_start, evaluation.window_end) == (window.start, window.end)
+
+
+def test_an_evaluation_recomputed_after_a_restart_is_not_counted_twice() -> None:
+    sim = _Sim(_spec(steps=[{"weight": 50}, {"weight": 100}]))
+    sim.tick()
+    sim.tick(1)
+    before = sim.status.model_copy(deep=True)
+    sim.tick(11)  # evaluated, passed, on to step 2: written
+    [first] = sim.evaluated
+    written = sim.status.model_copy(deep=True)
+    # The operator dies before that write lands; a restarted one reads `before`, a moment
+    # later: it computes the very same window, and the result is recorded once.
+    sim.status = before
+    sim.tick(2)
+    assert sim.evaluated == [first, first]
+    keys = [(e.revision, e.step, e.index) for e in sim.status.evaluations]
+    assert keys == [(CANARY, 0, 1)]
+    assert sim.status.current_step == written.current_step == 1
+    assert sim.status.counts == written.counts
+
+
+# -- failures and safety ------------------------------------------------------------------
+
+
+def test_a_failing_canary_rolls_back_traffic_first_and_drains() -> None:
+    sim = _Sim(_spec(), outcomes=lambda w: Outcome.FAIL, replicas=2)
+    sim.tick()
+    sim.tick(1)
+    assert _table(sim.decisions[-1]) == {"stable": 90, "canary": 10}
+    rolling = sim.tick(10)
+    assert rolling.status.phase == Phase.ROLLING_BACK
+    assert _table(rolling) == {"stable": 100}  # the canary takes no new conversation
+    assert rolling.canary_replicas == 1  # but keeps running for its in-flight streams
+    assert "rolled back" in rolling.status.message and "step 1/3 weight 10%" in \
+        rolling.status.message
+    done = sim.tick(31)
+    assert done.status.phase == Phase.ROLLED_BACK and done.canary_replicas is None
+    assert done.traffic == [] and not done.promote
+    assert _cond(done, "Degraded") == ("True", "RolledBack")
+    # It stays rolled back (no second attempt by itself) until a retry or a new artifact.
+    assert sim.run(120).status.phase == Phase.ROLLED_BACK
+
+
+def test_auto_rollback_off_pauses_at_the_failed_step_holding_the_weight() -> None:
+    sim = _Sim(_spec(autoRollback=False), outcomes=lambda w: Outcome.FAIL)
+    sim.tick()
+    sim.tick(1)
+    paused = sim.tick(10)
+    assert (paused.status.phase, paused.status.pause_reason) == (Phase.PAUSED, "AnalysisFailed")
+    assert _table(paused) == {"stable": 90, "canary": 10}
+
+
+def test_prometheus_down_pauses_and_holds_then_resumes_by_itself() -> None:
+    down = {"on": True}
+    sim = _Sim(_spec(), outcomes=lambda w: Outcome.ERROR if down["on"] else Outcome.PASS)
+    sim.tick()
+    sim.tick(1)
+    paused = sim.run(120)
+    assert (paused.status.phase, paused.status.pause_reason) == (Phase.PAUSED, "AnalysisError")
+    assert _table(paused) == {"stable": 90, "canary": 10}  # held: neither forward nor back
+    assert paused.status.counts.errors >= 10 and paused.status.counts.failed == 0
+    assert _cond(paused, "Degraded")[0] == "False"
+    down["on"] = False
+    resumed = sim.run(20)
+    assert resumed.status.phase == Phase.PROGRESSING
+    assert resumed.status.current_step is not None and resumed.status.current_step >= 1
+
+
+def test_too_few_samples_waits_then_pauses_never_passes() -> None:
+    sim = _Sim(_spec(), outcomes=lambda w: Outcome.WAITING)
+    decision = sim.run(200)
+    assert (decision.status.phase, decision.status.pause_reason) == (Phase.PAUSED,
+                                                                     "TooFewSamples")
+    assert decision.status.current_step == 0
+    assert "no conclusive analysis after" in decision.status.message
+    assert _cond(decision, "Degraded") == ("True", "TooFewSamples")
+
+
+def test_a_second_artifact_change_restarts_from_stable() -> None:
+    sim = _Sim(_spec())
+    sim.run(15)
+    assert sim.status.current_step == 1
+    sim.target = OTHER
+    restarted = sim.tick(1)
+    assert restarted.status.canary_revision == OTHER and restarted.status.current_step == 0
+    assert _table(restarted) == {"stable": 100}
+    assert "artifact changed during a rollout" in restarted.events[0].message
+
+
+def test_a_policy_edit_restarts_and_a_revert_aborts() -> None:
+    sim = _Sim(_spec())
+    sim.run(15)
+    old_hash = sim.status.rollout_hash
+    sim.spec = _spec(steps=[{"weight": 25}, {"weight": 100}])
+    restarted = sim.tick(1)
+    assert restarted.status.rollout_hash != old_hash
+    assert restarted.status.current_step == 0
+    sim.target = STABLE  # Git reverted the artifactRef
+    reverted = sim.tick(1)
+    assert reverted.status.phase == Phase.ABORTED and reverted.traffic == []
+    assert "back on the serving revision" in reverted.status.message
+
+
+def test_not_ready_canary_holds_and_reports_capacity() -> None:
+    sim = _Sim(_spec())
+    view = sim.view()
+    blocked = View(**{**view.__dict__, "canary_problem": "0/3 nodes: 3 Insufficient "
+                      "nvidia.com/gpu"})
+    decision = decide(blocked, None, None, T0)
+    assert decision.status.step_started_at is None and _table(decision) == {"stable": 100}
+    assert _cond(decision, "CapacityOK") == ("False", "InsufficientCapacity")
+    assert "Insufficient nvidia.com/gpu" in decision.status.message
+
+
+# -- requests -----------------------------------------------------------------------------
+
+
+def test_requests_are_idempotent_and_a_repeated_promote_skips_one_step() -> None:
+    sim = _Sim(_spec(autoPromote=False), outcomes=lambda w: Outcome.WAITING)
+    sim.tick()
+    sim.tick(1)
+    assert sim.status.current_step == 0
+    sim.ask(RequestAction.PROMOTE, "p1", step=0)
+    assert sim.status.current_step == 1
+    sim.tick(1)  # the same annotation seen again: nothing
+    sim.ask(RequestAction.PROMOTE, "p2", step=0)  # a second click made for step 0: stale
+    assert sim.status.current_step == 1
+    assert "RequestIgnored" in _events(sim)
+    sim.ask(RequestAction.PAUSE, "x1")
+    sim.ask(RequestAction.PAUSE, "x2")
+    assert (sim.status.phase, sim.status.pause_reason) == (Phase.PAUSED, "Manual")
+    sim.ask(RequestAction.RESUME, "r1")
+    sim.ask(RequestAction.RESUME, "r1")
+    assert sim.status.phase == Phase.PROGRESSING
+    sim.ask(RequestAction.ABORT, "a1")
+    sim.ask(RequestAction.ABORT, "a2")
+    assert sim.status.phase == Phase.ABORTED and _events(sim).count("Aborted") == 1
+    sim.ask(RequestAction.RETRY, "t1")
+    sim.ask(RequestAction.RETRY, "t1")
+    assert sim.status.phase == Phase.PROGRESSING and sim.status.current_step == 0
+    assert _events(sim).count("RolloutStarted") == 2
+
+
+def test_promote_full_goes_to_100_without_analysis() -> None:
+    sim = _Sim(_spec(), outcomes=lambda w: Outcome.WAITING)
+    sim.tick()
+    sim.ask(RequestAction.PROMOTE_FULL, "f1")
+    decision = sim.run(10)
+    assert decision.status.phase == Phase.PROMOTED and sim.stable == CANARY
+
+
+# -- property: random outcomes, restarts and requests -------------------------------------
+
+OUTCOMES = st.sampled_from(list(Outcome))
+ACTIONS = st.one_of(st.none(), st.sampled_from(list(RequestAction)))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(outcomes=st.lists(OUTCOMES, min_size=1, max_size=30),
+       actions=st.lists(st.tuples(ACTIONS, st.integers(-1, 3)), max_size=30),
+       gaps=st.lists(st.sampled_from([0.0, 1.0, 5.0, 11.0, 40.0]), min_size=1, max_size=30),
+       auto_rollback=st.booleans(), shadow=st.booleans())
+def test_never_promotes_on_a_bad_last_evaluation_and_always_settles(
+        outcomes: list[Outcome], actions: list[tuple[RequestAction | None, int]],
+        gaps: list[float], auto_rollback: bool, shadow: bool) -> None:
+    script: Iterator[Outcome] = iter(outcomes)
+    spec = _spec(autoRollback=auto_rollback,
+                 **({"shadow": {"percent": 10, "durationSeconds": 5}} if shadow else {}))
+    sim = _Sim(spec, outcomes=lambda w: next(script, Outcome.WAITING))
+    sim.tick()
+    manual = False
+    for i, gap in enumerate(gaps):
+        action, step = actions[i] if i < len(actions) else (None, 0)
+        before = sim.status.model_copy(deep=True)
+        if action is not None:
+            sim.request = RolloutRequest(action=action, id=f"r{i}", step=step)
+        decision = sim.tick(gap)
+        handled = action is not None and before.last_request_id != f"r{i}"
+        manual = manual or (handled and action in (RequestAction.PROMOTE,
+                                                   RequestAction.PROMOTE_FULL))
+        if decision.promote and before.phase != Phase.PROMOTED and not manual:
+            last = decision.status.evaluations[-1]
+            assert last.outcome == Outcome.PASS and last.step == len(spec.steps) - 1
+        if sim.decisions[-1].status.counts.errors and before.phase != Phase.ROLLING_BACK:
+            # A query error never moves traffic back by itself.
+            assert not (before.phase in (Phase.PROGRESSING, Phase.PAUSED)
+                        and decision.status.phase == Phase.ROLLING_BACK
+                        and decision.status.evaluations[-1].outcome == Outcome.ERROR)
+        # The table always gives stable its share; weights add to 100.
+        live = [t for t in decision.traffic if t.role != TrafficRole.SHADOW]
+        assert not live or sum(t.weight for t in live) == 100
+        assert all(t.revision == STABLE for t in live if t.role == TrafficRole.STABLE)
+    sim.request = None
+    final = sim.run(900, every=15).status.phase
+    assert final in (Phase.PROMOTED, Phase.ROLLED_BACK, Phase.PAUSED, Phase.ABORTED)
+
+
+# -- analysis: judging results ------------------------------------------------------------
+
+
+def _plan(**kw: Any) -> MetricPlan:
+    base = dict(name="ttft", query="q", samples_query="s", threshold=1.5,
+                comparison=Comparison.AT_MOST, versus_stable=True, min_samples=10,
+                on_missing=MissingData.INCONCLUSIVE)
+    return MetricPlan(**{**base, **kw})
+
+
+def test_judge_ratio_samples_missing_data_and_errors() -> None:
+    good, slow = QueryResult(0.2, 100), QueryResult(0.38, 100)
+    assert judge(_plan(), good, good).outcome == Outcome.PASS
+    failed = judge(_plan(), slow, good)
+    assert failed.outcome == Outcome.FAIL and failed.message == "ttft canary/stable 1.9 > 1.5"
+    assert judge(_plan(), QueryResult(0.2, 3), good).outcome == Outcome.WAITING
+    assert judge(_plan(), QueryResult(None, 50), good).outcome == Outcome.INCONCLUSIVE
+    assert judge(_plan(), QueryResult(float("nan"), 50), good).outcome == Outcome.INCONCLUSIVE
+    assert judge(_plan(on_missing=MissingData.FAIL), QueryResult(None, 50),
+                 good).outcome == Outcome.FAIL
+    assert judge(_plan(), QueryResult(error="connection refused"), good).outcome == \
+        Outcome.ERROR
+    zero = QueryResult(0.0, 100)
+    assert judge(_plan(), zero, zero).outcome == Outcome.PASS  # 0/0: as good as stable
+    assert judge(_plan(), good, zero).outcome == Outcome.FAIL  # x/0: infinitely worse
+    absolute = _plan(versus_stable=False, threshold=0.25)
+    assert judge(absolute, good, None).outcome == Outcome.PASS
+
+
+def test_default_metrics_come_from_the_pools_slos() -> None:
+    live = plans([], SLO, shadow=False)
+    assert [p.name for p in live] == ["ttftp95", "tpotp95", "errorrate"]
+    assert [p.threshold for p in live] == [0.5, 0.05, 0.01]
+    shadow = plans([], SLO, shadow=True)  # no TTFT/TPOT series for shadow copies
+    assert [p.name for p in shadow] == ["errorrate", "e2ep95-vs-stable"]
+    with pytest.raises(AnalysisConfigError, match=r"pool declares no spec\.slos"):
+        plans([], None, shadow=False)
+    with pytest.raises(AnalysisConfigError, match="has no threshold"):
+        plans([Metric(name="e2e", slo=SLOMetric.E2E_P95)], SLO, shadow=False)
+
+
+def test_queries_select_the_routers_series_for_the_revision_and_window() -> None:
+    [ttft] = plans([Metric(name="t", slo=SLOMetric.TTFT_P95)], SLO, shadow=False)
+    window = Window(0, 3, T0, T0 + timedelta(seconds=95))
+    text = render(ttft.query, pool="chat", namespace="llm", revision=CANARY, traffic="live",
+                  window=window)
+    assert text == ("histogram_quantile(0.95, sum by (le) (increase("
+                    "kvfleet_router_time_to_first_token_seconds_bucket{pool=\"chat\","
+                    f"revision=\"{CANARY[:12]}\",traffic=\"live\"}}[95s])))")
+
+
+def test_rollout_hash_covers_target_and_policy_not_the_pool() -> None:
+    spec = _spec()
+    assert rollout_hash(CANARY, spec) != rollout_hash(OTHER, spec)
+    assert rollout_hash(CANARY, spec) != rollout_hash(CANARY, _spec(autoPromote=False))
+
+
+def _cond(decision: Decision, cond_type: str) -> tuple[str, str]:
+    found = next(c for c in decision.status.conditions if c.type == cond_type)
+    return found.status.value, found.reason
