@@ -63,8 +63,10 @@ def _die_with_parent() -> None:
 class OperatorProcess:
     """`kvfleet operator` as a child process; `restart()` is a real process restart."""
 
-    def __init__(self, kubeconfig: Path, log_dir: Path) -> None:
+    def __init__(self, kubeconfig: Path, log_dir: Path, prometheus_url: str | None = None
+                 ) -> None:
         self.kubeconfig = kubeconfig
+        self.prometheus_url = prometheus_url  # what the Rollout analysis queries
         self.log_dir = log_dir
         self.metrics_port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -79,7 +81,9 @@ class OperatorProcess:
             [*command, "operator", "--all-namespaces", "--standalone",
              "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1",
              "--drift-interval", str(self.drift_interval), "--verbose"],
-            env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONPATH": str(ROOT),
+                 **({"KVFLEET_PROMETHEUS_URL": self.prometheus_url}
+                    if self.prometheus_url else {})},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             preexec_fn=_die_with_parent,
         )  # fmt: skip
@@ -140,7 +144,8 @@ def crds(kubectl: Kubectl) -> None:
 def operator(
     cluster: DevCluster | ExistingCluster, crds: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    proc = OperatorProcess(Path(cluster.kubeconfig), tmp_path_factory.mktemp("operator"))
+    proc = OperatorProcess(Path(cluster.kubeconfig), tmp_path_factory.mktemp("operator"),
+                           cluster.prometheus.url if cluster.prometheus is not None else None)
     proc.start()
     try:
         yield proc

@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "operator",
     "serve",
     "router",
+    "rollout",
     "artifact", "check", "capacity", "crds", "webhook",
 )
 

@@ -31,23 +31,25 @@ from kvfleet.api.rollout import (
 )
 from kvfleet.api.servingpool import SLOs
 
-# The router's series (kvfleet.router.metrics). `pool` is the pool's name.
-_SELECTOR = 'pool="{{pool}}",revision="{{revision}}",traffic="{{traffic}}"'
+# The router's series (kvfleet.router.metrics). `pool` is the pool's name. (Templates are
+# joined, not f-strings: their placeholders are written with double braces.)
+_SELECTOR = '{pool="{{pool}}",revision="{{revision}}",traffic="{{traffic}}"'
+_RANGE = "[{{window}}]"
 
 
 def _p95(histogram: str) -> str:
-    return (f"histogram_quantile(0.95, sum by (le) (increase({histogram}_bucket{{{_SELECTOR}}}"
-            "[{{window}}])))")
+    return ("histogram_quantile(0.95, sum by (le) (increase(" + histogram + "_bucket"
+            + _SELECTOR + "}" + _RANGE + ")))")
 
 
 def _count(histogram: str) -> str:
-    return f"sum(increase({histogram}_count{{{_SELECTOR}}}[{{window}}]))"
+    return "sum(increase(" + histogram + "_count" + _SELECTOR + "}" + _RANGE + "))"
 
 
-_REQUESTS = f"sum(increase(kvfleet_router_requests_total{{{_SELECTOR}}}[{{window}}]))"
+_REQUESTS = "sum(increase(kvfleet_router_requests_total" + _SELECTOR + "}" + _RANGE + "))"
 # Server-side failures only: a 4xx is the client's request, not the revision's fault.
-_ERRORS = ("(sum(increase(kvfleet_router_requests_total{" + _SELECTOR
-           + ',code=~"5..|stream_error"}[{{window}}])) or vector(0))')
+_ERRORS = ("(sum(increase(kvfleet_router_requests_total" + _SELECTOR
+           + ',code=~"5..|stream_error"}' + _RANGE + ")) or vector(0))")
 
 
 @dataclass(frozen=True)

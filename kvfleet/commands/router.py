@@ -77,17 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cluster_api() -> Any:
-    import kopf
+    from kvfleet.kube.api import login
 
-    from kvfleet.kube.api import KubeApi, connection_from_kopf
-
-    settings = kopf.OperatorSettings()
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-        settings=settings)
-    if info is None:
-        raise SystemExit("kvfleet router: no credentials: run in a pod with a service account, "
-                         "or set KUBECONFIG")
-    return KubeApi(connection_from_kopf(info), field_manager="kvfleet-router")
+    return login("kvfleet-router", "kvfleet router")
 
 
 async def _watch(path: Path, router: Any) -> None:

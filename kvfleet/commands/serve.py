@@ -16,6 +16,7 @@ from typing import Any
 
 from kvfleet.engine.admission import AdmissionLimits
 from kvfleet.engine.config import MIB, SchedulingPolicy
+from kvfleet.engine.faults import FAULTS_ENV, faults_for
 from kvfleet.engine.request_log import configure_json_logging
 from kvfleet.engine.runtime import RuntimeOptions, run_server
 from kvfleet.engine.server import ServerSettings
@@ -142,7 +143,17 @@ def run(args: argparse.Namespace) -> int:
         print("kvfleet serve: the router token (--router-token-file or $KVFLEET_ROUTER_TOKEN) "
               "needs at least 16 characters", file=sys.stderr)
         return 2
+    try:
+        faults = faults_for(os.environ.get(FAULTS_ENV, ""), args.revision)
+    except ValueError as exc:
+        print(f"kvfleet serve: {exc}", file=sys.stderr)
+        return 2
+    if faults.active:
+        logging.getLogger("kvfleet.serve").warning(
+            "revision %s runs with injected faults from $%s: %s", args.revision, FAULTS_ENV,
+            faults)
     settings = ServerSettings(
+        faults=faults,
         router_token=router_token,
         tenant_header=args.tenant_header.lower(), default_tenant=args.default_tenant,
         shared_prefix_tenants=args.shared_prefix_tenants, max_body_bytes=args.max_body_bytes,

@@ -83,7 +83,8 @@ class ClusterOptions:
     node_groups: Sequence[fleet.NodeGroup] = fleet.DEFAULT_FLEET
     local_nodes: int = 1
     local_product: fleet.GpuProduct = fleet.L4
-    local_gpus_per_node: int = 1
+    # Two: a rollout runs its canary beside the serving revision (each a real engine process).
+    local_gpus_per_node: int = 2
     prometheus: bool = True
     startup_timeout: float = 90.0
     # How long a fake node's lease lasts; KWOK renews it every quarter of this, and the node

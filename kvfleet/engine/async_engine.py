@@ -154,6 +154,8 @@ class AsyncEngine:
         self._idempotency: IdempotencyCache[RequestStream] = idempotency or IdempotencyCache()
         self._log_text = log_text
         self.accepting = False
+        # Seconds slept after every step: an injected fault only (`faults.token_delay`).
+        self.step_delay = 0.0
         self._in_flight: dict[str, RequestStream] = {}
         self._per_tenant: dict[str, int] = {}
         self._next_id = 0
@@ -341,6 +343,8 @@ class AsyncEngine:
             if self._tracked or self._needs_step or self.core.has_unfinished_requests():
                 self._needs_step = False
                 self.core.step()
+                if self.step_delay > 0:
+                    time.sleep(self.step_delay)
         except Exception:  # a failing step must not kill the server: fail its requests
             logger.exception("engine step failed; failing %d requests", len(self._tracked))
             for tracked in self._tracked.values():

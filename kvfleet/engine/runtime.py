@@ -139,6 +139,7 @@ async def run_server(load: Callable[[], LoadedEngine], options: RuntimeOptions) 
         loaded.engine.start()
         if lifecycle.state is LifecycleState.LOADING:
             await warm_up(loaded.engine, lifecycle, loaded.warmup_prompt_ids)
+            loaded.engine.step_delay = options.settings.faults.token_delay
             logger.info("ready", extra={"fields": {"event": "ready",
                                                    "model": loaded.engine.model.name,
                                                    "revision": loaded.engine.model.revision}})

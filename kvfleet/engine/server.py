@@ -29,6 +29,7 @@ from kvfleet.engine.admission import ServingError
 from kvfleet.engine.async_engine import AsyncEngine, GenerationSpec, RequestStream, StreamEvent
 from kvfleet.engine.chat_template import ChatTemplate
 from kvfleet.engine.errors import InvalidRequestError
+from kvfleet.engine.faults import Faults
 from kvfleet.engine.idempotency import fingerprint
 from kvfleet.engine.lifecycle import Lifecycle, LifecycleState
 from kvfleet.engine.metrics import CONTENT_TYPE
@@ -93,6 +94,8 @@ class ServerSettings:
     shared_prefix_scope: str = "kvfleet-shared"
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 1024  # chat requests without max_tokens (capped by context)
+    # A test's injected faults (see `faults`); the token delay is the engine loop's.
+    faults: Faults = field(default_factory=Faults)
 
 
 class ApiError(Exception):
@@ -348,6 +351,8 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
                   render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]],
                   finish: Callable[[RequestStream, list[StreamEvent]], Any]) -> Response:
         engine = loaded()
+        if cfg.faults.fail_now():
+            raise ApiError("internal_error", "injected fault ($KVFLEET_ENGINE_FAULTS)")
         stream = await engine.submit(spec)
         engine.attach(stream)
         if stream_mode:

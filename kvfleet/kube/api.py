@@ -15,6 +15,7 @@ import base64
 import codecs
 import json
 import os
+import shutil
 import ssl
 import tempfile
 from collections.abc import AsyncIterator, Callable
@@ -102,6 +103,19 @@ class Connection:
 def connection_from_kopf(info: Any) -> Connection:
     """The `kopf.ConnectionInfo` kopf logged in with (certificate, token or basic auth)."""
     folder = Path(tempfile.mkdtemp(prefix="kvfleet-operator-"))
+    try:
+        context = _ssl_context(info, folder)
+    finally:
+        # The context holds the CA and key in memory: no copy of a key stays on disk.
+        shutil.rmtree(folder, ignore_errors=True)
+    headers = {"Accept": "application/json"}
+    if info.token:
+        headers["Authorization"] = f"Bearer {info.token}"
+    auth = aiohttp.BasicAuth(info.username, info.password or "") if info.username else None
+    return Connection(info.server.rstrip("/"), context, headers, auth)
+
+
+def _ssl_context(info: Any, folder: Path) -> ssl.SSLContext:
     ca = _material(info.ca_path, info.ca_data, folder, "ca.crt")
     # With a cluster CA, trust only it (as kubectl does); without one, the system's.
     context = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
@@ -112,11 +126,21 @@ def connection_from_kopf(info: Any) -> Connection:
     if info.insecure:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-    headers = {"Accept": "application/json"}
-    if info.token:
-        headers["Authorization"] = f"Bearer {info.token}"
-    auth = aiohttp.BasicAuth(info.username, info.password or "") if info.username else None
-    return Connection(info.server.rstrip("/"), context, headers, auth)
+    return context
+
+
+def login(field_manager: str, who: str) -> KubeApi:
+    """A client with kopf's credentials: the pod's service account, else $KUBECONFIG (or
+    ~/.kube/config). Raises SystemExit naming `who` when there are none."""
+    import kopf
+
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+        settings=settings)
+    if info is None:
+        raise SystemExit(f"{who}: no credentials: run in a pod with a service account, or set "
+                         "KUBECONFIG")
+    return KubeApi(connection_from_kopf(info), field_manager=field_manager)
 
 
 def _error(method: str, path: str, status: int, raw: bytes) -> KubeError:
@@ -267,6 +291,12 @@ class KubeApi:
             body={"status": status},
             content_type="application/merge-patch+json",
         )
+        return result or {}
+
+    async def patch(self, kind: str, namespace: str, name: str, patch: JsonObj) -> JsonObj:
+        """Merge-patch the object (e.g. an annotation); the object as stored."""
+        result = await self._send("PATCH", path_of(kind, namespace, name), body=patch,
+                                  content_type="application/merge-patch+json")
         return result or {}
 
     async def create(self, obj: JsonObj) -> None:

@@ -79,21 +79,26 @@ class PromQuery:
         count = 0 if samples is None or not math.isfinite(samples) else round(samples)
         return QueryResult(value=value, samples=count)
 
-    async def evaluate(self, plans: list[MetricPlan], window: Window,
-                       target: Target) -> list[MetricEvaluation]:
-        at = window.end.timestamp()
+    async def evaluate(self, plans: list[MetricPlan], window: Window, target: Target,
+                       baseline: Window | None = None) -> list[MetricEvaluation]:
+        """Each metric over `window`; a versus-stable metric's stable side over `baseline`
+        (default: the same window)."""
+        baseline = baseline or window
 
-        def one(template: str, revision: str, traffic: str) -> str:
+        def one(template: str, revision: str, traffic: str, over: Window) -> str:
             return render(template, pool=target.pool, namespace=target.namespace,
-                          revision=revision, traffic=traffic, window=window)
+                          revision=revision, traffic=traffic, window=over)
 
         async def metric(plan: MetricPlan) -> MetricEvaluation:
-            canary = self.result(one(plan.query, target.canary, target.traffic),
-                                 one(plan.samples_query, target.canary, target.traffic), at)
+            at = window.end.timestamp()
+            canary = self.result(one(plan.query, target.canary, target.traffic, window),
+                                 one(plan.samples_query, target.canary, target.traffic, window),
+                                 at)
             if not plan.versus_stable:
                 return judge(plan, await canary, None)
-            stable = self.result(one(plan.query, target.stable, "live"),
-                                 one(plan.samples_query, target.stable, "live"), at)
+            stable = self.result(one(plan.query, target.stable, "live", baseline),
+                                 one(plan.samples_query, target.stable, "live", baseline),
+                                 baseline.end.timestamp())
             got_canary, got_stable = await asyncio.gather(canary, stable)
             return judge(plan, got_canary, got_stable)
 

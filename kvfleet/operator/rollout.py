@@ -129,6 +129,20 @@ def due_window(view: View, now: datetime) -> Window | None:
                view.spec.analysis.warmup_seconds, _done(status, step), now, step)
 
 
+def baseline_window(status: RolloutStatus, window: Window) -> Window:
+    """The window whose stable series a versus-stable metric compares with. At weight 100 the
+    stable revision serves no live conversation, so it is stable's window of the latest step
+    before (recorded in status: deterministic after a restart); otherwise `window` itself."""
+    if window.step == SHADOW_STEP or status.current_weight < 100:
+        return window
+    before = [e for e in status.evaluations
+              if e.revision == status.canary_revision and 0 <= e.step < window.step]
+    if not before:
+        return window
+    last = before[-1]
+    return Window(last.step, last.index, last.window_start, last.window_end)
+
+
 def _done(status: RolloutStatus, step: int) -> set[int]:
     return {e.index for e in _attempt(status, step)}
 

@@ -37,7 +37,14 @@ from kvfleet.operator.coalesce import Coalescer
 from kvfleet.operator.modelartifact import reconcile_artifact
 from kvfleet.operator.placement import diagnose
 from kvfleet.operator.promquery import PromQuery, Target
-from kvfleet.operator.rollout import SHADOW_STEP, View, decide, due_window, metric_plans
+from kvfleet.operator.rollout import (
+    SHADOW_STEP,
+    View,
+    baseline_window,
+    decide,
+    due_window,
+    metric_plans,
+)
 from kvfleet.operator.rollout import Decision as RolloutDecision
 from kvfleet.operator.servingpool import (
     Event,
@@ -175,7 +182,8 @@ class Runtime:
                              stable=view.status.stable_revision,
                              traffic="shadow" if window.step == SHADOW_STEP else "live")
             results = await self.prometheus.evaluate(
-                metric_plans(rollout.spec, pool.spec.slos, window.step), window, target_)
+                metric_plans(rollout.spec, pool.spec.slos, window.step), window, target_,
+                baseline_window(view.status, window))
             metrics.ANALYSES.labels(outcome=overall(results).value).inc()
         decision = decide(view, window, results, now)
         events = [Event(e.type, e.reason, e.message) for e in decision.events]

@@ -40,7 +40,11 @@ def build_manifests(namespace: str, image: str = "kvfleet:0.1.0") -> list[dict[s
     container = {
         "name": "router",
         "image": image,
-        "args": ["router", "-n", namespace, "--host", "0.0.0.0", "--port", str(PORT)],
+        # Bound to the pod IP, as the engines are; `command` is the image's entrypoint, spelled
+        # out so a runner without images (the dev cluster's local nodes) runs it too.
+        "command": ["kvfleet"],
+        "args": ["router", "-n", namespace, "--host", "$(POD_IP)", "--port", str(PORT)],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},

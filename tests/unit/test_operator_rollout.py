@@ -39,7 +39,14 @@ from kvfleet.api.rollout import (
     SLOMetric,
 )
 from kvfleet.api.servingpool import SLOs, TrafficRole
-from kvfleet.operator.rollout import Decision, View, decide, due_window, rollout_hash
+from kvfleet.operator.rollout import (
+    Decision,
+    View,
+    baseline_window,
+    decide,
+    due_window,
+    rollout_hash,
+)
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
 STABLE, CANARY, OTHER = "a" * 64, "b" * 64, "c" * 64
@@ -424,3 +431,80 @@ def test_rollout_hash_covers_target_and_policy_not_the_pool() -> None:
 def _cond(decision: Decision, cond_type: str) -> tuple[str, str]:
     found = next(c for c in decision.status.conditions if c.type == cond_type)
     return found.status.value, found.reason
+
+
+def test_every_builtin_query_renders_to_promql_without_placeholders() -> None:
+    window = Window(0, 1, T0, T0 + timedelta(seconds=8))
+    for plan in plans([Metric(name=s.value.lower(), slo=s, threshold=1) for s in SLOMetric],
+                      SLO, shadow=False):
+        for template in (plan.query, plan.samples_query):
+            text = render(template, pool="chat", namespace="llm", revision=CANARY,
+                          traffic="live", window=window)
+            assert "{{" not in text and "[8s]" in text and "{pool=\"chat\"," in text, text
+            assert text.count("(") == text.count(")"), text
+
+
+def test_at_weight_100_stable_is_compared_over_its_last_served_window() -> None:
+    sim = _Sim(_spec(steps=[{"weight": 50}, {"weight": 100}]), replicas=1)
+    sim.run(30)
+    assert sim.status.current_weight == 100 or sim.status.phase == Phase.PROMOTED
+    status = sim.decisions[-1].status
+    last_50 = [e for e in status.evaluations if e.step == 0][-1]
+    at_100 = Window(1, 1, T0, T0 + timedelta(seconds=10))
+    pinned = status.model_copy(update={"current_weight": 100, "phase": Phase.PROGRESSING})
+    base = baseline_window(pinned, at_100)
+    assert (base.start, base.end) == (last_50.window_start, last_50.window_end)
+    at_50 = Window(0, 2, T0, T0 + timedelta(seconds=10))
+    assert baseline_window(pinned.model_copy(update={"current_weight": 50}), at_50) == at_50
+
+
+@pytest.mark.asyncio
+async def test_prometheus_answers_become_results_and_failures_become_errors() -> None:
+    from aiohttp import web
+
+    from kvfleet.operator.promquery import PromQuery, Target
+
+    asked: list[tuple[str, str]] = []
+
+    async def query(request: web.Request) -> web.Response:
+        form = await request.post()
+        text, at = str(form["query"]), str(form["time"])
+        asked.append((text, at))
+        if "bad" in text:
+            return web.json_response({"status": "error", "errorType": "bad_data",
+                                      "error": "parse error"}, status=400)
+        value = "100" if "_count" in text or "requests_total" in text else "0.2"
+        if 'revision="bbbbbbbbbbbb"' in text and "_count" not in text:
+            value = "0.5"
+        return web.json_response({"status": "success", "data": {
+            "resultType": "vector", "result": [{"metric": {}, "value": [0, value]}]}})
+
+    app = web.Application()
+    app.router.add_post("/api/v1/query", query)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    prom = PromQuery(f"http://127.0.0.1:{port}")
+    try:
+        metrics = [Metric(name="ttft", slo=SLOMetric.TTFT_P95, versus_stable=True, threshold=2.0),
+                   Metric(name="custom", query="bad_query", threshold=1.0)]
+        window = Window(1, 1, T0, T0 + timedelta(seconds=10))
+        baseline = Window(0, 3, T0 - timedelta(seconds=60), T0 - timedelta(seconds=30))
+        results = await prom.evaluate(plans(metrics, SLO, shadow=False), window,
+                                      Target("chat", "llm", CANARY, STABLE, "live"), baseline)
+        ttft, custom = results
+        assert (ttft.outcome, ttft.value) == (Outcome.FAIL, 2.5)  # 0.5 / 0.2
+        assert custom.outcome == Outcome.ERROR and "parse error" in custom.message
+        stable_asks = [a for t, a in asked if f'revision="{STABLE[:12]}"' in t]
+        assert {float(a) for a in stable_asks} == {baseline.end.timestamp()}
+        assert all("[30s]" in t for t, _ in asked if f'revision="{STABLE[:12]}"' in t)
+        down = PromQuery("http://127.0.0.1:9")  # nothing listens: Error, not a failure
+        [result] = await down.evaluate(plans(metrics[:1], SLO, shadow=False), window,
+                                       Target("chat", "llm", CANARY, STABLE, "live"))
+        assert result.outcome == Outcome.ERROR
+        await down.close()
+    finally:
+        await prom.close()
+        await runner.cleanup()

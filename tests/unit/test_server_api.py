@@ -289,3 +289,32 @@ async def test_models_health_ready_and_openapi(served: Served) -> None:
                                  headers={"x-kvfleet-deadline-seconds": "-1"})
     assert (r.status_code, r.json()["error"]["param"]) == (
         400, "header.x-kvfleet-deadline-seconds")
+
+
+def test_faults_apply_only_to_the_named_revision() -> None:
+    from kvfleet.engine.faults import Faults, faults_for
+
+    spec = "abc:token_delay=0.5,error_rate=0.25;def:error_rate=1"
+    assert faults_for(spec, "abc123") == Faults(token_delay=0.5, error_rate=0.25)
+    assert faults_for(spec, "def999") == Faults(error_rate=1.0)
+    assert not faults_for(spec, "0ff1ce").active and not faults_for("", "abc").active
+    with pytest.raises(ValueError, match="unknown fault 'slow'"):
+        faults_for("abc:slow=1", "abc")
+    with pytest.raises(ValueError, match="error_rate <= 1"):
+        faults_for("abc:error_rate=2", "abc")
+
+
+@pytest.mark.asyncio
+async def test_injected_faults_fail_requests_or_slow_every_step() -> None:
+    from kvfleet.engine.faults import Faults
+
+    body = {"prompt": [5, 6], "max_tokens": 3}
+    async for s in _serve(settings=ServerSettings(faults=Faults(error_rate=1.0))):
+        resp = await s.client.post("/v1/completions", json=body)
+        assert resp.status_code == 500 and "injected fault" in resp.json()["error"]["message"]
+    async for s in _serve():
+        s.engine.step_delay = 0.1  # what the runtime sets after warm-up
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        resp = await s.client.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and loop.time() - started >= 0.3  # three steps

@@ -1,0 +1,289 @@
+"""Rollouts against the real parts: the operator, real engine pods on the dev cluster's local
+node, the router running as a pod, and the harness's Prometheus scraping the router.
+
+The platform team's story, as a user types it: a pool and its Rollout policy exist; changing
+the pool's artifactRef (one line) starts a rollout. A good artifact is promoted through the
+steps — with the operator killed mid-step on the way — and the old revision retires; a bad one
+(the engine's fault injection adds 0.3 s to every token) is rolled back at its first
+analysed step while the stable pods keep their UIDs; no client request fails in either.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixtures)
+    EXAMPLES,
+    Kubectl,
+    OperatorProcess,
+    _available,
+    _create,
+    _get,
+    _local_engine_pool,
+    _only_the_local_l4_node,
+    _wait_pool,
+    crds,
+    operator,
+)
+from kvfleet.api import manifest_hash
+from kvfleet.devcluster.kube import JsonObj, KubeClient
+from kvfleet.devcluster.prometheus import PrometheusClient
+from kvfleet.engine.faults import FAULTS_ENV
+from kvfleet.operator import naming
+from kvfleet.operator.placement import tolerations
+from kvfleet.router.manifests import PORT, build_manifests
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+KEY = "sk-e2e-rollout-0123456789abcdef"
+POOL = "smol"
+ROLLOUTS = "/apis/kvfleet.io/v1alpha1/namespaces/{ns}/rollouts"
+
+
+def _artifact(name: str, top_k: int) -> JsonObj:
+    """The embedded SmolLM2 under another name; its own sampling default makes it another
+    revision (another manifest hash) of the same weights."""
+    obj = yaml.safe_load((EXAMPLES / "modelartifact-smollm2.yaml").read_text())
+    obj["metadata"] = {"name": name}
+    obj["spec"]["samplingDefaults"] = {"topK": top_k}
+    return obj
+
+
+def _rollout() -> JsonObj:
+    return {
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "Rollout", "metadata": {"name": POOL},
+        "spec": {
+            "poolRef": {"name": POOL},
+            "steps": [{"weight": 50}, {"weight": 100}],
+            "analysis": {
+                # A just-started engine answers its first requests slower (measured: TTFT p95
+                # 3x stable's in its first 8 s on this 2-core host): warm-up keeps them out.
+                "intervalSeconds": 4, "warmupSeconds": 10, "maxWaitSeconds": 120,
+                # Canary vs stable: on a busy 2-core host both are slow, the bad one far more.
+                "metrics": [{"name": "ttft", "slo": "TTFTP95", "versusStable": True,
+                             "threshold": 3.0, "minSamples": 8},
+                            {"name": "tpot", "slo": "TPOTP95", "versusStable": True,
+                             "threshold": 3.0, "minSamples": 8},
+                            {"name": "errors", "slo": "ErrorRate", "minSamples": 8}]},
+            "drainSeconds": 3,
+        },
+    }
+
+
+class Traffic:
+    """Clients streaming short chats through the router, each request its own conversation."""
+
+    def __init__(self, url: str, workers: int = 2) -> None:
+        self.url, self.stop_event = url, threading.Event()
+        self.codes: Counter[str] = Counter()
+        self.revisions: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                        for i in range(workers)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, worker: int) -> None:
+        n = 0
+        with httpx.Client(timeout=60) as client:
+            while not self.stop_event.is_set():
+                n += 1
+                body = {"model": POOL, "max_tokens": 4, "stream": True, "user": f"w{worker}-{n}",
+                        "messages": [{"role": "user", "content": f"Say hi to {n}"}]}
+                try:
+                    with client.stream("POST", self.url + "/v1/chat/completions", json=body,
+                                       headers={"authorization": f"Bearer {KEY}"}) as resp:
+                        text = resp.read().decode(errors="replace")
+                        ok = resp.status_code == 200 and "data: [DONE]" in text and \
+                            '"error"' not in text
+                        with self.lock:
+                            self.codes[str(resp.status_code)] += 1
+                            self.revisions[resp.headers.get("x-kvfleet-revision", "?")] += 1
+                            if not ok:
+                                self.failures.append(f"{resp.status_code}: {text[-300:]}")
+                except httpx.HTTPError as exc:
+                    with self.lock:
+                        self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(70)
+
+
+def _router_pod(kube: KubeClient, kubectl: Kubectl, namespace: str, node: str) -> str:
+    """The router's install manifests, its pod pinned to the local node (whose pods really
+    run); returns its URL once Ready."""
+    manifests = build_manifests(namespace)
+    for m in manifests:
+        if m["kind"] == "Deployment":
+            pod_spec = m["spec"]["template"]["spec"]
+            pod_spec["nodeName"] = node
+            pod_spec["tolerations"] = tolerations()
+    kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(manifests))
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        pods = kube.list("Pod", namespace, label_selector=f"app.kubernetes.io/name="
+                         f"{naming.ROUTER_APP}")
+        ready = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
+                                        for c in (p.get("status") or {}).get("conditions", []))]
+        if ready:
+            return f"http://{ready[0]['status']['podIP']}:{PORT}"
+        time.sleep(0.5)
+    pytest.fail(f"router pod not Ready in 90 s: {kube.list('Pod', namespace)}")
+
+
+def _wait_rollout(kube: KubeClient, op: OperatorProcess, ns: str,
+                  check: Callable[[JsonObj], bool], what: str, timeout: float) -> JsonObj:
+    deadline = time.monotonic() + timeout
+    rollout: JsonObj = {}
+    while time.monotonic() < deadline:
+        rollout = kube.request("GET", ROLLOUTS.format(ns=ns) + f"/{POOL}")
+        if check(rollout):
+            return rollout
+        time.sleep(0.5)
+    pytest.fail(f"Rollout {ns}/{POOL}: timed out waiting for {what}; status:\n"
+                f"{yaml.safe_dump(rollout.get('status'))}\noperator log:\n{op.log_tail()}")
+
+
+def _phase(*phases: str) -> Callable[[JsonObj], bool]:
+    return lambda r: (r.get("status") or {}).get("phase") in phases
+
+
+def _events(kube: KubeClient, ns: str, reason: str) -> list[JsonObj]:
+    return [e for e in kube.list("Event", ns, field_selector="involvedObject.kind=Rollout")
+            if e.get("reason") == reason]
+
+
+def _set_artifact(kube: KubeClient, ns: str, name: str) -> None:
+    kube.request("PATCH", f"/apis/kvfleet.io/v1alpha1/namespaces/{ns}/servingpools/{POOL}",
+                 {"spec": {"artifactRef": {"name": name}}},
+                 content_type="application/merge-patch+json")
+
+
+def _pods(kube: KubeClient, ns: str, revision: str) -> dict[str, str]:
+    selector = f"{naming.POOL_LABEL}={POOL},{naming.REVISION_LABEL}={revision[:12]}"
+    return {p["metadata"]["name"]: p["metadata"]["uid"]
+            for p in kube.list("Pod", ns, label_selector=selector)
+            if not p["metadata"].get("deletionTimestamp")}
+
+
+@pytest.fixture
+def faults() -> Iterator[dict[str, str]]:
+    """$KVFLEET_ENGINE_FAULTS for the engine pods the local runner starts from now on."""
+    saved = os.environ.get(FAULTS_ENV)
+    table: dict[str, str] = {}
+    yield table
+    if saved is None:
+        os.environ.pop(FAULTS_ENV, None)
+    else:
+        os.environ[FAULTS_ENV] = saved
+
+
+def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
+    local_node: str, fake_nodes: list[str], prometheus: PrometheusClient,
+    faults: dict[str, str], tmp_path: Path,
+) -> None:
+    v1, v2, v3 = (_artifact(f"smol-v{i}", 40 + i) for i in (1, 2, 3))
+    for artifact in (v1, v2, v3):
+        artifact["metadata"]["namespace"] = namespace
+        _create(kube, artifact)
+    hashes = {a["metadata"]["name"]: manifest_hash(a["spec"]) for a in (v1, v2, v3)}
+    pool = _local_engine_pool(POOL, "smol-v1", namespace)
+    pool["spec"]["slos"] = {"ttftP95Seconds": 1.5, "errorRate": 0.05}
+    kube.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "team-a-key", "labels": {"kvfleet.io/tenant": "team-a"}},
+        "data": {"key": base64.b64encode(KEY.encode()).decode()}})
+    kube.request("POST", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenantquotas", {
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+        "metadata": {"name": "team-a"},
+        "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 100000}}})
+    with _only_the_local_l4_node(kube, kubectl):
+        _create(kube, pool)
+        kube.request("POST", ROLLOUTS.format(ns=namespace), _rollout())
+        _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
+        idle = _wait_rollout(kube, operator, namespace, _phase("Idle"), "Idle", 30)
+        assert idle["status"]["message"] == "serving smol-v1"
+        url = _router_pod(kube, kubectl, namespace, local_node)
+        traffic = Traffic(url)
+        try:
+            _promote(kube, kubectl, operator, namespace, hashes, traffic)
+            _roll_back(kube, operator, namespace, hashes, traffic, faults)
+        finally:
+            traffic.close()
+    assert traffic.failures == [], traffic.failures[:5]
+    assert sum(traffic.codes.values()) > 50, traffic.codes
+    # The series the analysis read are really in Prometheus, per revision.
+    series = prometheus.query(f'sum by (revision) (kvfleet_router_requests_total{{pool="{POOL}"'
+                              '})')
+    assert {s["metric"]["revision"] for s in series} >= {h[:12] for h in hashes.values()}
+
+
+def _promote(kube: KubeClient, kubectl: Kubectl, op: OperatorProcess, ns: str,
+             hashes: dict[str, str], traffic: Traffic) -> None:
+    _set_artifact(kube, ns, "smol-v2")
+    # Mid-step: the canary takes half the conversations and is being analysed; the operator
+    # process dies and a new one resumes from the Rollout's status alone.
+    _wait_rollout(kube, op, ns, lambda r: (r.get("status") or {}).get("currentWeight") == 50,
+                  "weight 50%", 240)
+    pool = _get(kube, "ServingPool", ns, POOL)
+    assert {t["role"]: t["weight"] for t in pool["status"]["traffic"]} == {"stable": 50,
+                                                                           "canary": 50}
+    op.restart()
+    done = _wait_rollout(kube, op, ns, _phase("Promoted", "RolledBack", "Paused"), "Promoted",
+                         240)
+    status = done["status"]
+    assert status["phase"] == "Promoted", yaml.safe_dump(status)
+    assert status["stableRevision"] == hashes["smol-v2"]
+    analysed = {(e["step"], e["outcome"]) for e in status["evaluations"]}
+    assert {(0, "Pass"), (1, "Pass")} <= analysed, analysed
+    assert len(_events(kube, ns, "Promoted")) == 1
+    pool = _wait_pool(kube, op, ns, POOL, lambda p: not _pods(kube, ns, hashes["smol-v1"])
+                      and _available(p), "the old revision retired", 120)
+    assert pool["status"]["servingRevision"] == hashes["smol-v2"]
+    assert not pool["status"].get("traffic")
+    table = kubectl("get", "rollouts", "-n", ns).stdout.splitlines()
+    assert table[0].split()[:5] == ["NAME", "POOL", "PHASE", "STEP", "WEIGHT"]
+    assert table[1].split()[:3] == [POOL, POOL, "Promoted"]
+    with traffic.lock:
+        assert traffic.revisions[hashes["smol-v2"][:12]] > 0
+
+
+def _roll_back(kube: KubeClient, op: OperatorProcess, ns: str, hashes: dict[str, str],
+               traffic: Traffic, faults: dict[str, str]) -> None:
+    os.environ[FAULTS_ENV] = f"{hashes['smol-v3'][:12]}:token_delay=0.3"
+    stable_pods = _pods(kube, ns, hashes["smol-v2"])
+    assert stable_pods
+    _set_artifact(kube, ns, "smol-v3")
+    done = _wait_rollout(kube, op, ns, lambda r: _phase("RolledBack", "Promoted", "Paused")(r)
+                         and r["status"].get("canaryRevision") == hashes["smol-v3"],
+                         "RolledBack", 240)
+    status = done["status"]
+    assert status["phase"] == "RolledBack", yaml.safe_dump(status)
+    assert "step 1/2 weight 50%" in status["message"] and "tpot canary/stable" in \
+        status["message"]
+    failed = [e for e in status["evaluations"] if e["revision"] == hashes["smol-v3"]]
+    assert failed[-1]["outcome"] == "Fail" and failed[-1]["step"] == 0
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "RolledBack")
+    # Traffic moved back first; the stable pods were never restarted or replaced.
+    pool = _get(kube, "ServingPool", ns, POOL)
+    assert pool["status"]["servingRevision"] == hashes["smol-v2"]
+    assert not pool["status"].get("traffic")
+    assert _pods(kube, ns, hashes["smol-v2"]) == stable_pods
+    _wait_pool(kube, op, ns, POOL, lambda p: not _pods(kube, ns, hashes["smol-v3"]),
+               "the canary removed", 60)
+    assert _events(kube, ns, "RolledBack")

@@ -1,0 +1,57 @@
+"""Faults a test injects into one revision's engines: how a rollout test makes a "bad"
+artifact without a bad model. Off unless `$KVFLEET_ENGINE_FAULTS` names the revision:
+
+    KVFLEET_ENGINE_FAULTS="<revision prefix>:token_delay=0.3,error_rate=0.2;<prefix>:..."
+
+`token_delay` (seconds) is added to every engine step after warm-up, so to every token of
+every request, the first included (TTFT, TPOT and end-to-end latency grow; the requests stay
+in flight, so a drain waits for them as for any slow request); `error_rate` (0-1) is the share
+of requests answered 500 internal_error. The engine logs a warning at start when a fault
+applies to it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+FAULTS_ENV = "KVFLEET_ENGINE_FAULTS"
+
+
+@dataclass(frozen=True)
+class Faults:
+    token_delay: float = 0.0
+    error_rate: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.token_delay > 0 or self.error_rate > 0
+
+    def fail_now(self) -> bool:
+        return self.error_rate > 0 and random.random() < self.error_rate
+
+
+def faults_for(spec: str, revision: str | None) -> Faults:
+    """The faults `spec` (the env value) sets for `revision`; none when it names another.
+    Raises ValueError naming the env var on a malformed value."""
+    if not spec.strip() or not revision:
+        return Faults()
+    for entry in spec.split(";"):
+        prefix, _, settings = entry.strip().partition(":")
+        if not prefix or not revision.startswith(prefix.strip()):
+            continue
+        values: dict[str, float] = {}
+        for item in filter(None, (s.strip() for s in settings.split(","))):
+            key, _, value = item.partition("=")
+            if key not in ("token_delay", "error_rate"):
+                raise ValueError(f"{FAULTS_ENV}: unknown fault {key!r} (token_delay, "
+                                 "error_rate)")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise ValueError(f"{FAULTS_ENV}: {key}={value!r} is not a number") from None
+        faults = Faults(**values)
+        if faults.token_delay < 0 or not 0 <= faults.error_rate <= 1:
+            raise ValueError(f"{FAULTS_ENV}: token_delay >= 0 and 0 <= error_rate <= 1")
+        return faults
+    return Faults()
