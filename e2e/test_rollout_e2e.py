@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import base64
 import os
+import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ import yaml
 
 from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixtures)
     EXAMPLES,
+    ROOT,
     Kubectl,
     OperatorProcess,
     _available,
@@ -36,6 +38,7 @@ from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixture
     operator,
 )
 from kvfleet.api import manifest_hash
+from kvfleet.devcluster.cluster import DevCluster
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.prometheus import PrometheusClient
 from kvfleet.engine.faults import FAULTS_ENV
@@ -59,7 +62,7 @@ def _artifact(name: str, top_k: int) -> JsonObj:
     return obj
 
 
-def _rollout() -> JsonObj:
+def _rollout(auto_promote: bool = True) -> JsonObj:
     return {
         "apiVersion": "kvfleet.io/v1alpha1", "kind": "Rollout", "metadata": {"name": POOL},
         "spec": {
@@ -76,6 +79,7 @@ def _rollout() -> JsonObj:
                              "threshold": 3.0, "minSamples": 8},
                             {"name": "errors", "slo": "ErrorRate", "minSamples": 8}]},
             "drainSeconds": 3,
+            "autoPromote": auto_promote,
         },
     }
 
@@ -191,16 +195,12 @@ def faults() -> Iterator[dict[str, str]]:
         os.environ[FAULTS_ENV] = saved
 
 
-def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
-    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
-    local_node: str, fake_nodes: list[str], prometheus: PrometheusClient,
-    faults: dict[str, str], tmp_path: Path,
-) -> None:
+def _setup(kube: KubeClient, namespace: str, auto_promote: bool = True) -> dict[str, str]:
+    """Three revisions of SmolLM2, the pool on the first, its Rollout policy, a tenant key."""
     v1, v2, v3 = (_artifact(f"smol-v{i}", 40 + i) for i in (1, 2, 3))
     for artifact in (v1, v2, v3):
         artifact["metadata"]["namespace"] = namespace
         _create(kube, artifact)
-    hashes = {a["metadata"]["name"]: manifest_hash(a["spec"]) for a in (v1, v2, v3)}
     pool = _local_engine_pool(POOL, "smol-v1", namespace)
     pool["spec"]["slos"] = {"ttftP95Seconds": 1.5, "errorRate": 0.05}
     kube.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
@@ -211,9 +211,18 @@ def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
         "apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
         "metadata": {"name": "team-a"},
         "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 100000}}})
+    _create(kube, pool)
+    kube.request("POST", ROLLOUTS.format(ns=namespace), _rollout(auto_promote))
+    return {a["metadata"]["name"]: manifest_hash(a["spec"]) for a in (v1, v2, v3)}
+
+
+def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
+    local_node: str, fake_nodes: list[str], prometheus: PrometheusClient,
+    faults: dict[str, str],
+) -> None:
     with _only_the_local_l4_node(kube, kubectl):
-        _create(kube, pool)
-        kube.request("POST", ROLLOUTS.format(ns=namespace), _rollout())
+        hashes = _setup(kube, namespace)
         _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
         idle = _wait_rollout(kube, operator, namespace, _phase("Idle"), "Idle", 30)
         assert idle["status"]["message"] == "serving smol-v1"
@@ -287,3 +296,112 @@ def _roll_back(kube: KubeClient, op: OperatorProcess, ns: str, hashes: dict[str,
     _wait_pool(kube, op, ns, POOL, lambda p: not _pods(kube, ns, hashes["smol-v3"]),
                "the canary removed", 60)
     assert _events(kube, ns, "RolledBack")
+
+
+def _gpu_hog(kube: KubeClient, namespace: str, node: str) -> str:
+    """A pod holding one of the local node's GPUs (a sleeping process)."""
+    _create(kube, {"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": "gpu-hog", "namespace": namespace},
+                   "spec": {"nodeName": node, "tolerations": tolerations(),
+                            "containers": [{"name": "hog", "image": "python",
+                                            "command": ["python", "-c",
+                                                        "import time; time.sleep(3600)"],
+                                            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
+    return "gpu-hog"
+
+
+def test_capacity_outage_and_requests_each_say_what_they_do(
+    kube: KubeClient, kubectl: Kubectl, kubectl_path: str, operator: OperatorProcess,  # noqa: F811
+    namespace: str, local_node: str, fake_nodes: list[str], cluster: Any,
+) -> None:
+    """No free GPU for the canary: the rollout says so and stable serves on. Prometheus down
+    mid-step: the rollout pauses and holds its weight; back up: it goes on. Then a person's
+    requests through the kubectl plugin, each sent twice: pause, resume, abort, retry,
+    promote --full."""
+    if not isinstance(cluster, DevCluster):
+        pytest.skip("stops and restarts the harness's own Prometheus")
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig),
+           "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
+
+    def plugin(*args: str) -> str:
+        done = subprocess.run([kubectl_path, "kvfleet", "rollout", *args, POOL, "-n", namespace],
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    with _only_the_local_l4_node(kube, kubectl):
+        # Each passed step waits for a person's promote: nothing moves unless asked.
+        hashes = _setup(kube, namespace, auto_promote=False)
+        _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
+        url = _router_pod(kube, kubectl, namespace, local_node)
+        hog = _gpu_hog(kube, namespace, local_node)
+        traffic = Traffic(url, workers=1)
+        try:
+            stable_pods = _pods(kube, namespace, hashes["smol-v1"])
+            _set_artifact(kube, namespace, "smol-v2")
+            waiting = _wait_rollout(
+                kube, operator, namespace,
+                lambda r: any(c["type"] == "CapacityOK" and c["status"] == "False"
+                              for c in (r.get("status") or {}).get("conditions", [])),
+                "CapacityOK=False", 90)
+            capacity = next(c for c in waiting["status"]["conditions"]
+                            if c["type"] == "CapacityOK")
+            assert capacity["reason"] == "InsufficientCapacity"
+            assert "nvidia.com/gpu" in capacity["message"], capacity
+            assert waiting["status"]["currentWeight"] == 0
+            pool = _get(kube, "ServingPool", namespace, POOL)
+            assert _available(pool) and pool["status"]["servingRevision"] == hashes["smol-v1"]
+            assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
+            kube.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{hog}")
+
+            _wait_rollout(kube, operator, namespace,
+                          lambda r: (r.get("status") or {}).get("currentWeight") == 50,
+                          "weight 50% once the GPU is free", 180)
+            cluster.prometheus.stop()
+            try:
+                paused = _wait_rollout(
+                    kube, operator, namespace,
+                    lambda r: (r.get("status") or {}).get("pauseReason") == "AnalysisError",
+                    "paused on the outage", 60)
+                assert paused["status"]["currentWeight"] == 50
+                time.sleep(8)  # it holds: neither forward nor back while Prometheus is away
+                held = kube.request("GET", ROLLOUTS.format(ns=namespace) + f"/{POOL}")
+                assert (held["status"]["phase"], held["status"]["currentWeight"]) == (
+                    "Paused", 50)
+            finally:
+                cluster.restart_prometheus()
+            _wait_rollout(kube, operator, namespace,
+                          lambda r: "waiting for a promote request" in
+                          (r.get("status") or {}).get("message", ""),
+                          "step 1 passed once the analysis ran again", 90)
+
+            for action in ("pause", "pause"):
+                plugin(action)
+            _wait_rollout(kube, operator, namespace,
+                          lambda r: (r.get("status") or {}).get("pauseReason") == "Manual",
+                          "paused on request", 30)
+            plugin("resume")
+            _wait_rollout(kube, operator, namespace, _phase("Progressing"), "resumed", 30)
+            for action in ("abort", "abort"):
+                plugin(action)
+            _wait_rollout(kube, operator, namespace, _phase("Aborted"), "aborted", 30)
+            pool = _get(kube, "ServingPool", namespace, POOL)
+            table = {t["role"]: t["weight"] for t in pool["status"].get("traffic") or []}
+            assert table in ({}, {"stable": 100})  # while the canary drains: stable's alone
+            assert pool["status"]["servingRevision"] == hashes["smol-v1"]
+            assert len(_events(kube, namespace, "Aborted")) == 1
+            assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods  # never restarted
+            for action in ("retry", "retry"):
+                plugin(action)
+            _wait_rollout(kube, operator, namespace, _phase("Progressing"), "retried", 30)
+            assert len(_events(kube, namespace, "RolloutStarted")) == 2
+            plugin("promote", "--full")
+            _wait_rollout(kube, operator, namespace, _phase("Promoted"), "promoted", 180)
+            assert "Phase:     Promoted" in plugin("status")
+            _wait_pool(kube, operator, namespace, POOL,
+                       lambda p: p["status"].get("servingRevision") == hashes["smol-v2"]
+                       and not _pods(kube, namespace, hashes["smol-v1"]),
+                       "the old revision retired", 120)
+        finally:
+            traffic.close()
+    assert traffic.failures == [], traffic.failures[:5]

@@ -167,7 +167,7 @@ def test_good_examples_are_admitted(webhook: Webhook, kubectl: Kubectl, namespac
         assert result.returncode == 0, (path.name, result.stderr)
     listed = kubectl("get", "kvfleet", "-n", namespace, "-o", "name").stdout.split()
     assert "servingpool.kvfleet.io/qwen3-8b-chat" in listed
-    assert "rollout.kvfleet.io/qwen3-8b-chat-to-2507" in listed
+    assert "rollout.kvfleet.io/qwen3-8b-chat" in listed
     columns = kubectl("get", "sp", "-n", namespace).stdout.splitlines()[0].split()
     assert columns[:4] == ["NAME", "ARTIFACT", "GPU", "DESIRED"]
 

@@ -367,6 +367,14 @@ class DevCluster:
         shutil.rmtree(self.workdir, ignore_errors=True)
         atexit.unregister(self.stop)
 
+    def restart_prometheus(self, timeout: float = 60) -> None:
+        """Prometheus started again after a test stopped it (an outage), same data."""
+        if self.prometheus is None:
+            raise StartupError("this dev cluster runs no Prometheus")
+        old = self.prometheus.process
+        new = self.prometheus.restart(timeout)
+        self.processes = [new if p is old else p for p in self.processes]
+
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 

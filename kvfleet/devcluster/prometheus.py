@@ -118,3 +118,12 @@ class Prometheus(PrometheusClient):
 
     def stop(self) -> None:
         self.process.stop()
+
+    def restart(self, timeout: float = 60) -> ManagedProcess:
+        """Start it again after `stop` (an outage in a test), on the same data folder; the
+        new process (whoever tracks the old one must track this one instead)."""
+        old = self.process
+        old.stop()
+        self.process = ManagedProcess(old.name, old.argv, old.log_path)
+        self.wait_ready(timeout)
+        return self.process
