@@ -508,3 +508,15 @@ async def test_prometheus_answers_become_results_and_failures_become_errors() ->
     finally:
         await prom.close()
         await runner.cleanup()
+
+
+def test_killed_between_promotion_and_the_pools_update_promotes_once() -> None:
+    """The Rollout's status said Promoted, then the operator died before the pool's
+    servingRevision moved: the next operator moves it, with no second Promoted event."""
+    sim = _Sim(_spec(steps=[{"weight": 100}]), replicas=1)
+    sim.run(40)
+    assert sim.status.phase == Phase.PROMOTED and _events(sim).count("Promoted") == 1
+    sim.stable = STABLE  # the pool's write never landed
+    again = sim.tick(1)
+    assert again.promote and again.traffic == [] and sim.stable == CANARY
+    assert _events(sim).count("Promoted") == 1
