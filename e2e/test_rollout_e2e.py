@@ -4,35 +4,30 @@ node, the router running as a pod, and the harness's Prometheus scraping the rou
 The platform team's story, as a user types it: a pool and its Rollout policy exist; changing
 the pool's artifactRef (one line) starts a rollout. A good artifact is promoted through shadow
 traffic and the steps — with the operator killed mid-step on the way — and the old revision
-retires; a bad one
-(the engine's fault injection adds 0.3 s to every token) is rolled back at its first
-analysed step while the stable pods keep their UIDs; no client request fails in either.
+retires; a bad one (the engine's fault injection adds 0.3 s to every token) is rolled back at
+its first analysed step while the stable pods keep their UIDs; no client request fails in
+either. The revisions, policy, router pod and traffic are the demo's
+(`kvfleet.devcluster.demo`), so `make demo` shows what these tests check.
 """
 
 from __future__ import annotations
 
-import base64
 import os
 import subprocess
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
 from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixtures)
-    EXAMPLES,
     ROOT,
     Kubectl,
     OperatorProcess,
     _available,
     _create,
     _get,
-    _local_engine_pool,
     _only_the_local_l4_node,
     _wait_pool,
     crds,
@@ -40,115 +35,25 @@ from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixture
 )
 from kvfleet.api import manifest_hash
 from kvfleet.devcluster.cluster import DevCluster
+from kvfleet.devcluster.demo import (
+    POOL,
+    Traffic,
+    local_pool,
+    rollout_policy,
+    router_on_node,
+    set_artifact,
+    smollm2_revision,
+    tenant,
+)
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.prometheus import PrometheusClient
 from kvfleet.engine.faults import FAULTS_ENV
 from kvfleet.operator import naming
 from kvfleet.operator.placement import tolerations
-from kvfleet.router.manifests import PORT, build_manifests
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-KEY = "sk-e2e-rollout-0123456789abcdef"
-POOL = "smol"
 ROLLOUTS = "/apis/kvfleet.io/v1alpha1/namespaces/{ns}/rollouts"
-
-
-def _artifact(name: str, top_k: int) -> JsonObj:
-    """The embedded SmolLM2 under another name; its own sampling default makes it another
-    revision (another manifest hash) of the same weights."""
-    obj = yaml.safe_load((EXAMPLES / "modelartifact-smollm2.yaml").read_text())
-    obj["metadata"] = {"name": name}
-    obj["spec"]["samplingDefaults"] = {"topK": top_k}
-    return obj
-
-
-def _rollout(auto_promote: bool = True, shadow: bool = False) -> JsonObj:
-    return {
-        "apiVersion": "kvfleet.io/v1alpha1", "kind": "Rollout", "metadata": {"name": POOL},
-        "spec": {
-            "poolRef": {"name": POOL},
-            # Shadow copies are judged on their error rate (no TTFT/TPOT series for them).
-            **({"shadow": {"percent": 50, "durationSeconds": 6}} if shadow else {}),
-            "steps": [{"weight": 50}, {"weight": 100}],
-            "analysis": {
-                # A just-started engine answers its first requests slower (measured: TTFT p95
-                # 3x stable's in its first 8 s on this 2-core host): warm-up keeps them out.
-                "intervalSeconds": 4, "warmupSeconds": 10, "maxWaitSeconds": 120,
-                # Canary vs stable: on a busy 2-core host both are slow, the bad one far more.
-                "metrics": [{"name": "ttft", "slo": "TTFTP95", "versusStable": True,
-                             "threshold": 3.0, "minSamples": 8},
-                            {"name": "tpot", "slo": "TPOTP95", "versusStable": True,
-                             "threshold": 3.0, "minSamples": 8},
-                            {"name": "errors", "slo": "ErrorRate", "minSamples": 8}]},
-            "drainSeconds": 3,
-            "autoPromote": auto_promote,
-        },
-    }
-
-
-class Traffic:
-    """Clients streaming short chats through the router, each request its own conversation."""
-
-    def __init__(self, url: str, workers: int = 2) -> None:
-        self.url, self.stop_event = url, threading.Event()
-        self.codes: Counter[str] = Counter()
-        self.revisions: Counter[str] = Counter()
-        self.failures: list[str] = []
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                        for i in range(workers)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, worker: int) -> None:
-        n = 0
-        with httpx.Client(timeout=60) as client:
-            while not self.stop_event.is_set():
-                n += 1
-                body = {"model": POOL, "max_tokens": 4, "stream": True, "user": f"w{worker}-{n}",
-                        "messages": [{"role": "user", "content": f"Say hi to {n}"}]}
-                try:
-                    with client.stream("POST", self.url + "/v1/chat/completions", json=body,
-                                       headers={"authorization": f"Bearer {KEY}"}) as resp:
-                        text = resp.read().decode(errors="replace")
-                        ok = resp.status_code == 200 and "data: [DONE]" in text and \
-                            '"error"' not in text
-                        with self.lock:
-                            self.codes[str(resp.status_code)] += 1
-                            self.revisions[resp.headers.get("x-kvfleet-revision", "?")] += 1
-                            if not ok:
-                                self.failures.append(f"{resp.status_code}: {text[-300:]}")
-                except httpx.HTTPError as exc:
-                    with self.lock:
-                        self.failures.append(f"{type(exc).__name__}: {exc}")
-
-    def close(self) -> None:
-        self.stop_event.set()
-        for t in self.threads:
-            t.join(70)
-
-
-def _router_pod(kube: KubeClient, kubectl: Kubectl, namespace: str, node: str) -> str:
-    """The router's install manifests, its pod pinned to the local node (whose pods really
-    run); returns its URL once Ready."""
-    manifests = build_manifests(namespace)
-    for m in manifests:
-        if m["kind"] == "Deployment":
-            pod_spec = m["spec"]["template"]["spec"]
-            pod_spec["nodeName"] = node
-            pod_spec["tolerations"] = tolerations()
-    kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(manifests))
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        pods = kube.list("Pod", namespace, label_selector=f"app.kubernetes.io/name="
-                         f"{naming.ROUTER_APP}")
-        ready = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
-                                        for c in (p.get("status") or {}).get("conditions", []))]
-        if ready:
-            return f"http://{ready[0]['status']['podIP']}:{PORT}"
-        time.sleep(0.5)
-    pytest.fail(f"router pod not Ready in 90 s: {kube.list('Pod', namespace)}")
 
 
 def _wait_rollout(kube: KubeClient, op: OperatorProcess, ns: str,
@@ -173,12 +78,6 @@ def _events(kube: KubeClient, ns: str, reason: str) -> list[JsonObj]:
             if e.get("reason") == reason]
 
 
-def _set_artifact(kube: KubeClient, ns: str, name: str) -> None:
-    kube.request("PATCH", f"/apis/kvfleet.io/v1alpha1/namespaces/{ns}/servingpools/{POOL}",
-                 {"spec": {"artifactRef": {"name": name}}},
-                 content_type="application/merge-patch+json")
-
-
 def _pods(kube: KubeClient, ns: str, revision: str) -> dict[str, str]:
     selector = f"{naming.POOL_LABEL}={POOL},{naming.REVISION_LABEL}={revision[:12]}"
     return {p["metadata"]["name"]: p["metadata"]["uid"]
@@ -201,23 +100,13 @@ def faults() -> Iterator[dict[str, str]]:
 def _setup(kube: KubeClient, namespace: str, auto_promote: bool = True, shadow: bool = False
            ) -> dict[str, str]:
     """Three revisions of SmolLM2, the pool on the first, its Rollout policy, a tenant key."""
-    v1, v2, v3 = (_artifact(f"smol-v{i}", 40 + i) for i in (1, 2, 3))
-    for artifact in (v1, v2, v3):
-        artifact["metadata"]["namespace"] = namespace
-        _create(kube, artifact)
-    pool = _local_engine_pool(POOL, "smol-v1", namespace)
-    pool["spec"]["slos"] = {"ttftP95Seconds": 1.5, "errorRate": 0.05}
-    kube.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
-        "apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": "team-a-key", "labels": {"kvfleet.io/tenant": "team-a"}},
-        "data": {"key": base64.b64encode(KEY.encode()).decode()}})
-    kube.request("POST", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenantquotas", {
-        "apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
-        "metadata": {"name": "team-a"},
-        "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 100000}}})
-    _create(kube, pool)
-    kube.request("POST", ROLLOUTS.format(ns=namespace), _rollout(auto_promote, shadow))
-    return {a["metadata"]["name"]: manifest_hash(a["spec"]) for a in (v1, v2, v3)}
+    revisions = [smollm2_revision(f"smol-v{i}", 40 + i, namespace) for i in (1, 2, 3)]
+    for artifact in revisions:
+        kube.create(artifact)
+    tenant(kube, namespace)
+    kube.create(local_pool(POOL, "smol-v1", namespace))
+    kube.create(rollout_policy(POOL, namespace, auto_promote=auto_promote, shadow=shadow))
+    return {a["metadata"]["name"]: manifest_hash(a["spec"]) for a in revisions}
 
 
 def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
@@ -230,7 +119,7 @@ def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
         _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
         idle = _wait_rollout(kube, operator, namespace, _phase("Idle"), "Idle", 30)
         assert idle["status"]["message"] == "serving smol-v1"
-        url = _router_pod(kube, kubectl, namespace, local_node)
+        url = router_on_node(kube, namespace, local_node)
         traffic = Traffic(url)
         try:
             _promote(kube, kubectl, operator, namespace, hashes, traffic)
@@ -247,7 +136,7 @@ def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
 
 def _promote(kube: KubeClient, kubectl: Kubectl, op: OperatorProcess, ns: str,
              hashes: dict[str, str], traffic: Traffic) -> None:
-    _set_artifact(kube, ns, "smol-v2")
+    set_artifact(kube, ns, POOL, "smol-v2")
     # First the shadow phase: half the live requests are copied to the new revision, whose
     # answers nobody sees; live traffic stays on stable.
     _wait_rollout(kube, op, ns, lambda r: (r.get("status") or {}).get("shadowPercent") == 50,
@@ -287,7 +176,7 @@ def _roll_back(kube: KubeClient, op: OperatorProcess, ns: str, hashes: dict[str,
     os.environ[FAULTS_ENV] = f"{hashes['smol-v3'][:12]}:token_delay=0.3"
     stable_pods = _pods(kube, ns, hashes["smol-v2"])
     assert stable_pods
-    _set_artifact(kube, ns, "smol-v3")
+    set_artifact(kube, ns, POOL, "smol-v3")
     done = _wait_rollout(kube, op, ns, lambda r: _phase("RolledBack", "Promoted", "Paused")(r)
                          and r["status"].get("canaryRevision") == hashes["smol-v3"],
                          "RolledBack", 240)
@@ -344,12 +233,12 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
         # Each passed step waits for a person's promote: nothing moves unless asked.
         hashes = _setup(kube, namespace, auto_promote=False)
         _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
-        url = _router_pod(kube, kubectl, namespace, local_node)
+        url = router_on_node(kube, namespace, local_node)
         hog = _gpu_hog(kube, namespace, local_node)
         traffic = Traffic(url, workers=1)
         try:
             stable_pods = _pods(kube, namespace, hashes["smol-v1"])
-            _set_artifact(kube, namespace, "smol-v2")
+            set_artifact(kube, namespace, POOL, "smol-v2")
             waiting = _wait_rollout(
                 kube, operator, namespace,
                 lambda r: any(c["type"] == "CapacityOK" and c["status"] == "False"

@@ -1,7 +1,9 @@
-"""`kvfleet dev-cluster build|up|down|status`: a real control plane on this machine.
+"""`kvfleet dev-cluster build|up|demo|down|status`: a real control plane on this machine.
 
 `up` runs in the foreground (Ctrl-C or `down` stops it and removes everything) and records its
 pid and kubeconfig in a state file so `down` and `status` from another shell can find it.
+`demo` does the same with the operator, the router, three revisions of the embedded model and
+two rollouts to watch (see `kvfleet.devcluster.demo`); it stays up afterwards until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,10 @@ def register(subparsers: Any) -> None:
     up.add_argument("--local-nodes", type=int, default=1, help="nodes whose pods really run")
     up.add_argument("--no-prometheus", action="store_true", help="do not start Prometheus")
     up.set_defaults(func=_up)
-    down = sub.add_parser("down", help="stop the cluster started by `up`")
+    demo = sub.add_parser("demo", help="a cluster with the operator, router and two rollouts "
+                          "to watch (a good revision promoted, a slow one rolled back)")
+    demo.set_defaults(func=_demo)
+    down = sub.add_parser("down", help="stop the cluster started by `up` or `demo`")
     down.set_defaults(func=_down)
     status = sub.add_parser("status", help="say whether a cluster is up and where")
     status.set_defaults(func=_status)
@@ -54,12 +60,8 @@ def _build(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from kvfleet.devcluster import fleet
-    from kvfleet.devcluster.cluster import ClusterOptions, DevCluster
-    from kvfleet.devcluster.errors import DevClusterError
+    from kvfleet.devcluster.cluster import ClusterOptions
 
-    if _read_state() is not None:
-        print(f"a dev cluster is already up (see {state_path()}); run `kvfleet dev-cluster down`")
-        return 1
     groups = (
         fleet.NodeGroup(fleet.H100_80GB, args.h100_nodes, 8),
         fleet.NodeGroup(fleet.A100_40GB, args.a100_nodes, 8),
@@ -68,6 +70,46 @@ def _up(args: argparse.Namespace) -> int:
     options = ClusterOptions(
         node_groups=groups, local_nodes=args.local_nodes, prometheus=not args.no_prometheus
     )
+    return _serve(options, None)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvfleet.devcluster import fleet
+    from kvfleet.devcluster.cluster import ClusterOptions
+
+    # No fake L4s: every L4 pod lands on the local node, whose two GPUs really run engines.
+    options = ClusterOptions(node_groups=(fleet.NodeGroup(fleet.H100_80GB, 1, 8),))
+    return _serve(options, _run_demo)
+
+
+def _run_demo(cluster: Any, stop: threading.Event) -> None:
+    from kvfleet.devcluster.demo import run_demo
+    from kvfleet.devcluster.processes import ManagedProcess
+
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    if cluster.prometheus is not None:
+        env["KVFLEET_PROMETHEUS_URL"] = cluster.prometheus.url
+    log = cluster.workdir / "operator.log"
+
+    def start_operator() -> None:
+        print(f"Operator starting (log: {log})")
+        cluster.processes.append(ManagedProcess(
+            "operator", [sys.executable, "-m", "kvfleet", "operator", "--all-namespaces",
+                         "--standalone", "--metrics-port", "0"], log, env=env))
+
+    run_demo(cluster.api, cluster.kubeconfig,
+             cluster.prometheus.url if cluster.prometheus else None,
+             cluster.local_node_names[0], start_operator)
+    print("\nDone. The cluster stays up to look around; Ctrl-C stops it all.", flush=True)
+
+
+def _serve(options: Any, body: Callable[[Any, threading.Event], None] | None) -> int:
+    from kvfleet.devcluster.cluster import DevCluster
+    from kvfleet.devcluster.errors import DevClusterError
+
+    if _read_state() is not None:
+        print(f"a dev cluster is already up (see {state_path()}); run `kvfleet dev-cluster down`")
+        return 1
     stop = threading.Event()
     # SIGTERM (from `down`) and Ctrl-C both end the wait below; teardown happens in `finally`.
     # SIGINT is set explicitly: a shell starts background jobs with it ignored.
@@ -94,6 +136,9 @@ def _up(args: argparse.Namespace) -> int:
         if cluster.prometheus:
             print(f"  export KVFLEET_PROMETHEUS_URL={cluster.prometheus.url}")
         print("Ctrl-C or `kvfleet dev-cluster down` stops it.", flush=True)
+        if body is not None:
+            worker = threading.Thread(target=_guarded, args=(body, cluster, stop), daemon=True)
+            worker.start()
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:
@@ -103,6 +148,15 @@ def _up(args: argparse.Namespace) -> int:
         cluster.stop()
         print("dev cluster stopped")
     return 0
+
+
+def _guarded(body: Callable[[Any, threading.Event], None], cluster: Any,
+             stop: threading.Event) -> None:
+    try:
+        body(cluster, stop)
+    except Exception as exc:  # say it; the cluster stays up to look at until Ctrl-C
+        if not stop.is_set():
+            print(f"dev-cluster: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 def _read_state() -> dict[str, Any] | None:

@@ -1,0 +1,261 @@
+"""`kvfleet dev-cluster demo`: a rollout a newcomer can watch, on this machine.
+
+The dev cluster (no fake L4s: the local node's two GPUs really run engines), the operator,
+the router as a pod, Prometheus scraping it, three revisions of the embedded SmolLM2 and a
+little synthetic traffic. The demo then does what a platform team does in Git: it changes the
+pool's artifactRef to a good revision (shadow, 50 %, 100 %, promoted), then to a slow one (its
+engines take 0.3 s per token: rolled back at the first analysed step). Meanwhile, in another
+shell: `kubectl get servingpools,rollouts -n demo -w`. Ctrl-C stops everything it started.
+
+The pieces (revisions, policy, router pod, traffic) are shared with the rollout e2e tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from kvfleet.api.crdgen import RESOURCES, build_crd
+from kvfleet.api.labels import ROUTER_APP
+from kvfleet.devcluster.kube import JsonObj, KubeClient
+
+POOL = "smol"
+TENANT_KEY = "sk-demo-team-a-0123456789abcdef"
+SMOLLM2 = Path(__file__).resolve().parents[2] / "examples" / "modelartifact-smollm2.yaml"
+
+
+def smollm2_revision(name: str, top_k: int, namespace: str) -> JsonObj:
+    """The embedded SmolLM2 under another name; its own sampling default makes it another
+    revision (another manifest hash) of the same weights."""
+    obj: JsonObj = yaml.safe_load(SMOLLM2.read_text())
+    obj["metadata"] = {"name": name, "namespace": namespace}
+    obj["spec"]["samplingDefaults"] = {"topK": top_k}
+    return obj
+
+
+def local_pool(name: str, artifact: str, namespace: str) -> JsonObj:
+    """One replica on an L4 sized for a local engine process: a 1 GiB "GPU" keeps the
+    planned KV cache small, since the local engine allocates it in RAM."""
+    return {
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "ServingPool",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "artifactRef": {"name": artifact}, "replicas": 1,
+            "gpu": {"product": "NVIDIA-L4", "count": 1, "memory": "1Gi"},
+            "engine": {"maxModelLength": 2048, "maxBatchedTokens": 512, "workspace": "64Mi",
+                       "safetyMargin": "64Mi"},
+            "slos": {"ttftP95Seconds": 1.5, "errorRate": 0.05},
+        },
+    }
+
+
+def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
+                   shadow: bool = False) -> JsonObj:
+    """Steps of 50 and 100 %, judged every 4 s on canary-vs-stable TTFT and TPOT p95 and on
+    the error rate. Tuned for a busy 2-core host: both revisions are slow there, a bad one far
+    more, and a just-started engine answers its first requests slower (measured: TTFT p95 3x
+    stable's in its first 8 s), hence the warm-up."""
+    return {
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "Rollout",
+        "metadata": {"name": pool, "namespace": namespace},
+        "spec": {
+            "poolRef": {"name": pool},
+            # Shadow copies are judged on their error rate (no TTFT/TPOT series for them).
+            **({"shadow": {"percent": 50, "durationSeconds": 6}} if shadow else {}),
+            "steps": [{"weight": 50}, {"weight": 100}],
+            "analysis": {
+                "intervalSeconds": 4, "warmupSeconds": 10, "maxWaitSeconds": 120,
+                "metrics": [
+                    {"name": "ttft", "slo": "TTFTP95", "versusStable": True, "threshold": 3.0,
+                     "minSamples": 8},
+                    {"name": "tpot", "slo": "TPOTP95", "versusStable": True, "threshold": 3.0,
+                     "minSamples": 8},
+                    {"name": "errors", "slo": "ErrorRate", "minSamples": 8}]},
+            "drainSeconds": 3,
+            "autoPromote": auto_promote,
+        },
+    }
+
+
+def tenant(kube: KubeClient, namespace: str, key: str = TENANT_KEY) -> None:
+    """Tenant team-a: its API key Secret and a TenantQuota with room to spare."""
+    kube.create({"apiVersion": "v1", "kind": "Secret",
+                 "metadata": {"name": "team-a-key", "namespace": namespace,
+                              "labels": {"kvfleet.io/tenant": "team-a"}},
+                 "data": {"key": base64.b64encode(key.encode()).decode()}})
+    kube.create({"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+                 "metadata": {"name": "team-a", "namespace": namespace},
+                 "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 100000}}})
+
+
+def router_on_node(kube: KubeClient, namespace: str, node: str, timeout: float = 90) -> str:
+    """The router's install manifests with its pod pinned to `node` (a local node: its pods
+    really run); its URL once Ready."""
+    from kvfleet.operator.placement import tolerations
+    from kvfleet.router.manifests import PORT, build_manifests
+
+    for obj in build_manifests(namespace):
+        if obj["kind"] == "Deployment":
+            pod_spec = obj["spec"]["template"]["spec"]
+            pod_spec["nodeName"] = node
+            pod_spec["tolerations"] = tolerations()
+        kube.create(obj)
+
+    def ready() -> str | None:
+        for pod in kube.list("Pod", namespace, label_selector=f"app.kubernetes.io/name="
+                             f"{ROUTER_APP}"):
+            conditions = (pod.get("status") or {}).get("conditions", [])
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+                return f"http://{pod['status']['podIP']}:{PORT}"
+        return None
+
+    return kube.wait_for("the router pod Ready", ready, timeout)
+
+
+class Traffic:
+    """Clients streaming short chats through the router; each request its own conversation.
+    Counts status codes and revisions; keeps what failed."""
+
+    def __init__(self, url: str, key: str = TENANT_KEY, workers: int = 2,
+                 model: str = POOL) -> None:
+        self.url, self.key, self.model = url, key, model
+        self.stop_event = threading.Event()
+        self.codes: Counter[str] = Counter()
+        self.revisions: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                        for i in range(workers)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, worker: int) -> None:
+        n = 0
+        with httpx.Client(timeout=60) as client:
+            while not self.stop_event.is_set():
+                n += 1
+                body = {"model": self.model, "max_tokens": 4, "stream": True,
+                        "user": f"w{worker}-{n}",
+                        "messages": [{"role": "user", "content": f"Say hi to {n}"}]}
+                try:
+                    with client.stream("POST", self.url + "/v1/chat/completions", json=body,
+                                       headers={"authorization": f"Bearer {self.key}"}) as resp:
+                        text = resp.read().decode(errors="replace")
+                        ok = resp.status_code == 200 and "data: [DONE]" in text and \
+                            '"error"' not in text
+                        with self.lock:
+                            self.codes[str(resp.status_code)] += 1
+                            self.revisions[resp.headers.get("x-kvfleet-revision", "?")] += 1
+                            if not ok:
+                                self.failures.append(f"{resp.status_code}: {text[-300:]}")
+                except httpx.HTTPError as exc:
+                    with self.lock:
+                        self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(70)
+
+
+def install_crds(kube: KubeClient) -> None:
+    for resource in RESOURCES:
+        crd = build_crd(resource)
+        if kube.get_or_none("CustomResourceDefinition", crd["metadata"]["name"]) is None:
+            kube.create(crd)
+
+    def established() -> bool | None:
+        for resource in RESOURCES:
+            crd = kube.get("CustomResourceDefinition", build_crd(resource)["metadata"]["name"])
+            conditions = (crd.get("status") or {}).get("conditions", [])
+            if not any(c["type"] == "Established" and c["status"] == "True"
+                       for c in conditions):
+                return None
+        return True
+
+    kube.wait_for("the CRDs Established", established, 60)
+
+
+def set_artifact(kube: KubeClient, namespace: str, pool: str, artifact: str) -> None:
+    """What a merged Git change does: the pool's artifactRef, nothing else."""
+    kube.merge_patch("ServingPool", pool, {"spec": {"artifactRef": {"name": artifact}}},
+                     namespace)
+
+
+def watch_rollout(kube: KubeClient, namespace: str, name: str,
+                  done: Callable[[JsonObj], bool], timeout: float,
+                  say: Callable[[str], None] = print) -> JsonObj:
+    """Poll the Rollout until `done`, saying each new message; TimeoutError otherwise."""
+    deadline, last = time.monotonic() + timeout, ""
+    while True:
+        rollout = kube.get("Rollout", name, namespace)
+        status = rollout.get("status") or {}
+        line = f"{status.get('phase', '-')}: {status.get('message', '')}"
+        if line != last:
+            say(f"  rollout/{name} {line}")
+            last = line
+        if done(rollout):
+            return rollout
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rollout/{name} not done in {timeout:.0f}s: {line}")
+        time.sleep(0.5)
+
+
+def run_demo(kube: KubeClient, kubeconfig: Path, prometheus_url: str | None, node: str,
+             operator_start: Callable[[], Any], say: Callable[[str], None] = print,
+             namespace: str = "demo") -> None:
+    """The story, start to end (the caller owns the cluster and stops what it started)."""
+    from kvfleet.api import manifest_hash
+    from kvfleet.engine.faults import FAULTS_ENV
+
+    install_crds(kube)
+    operator_start()
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    revisions = [smollm2_revision(f"smol-v{i}", 40 + i, namespace) for i in (1, 2, 3)]
+    for artifact in revisions:
+        kube.create(artifact)
+    tenant(kube, namespace)
+    kube.create(local_pool(POOL, "smol-v1", namespace))
+    kube.create(rollout_policy(POOL, namespace, shadow=True))
+    say(f"""
+Watch it in another shell:
+  export KUBECONFIG={kubeconfig}
+  kubectl get servingpools,rollouts -n {namespace} -w
+  PATH=$PWD/.venv/bin:$PATH kubectl kvfleet rollout status {POOL} -n {namespace}
+""")
+    say("Starting pool smol on smol-v1 (a real engine process on the local node)…")
+    kube.wait_for("pool smol Available", lambda: True if any(
+        c.get("type") == "Available" and c.get("status") == "True"
+        for c in (kube.get("ServingPool", POOL, namespace).get("status") or {})
+        .get("conditions", [])) else None, 300)
+    url = router_on_node(kube, namespace, node)
+    say(f"Router up at {url}; sending a little traffic as tenant team-a.")
+    traffic = Traffic(url, workers=1)
+    try:
+        say("\n1. artifactRef: smol-v1 -> smol-v2 (a good revision)")
+        set_artifact(kube, namespace, POOL, "smol-v2")
+        target = manifest_hash(revisions[1]["spec"])
+        watch_rollout(kube, namespace, POOL, lambda r: (r.get("status") or {}).get(
+            "canaryRevision") == target and r["status"].get("phase") in (
+            "Promoted", "RolledBack", "Paused"), 300, say)
+        slow = manifest_hash(revisions[2]["spec"])
+        os.environ[FAULTS_ENV] = f"{slow[:12]}:token_delay=0.3"  # read by the local runner
+        say("\n2. artifactRef: smol-v2 -> smol-v3 (its engines take 0.3 s per token)")
+        set_artifact(kube, namespace, POOL, "smol-v3")
+        watch_rollout(kube, namespace, POOL, lambda r: (r.get("status") or {}).get(
+            "canaryRevision") == slow and r["status"].get("phase") in (
+            "Promoted", "RolledBack", "Paused"), 300, say)
+    finally:
+        traffic.close()
+    with traffic.lock:
+        say(f"\nClient requests: {dict(traffic.codes)}, failed: {len(traffic.failures)}; "
+            f"by revision: {dict(traffic.revisions)}")
