@@ -58,8 +58,9 @@ def _meta(name: str, pool: ServingPool, labels: dict[str, str]) -> dict[str, Any
     }
 
 
-def engine_settings(pool: ServingPool, plan: MemoryPlan | None) -> dict[str, str]:
-    """The ConfigMap data: one key per `kvfleet serve` setting (values are strings)."""
+def engine_settings(pool: ServingPool) -> dict[str, str]:
+    """The ConfigMap data: one key per `kvfleet serve` setting of the pool (values are
+    strings); what depends on the artifact is the revision's, in its Deployment."""
     engine = pool.spec.engine
     data = {
         "KVFLEET_BLOCK_SIZE": str(engine.block_size),
@@ -77,8 +78,6 @@ def engine_settings(pool: ServingPool, plan: MemoryPlan | None) -> dict[str, str
     }
     if engine.max_model_length is not None:
         data["KVFLEET_MAX_MODEL_LEN"] = str(engine.max_model_length)
-    if plan is not None and plan.kv_blocks_per_rank is not None:
-        data["KVFLEET_NUM_KV_BLOCKS"] = str(plan.kv_blocks_per_rank)
     return data
 
 
@@ -86,13 +85,13 @@ def config_digest(data: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_config_map(pool: ServingPool, plan: MemoryPlan | None) -> dict[str, Any]:
+def build_config_map(pool: ServingPool) -> dict[str, Any]:
     name = naming.config_map_name(pool.metadata.name)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(name, pool, naming.pool_labels(pool.metadata.name)),
-        "data": engine_settings(pool, plan),
+        "data": engine_settings(pool),
     }
 
 
@@ -109,6 +108,7 @@ def _container(
     artifact: ModelArtifact,
     manifest_hash: str,
     settings: dict[str, str],
+    plan: MemoryPlan | None,
     options: EngineOptions,
 ) -> dict[str, Any]:
     cm = naming.config_map_name(pool.metadata.name)
@@ -142,8 +142,10 @@ def _container(
     ]
     if "KVFLEET_MAX_MODEL_LEN" in settings:
         args.append("--max-model-len=$(KVFLEET_MAX_MODEL_LEN)")
-    if "KVFLEET_NUM_KV_BLOCKS" in settings:
-        args.append("--num-kv-blocks=$(KVFLEET_NUM_KV_BLOCKS)")
+    if plan is not None and plan.kv_blocks_per_rank is not None:
+        # The KV plan depends on the artifact, so it is the revision's own (the ConfigMap is
+        # the pool's, shared by the stable and canary revisions of a rollout).
+        args.append(f"--num-kv-blocks={plan.kv_blocks_per_rank}")
     gpus = str(pool.spec.gpu.count)
     return {
         "name": "engine",
@@ -185,13 +187,13 @@ def build_deployment(
 ) -> dict[str, Any]:
     """The Deployment serving one revision (artifact manifest hash) of the pool."""
     name = pool.metadata.name
-    settings = engine_settings(pool, plan)
+    settings = engine_settings(pool)
     labels = naming.revision_labels(name, artifact.metadata.name, manifest_hash)
     selector = naming.revision_selector(name, manifest_hash)
     meta = _meta(naming.deployment_name(name, manifest_hash), pool, labels)
     meta["annotations"] = {naming.MANIFEST_HASH_ANNOTATION: manifest_hash}
     pod_spec: dict[str, Any] = {
-        "containers": [_container(pool, artifact, manifest_hash, settings, options)],
+        "containers": [_container(pool, artifact, manifest_hash, settings, plan, options)],
         "nodeSelector": node_selector(pool.spec),
         "tolerations": tolerations(),
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,

@@ -162,7 +162,7 @@ def _desired(
     router_token: str,
 ) -> list[dict[str, Any]]:
     return [
-        builders.build_config_map(pool, plan),
+        builders.build_config_map(pool),
         builders.build_router_secret(pool, router_token),
         builders.build_deployment(pool, artifact, revision, plan, options),
         builders.build_service(pool),

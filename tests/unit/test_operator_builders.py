@@ -115,7 +115,7 @@ def test_args_parse_with_the_engine_command_line() -> None:
     serve = pytest.importorskip("kvfleet.commands.serve")
     p, a = pool(), artifact()
     plan = plan_for_pool(a.spec, p.spec, default_matrix().gpu_products["NVIDIA-L4"].memory_bytes)
-    settings = builders.build_config_map(p, plan)["data"]
+    settings = builders.build_config_map(p)["data"]
     args = _container(builders.build_deployment(p, a, manifest_hash(a.spec), plan))["args"]
     values = {**settings, "POD_IP": "10.1.2.3"}
     expanded = [re.sub(r"\$\(([A-Z0-9_]+)\)", lambda m: values[m.group(1)], x) for x in args]
@@ -160,3 +160,13 @@ def test_drift_ignores_server_defaults_but_not_owned_fields() -> None:
     observed = as_observed(d)
     del observed["metadata"]["labels"][naming.POOL_LABEL]
     assert has_drifted(d, observed) == f"metadata.labels.{naming.POOL_LABEL}"
+
+
+def test_each_revision_carries_its_own_kv_plan() -> None:
+    """The ConfigMap is the pool's, shared by a rollout's stable and canary revisions; the KV
+    block count depends on the artifact, so it is in each revision's Deployment."""
+    p, a = pool(), artifact()
+    plan = plan_for_pool(a.spec, p.spec, default_matrix().gpu_products["NVIDIA-L4"].memory_bytes)
+    assert "KVFLEET_NUM_KV_BLOCKS" not in builders.build_config_map(p)["data"]
+    args = _container(builders.build_deployment(p, a, manifest_hash(a.spec), plan))["args"]
+    assert f"--num-kv-blocks={plan.kv_blocks_per_rank}" in args
