@@ -254,8 +254,9 @@ def test_examples_become_available_on_matching_gpu_nodes(
 
     table = kubectl("get", "servingpools", "-n", namespace).stdout
     header, row = table.splitlines()[0].split(), table.splitlines()[1].split()
-    assert header[:6] == ["NAME", "ARTIFACT", "GPU", "DESIRED", "READY-REPLICAS", "READY"]
-    assert row[:6] == [name, "qwen3-8b", "NVIDIA-L4", "2", "2", "True"]
+    assert header[:7] == ["NAME", "ARTIFACT", "SERVING", "GPU", "DESIRED", "READY-REPLICAS",
+                          "READY"]
+    assert row[:7] == [name, "qwen3-8b", "qwen3-8b", "NVIDIA-L4", "2", "2", "True"]
     # kopf keeps its progress in annotations; status holds only what the operator decided.
     assert any(k.startswith("kvfleet.io/") for k in pool["metadata"].get("annotations", {}))
     assert "kopf" not in pool["status"]

@@ -219,6 +219,10 @@ class ServingPoolStatus(KubeModel):
         pattern=SHA256_PATTERN,
         description="Manifest hash of the artifact the replicas serve.",
     )
+    serving_artifact: str | None = Field(
+        default=None, max_length=253,
+        description="The ModelArtifact whose revision serves (spec.artifactRef is the one "
+        "desired; they differ while a new revision rolls out or is blocked).")
     traffic: list[TrafficTarget] = Field(
         default_factory=list, max_length=4,
         description="The router's traffic table, written by the Rollout controller; empty: "
@@ -238,6 +242,7 @@ class ServingPool(KubeModel):
         scale=True,
         printer_columns=(
             PrinterColumn("Artifact", ".spec.artifactRef.name"),
+            PrinterColumn("Serving", ".status.servingArtifact"),
             PrinterColumn("GPU", ".spec.gpu.product"),
             PrinterColumn("Desired", ".spec.replicas", type="integer"),
             PrinterColumn("Ready-Replicas", ".status.readyReplicas", type="integer"),

@@ -261,6 +261,7 @@ class Runtime:
         outcomes = await asyncio.gather(
             *applies,
             *(self._delete(obj) for obj in plan.delete),
+            *(self._scale(obj, replicas) for obj, replicas in plan.scale),
             self._write_status("ServingPool", raw, plan.status),
             *(self._post_event(raw, event) for event in plan.events),
             return_exceptions=True,
@@ -294,6 +295,13 @@ class Runtime:
     async def _apply(self, obj: JsonObj) -> None:
         self.cache.wrote(await self.api.apply(obj))
         metrics.OBJECTS_APPLIED.labels(kind=obj["kind"]).inc()
+
+    async def _scale(self, obj: JsonObj, replicas: int) -> None:
+        """An old revision's Deployment to `replicas` (a merge patch of spec.replicas only: the
+        operator never re-applies an old revision's whole object)."""
+        meta = obj["metadata"]
+        self.cache.wrote(await self.api.patch("Deployment", meta["namespace"], meta["name"],
+                                              {"spec": {"replicas": replicas}}))
 
     async def _delete(self, obj: JsonObj) -> None:
         meta = obj["metadata"]

@@ -58,6 +58,8 @@ class Plan:
 
     apply: tuple[dict[str, Any], ...] = ()
     delete: tuple[dict[str, Any], ...] = ()  # observed objects to delete
+    # Old-revision Deployments to scale down (replicas) while a new revision replaces them.
+    scale: tuple[tuple[dict[str, Any], int], ...] = ()
     status: dict[str, Any] = field(default_factory=dict)
     events: tuple[Event, ...] = ()
 
@@ -184,6 +186,73 @@ def _observed_for(obj: dict[str, Any], observed: Observed) -> dict[str, Any] | N
     }[kind]
 
 
+@dataclass(frozen=True)
+class _Rollover:
+    """How a new revision replaces the old ones when no Rollout governs the pool."""
+
+    new_replicas: int
+    old_replicas: tuple[tuple[dict[str, Any], int], ...]  # (old Deployment, replicas it keeps)
+    mode: str  # said in the Progressing condition
+    replacing: bool  # old replicas go before new ones come (no GPU to spare)
+
+
+REPLACING = "ReplacingReplicas"
+
+
+def _rollover(pool: ServingPool, observed: Observed, revision: str, serving: str | None,
+              new_ready: int, unschedulable: bool, previous: dict[str, Any]) -> _Rollover | None:
+    """Sizes of the new and old revisions for this reconcile, or None (no old revision).
+
+    With `reserves.deployment` (S) replicas to spare, the new revision grows S at a time
+    beside the old (all at once when S covers the pool). Without, it tries one extra replica;
+    if that pod finds no GPU, the old revision gives up `max(1, reserves.failover)` replicas
+    (the PodDisruptionBudget's allowance) before each new one comes, so a change never waits
+    for a GPU that does not exist. Old replicas only ever go down during a change."""
+    old = [d for d in observed.deployments if _revision_of(d) != revision]
+    if not old:
+        return None
+    want, spare = pool.spec.replicas, pool.spec.reserves.deployment
+    budget = max(1, pool.spec.reserves.failover)
+    old.sort(key=lambda d: (_revision_of(d) != serving, str(d["metadata"]["name"])))
+    old_spec = sum(int(d.get("spec", {}).get("replicas", 0)) for d in old)
+    was_replacing = any(c.get("type") == "Progressing" and c.get("reason") == REPLACING
+                        for c in previous.get("conditions", []))
+    replacing = spare == 0 and (unschedulable or was_replacing)
+    if spare >= want:
+        new, keep = want, old_spec
+        mode = f"a full second revision (reserves.deployment {spare} >= {want} replicas)"
+    elif replacing:
+        new = min(want, new_ready + budget)
+        keep = min(old_spec, max(0, want - new))
+        mode = (f"replacing replicas {budget} at a time (no free GPU and no "
+                "reserves.deployment)")
+    else:
+        surge = spare or 1
+        new = min(want, new_ready + surge)
+        keep = min(old_spec, want + surge - new)
+        mode = (f"surging {surge} at a time (reserves.deployment)" if spare else
+                "surging 1 at a time (no reserves.deployment: replicas are replaced instead "
+                "if the new one finds no GPU)")
+    sizes: list[tuple[dict[str, Any], int]] = []
+    for deployment in old:
+        current = int(deployment.get("spec", {}).get("replicas", 0))
+        sizes.append((deployment, min(current, keep)))
+        keep -= min(current, keep)
+    return _Rollover(new, tuple(sizes), mode, replacing)
+
+
+def _replace_in_place(pool: ServingPool, diagnosis: Any, previous: dict[str, Any],
+                      current: dict[str, Any] | None) -> bool:
+    """A rolling update of the revision's own Deployment that cannot surge: its new pod finds
+    no GPU (or did, until this update finishes) and the pool keeps no deployment reserve."""
+    if pool.spec.reserves.deployment > 0 or current is None or deployment_ready(current) \
+            or ready_replicas(current) == 0:  # nothing serves yet: nothing to give up
+        return False
+    was = any(c.get("type") == "Progressing" and c.get("reason") == REPLACING
+              for c in previous.get("conditions", []))
+    return was or (diagnosis is not None and diagnosis.reason == "Unschedulable")
+
+
 def reconcile(
     pool: ServingPool,
     artifact: ModelArtifact | None,
@@ -207,10 +276,19 @@ def reconcile(
     if rollout is not None and rollout.promote and rollout.status.canary_revision == revision:
         serving = revision  # promoted: from now on the canary is the revision that serves
     governed = rollout is not None and serving is not None and revision != serving
+    # A governed canary's pods are the Rollout's to report; the pool keeps serving meanwhile.
+    diagnosis = None if governed else diagnose(pool.spec, revision_pods(observed, revision))
+    rollover = None
+    if not governed and revision is not None and blocker is None:
+        rollover = _rollover(
+            pool, observed, revision, serving,
+            ready_replicas(revision_deployment(observed, revision)),
+            diagnosis is not None and diagnosis.reason == "Unschedulable", previous)
 
     apply: list[dict[str, Any]] = []
     events: list[Event] = []
     target: dict[str, Any] | None = None
+    replacing_in_place = False
     # (artifact is None implies a blocker; the explicit checks narrow the types.)
     if (
         blocker is None
@@ -226,6 +304,15 @@ def reconcile(
                 if rollout.canary_replicas is None:
                     continue
                 desired["spec"]["replicas"] = rollout.canary_replicas
+            elif desired["kind"] == "Deployment" and rollover is not None:
+                desired["spec"]["replicas"] = rollover.new_replicas
+            elif desired["kind"] == "Deployment" and _replace_in_place(
+                    pool, diagnosis, previous, _observed_for(desired, observed)):
+                # A settings change rolls within the revision: with no GPU for a surge pod and
+                # no reserve, the Deployment gives up replicas within the disruption budget.
+                desired["spec"]["strategy"]["rollingUpdate"] = {
+                    "maxSurge": 0, "maxUnavailable": max(1, pool.spec.reserves.failover)}
+                replacing_in_place = True
             current = _observed_for(desired, observed)
             name = f"{desired['kind']} {desired['metadata']['name']}"
             if current is None:
@@ -247,7 +334,8 @@ def reconcile(
                 ),
             )
 
-    # Old revisions go only once the new one serves every replica.
+    # Old revisions shrink as the new one grows (`_rollover`) and go once it serves every
+    # replica.
     delete: list[dict[str, Any]] = []
     if governed:
         assert rollout is not None
@@ -258,7 +346,8 @@ def reconcile(
                 events.append(Event("Normal", "CanaryRemoved",
                                     f"Deployment {old['metadata']['name']} deleted: the rollout "
                                     "no longer runs its revision"))
-    elif target is not None and deployment_ready(target) and not apply:
+    elif target is not None and deployment_ready(target) and not apply and \
+            int(target.get("spec", {}).get("replicas", 0)) == pool.spec.replicas:
         for old in observed.deployments:
             if _revision_of(old) != revision:
                 delete.append(old)
@@ -271,6 +360,14 @@ def reconcile(
                         f"revision {naming.short_revision(revision or '')} is ready",
                     )
                 )
+
+    scale: list[tuple[dict[str, Any], int]] = []
+    if rollover is not None and not delete:
+        for old, size in rollover.old_replicas:
+            if int(old.get("spec", {}).get("replicas", 0)) != size:
+                scale.append((old, size))
+                events.append(Event("Normal", "ScaledDown", f"Deployment "
+                                    f"{old['metadata']['name']} to {size}: {rollover.mode}"))
 
     # Available follows the Deployment that serves: the target revision's, or while a new
     # revision is blocked or left to a Rollout, the one already serving.
@@ -288,6 +385,8 @@ def reconcile(
         serving_deployment is not None
         and deployment_ready(serving_deployment)
         and not target_drifted
+        # A new revision serves once it has the whole pool, not a step of the way.
+        and (target is None or int(target.get("spec", {}).get("replicas", 0)) == pool.spec.replicas)
     )
     if ready and target is not None:
         serving = revision
@@ -300,9 +399,15 @@ def reconcile(
     num_ready = sum(
         int((d.get("status") or {}).get("readyReplicas", 0)) for d in observed.deployments
     )
-    # A governed canary's pods are the Rollout's to report; the pool keeps serving meanwhile.
-    diagnosis = None if governed else diagnose(pool.spec, revision_pods(observed, revision))
     want = pool.spec.replicas
+    # Available: serving at least the minimum the disruption budget allows (whichever
+    # revisions serve it); `ready` (the new revision serves the whole pool) moves
+    # servingRevision.
+    minimum = 0 if want == 0 else max(1, want - max(1, pool.spec.reserves.failover))
+    serving_now = ready or (serving is not None and num_ready >= minimum)
+    if diagnosis is not None and diagnosis.reason == "Unschedulable" and (
+            replacing_in_place or (rollover is not None and rollover.replacing)):
+        diagnosis = None  # being handled: old replicas make room for the new ones
 
     decided: list[Cond] = []
     if blocker is not None:
@@ -311,7 +416,7 @@ def reconcile(
         degraded = Cond("Degraded", True, diagnosis.reason, diagnosis.message)
     else:
         degraded = Cond("Degraded", False, "AsExpected", "")
-    if ready:
+    if serving_now:
         available = Cond(
             "Available",
             True,
@@ -339,8 +444,12 @@ def reconcile(
         progressing = Cond(
             "Progressing",
             True,
-            "RollingOut",
-            f"revision {naming.short_revision(revision or '')}: {num_ready}/{want} replicas ready",
+            REPLACING if replacing_in_place or (rollover is not None and rollover.replacing)
+            else "RollingOut",
+            f"revision {naming.short_revision(revision or '')}: {num_ready}/{want} replicas ready"
+            + (f"; {rollover.mode}" if rollover is not None else
+               "; replacing replicas within the disruption budget (no free GPU and no "
+               "reserves.deployment)" if replacing_in_place else ""),
         )
     decided += [available, progressing]
     if capacity is not None:
@@ -361,11 +470,16 @@ def reconcile(
         status["capacity"] = plan.to_status().to_wire()
     if serving is not None:
         status["servingRevision"] = serving
+        serving_artifact = pool.spec.artifact_ref.name if serving == revision else \
+            previous.get("servingArtifact")
+        if serving_artifact:
+            status["servingArtifact"] = serving_artifact
     if governed and rollout is not None and rollout.traffic:
         status["traffic"] = [t.to_wire() for t in rollout.traffic]
     if generation is not None:
         status["observedGeneration"] = generation
-    return Plan(apply=tuple(apply), delete=tuple(delete), status=status, events=tuple(events))
+    return Plan(apply=tuple(apply), delete=tuple(delete), status=status, events=tuple(events),
+                scale=tuple(scale))
 
 
 def with_apply_failure(status: dict[str, Any], message: str, *, now: datetime) -> dict[str, Any]:

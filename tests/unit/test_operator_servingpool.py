@@ -327,3 +327,80 @@ def test_the_router_token_is_made_once_and_given_to_every_engine_pod() -> None:
     sources = policy["spec"]["ingress"][0]["from"]
     assert [s["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for s in sources] == [
         "kvfleet-router", "prometheus"]
+
+
+def _changing(replicas: int, **reserves: int) -> tuple[ServingPool, ModelArtifact, Observed,
+                                                         dict[str, Any]]:
+    """A pool of `replicas` serving `artifact()`, its artifactRef just changed: the new
+    revision's Deployment as the first reconcile of the change applied it, not ready yet."""
+    p = pool(spec__replicas=replicas, spec__reserves=reserves)
+    old, new = artifact(), _new_artifact()
+    converged = _converged(p, old)
+    p = _with_status(p, _run(p, old, converged))
+    first = _run(p, new, converged)
+    [deployment] = [o for o in first.apply if o["kind"] == "Deployment"]
+    return p, new, converged, deployment
+
+
+def _unschedulable(observed: Observed, deployment: dict[str, Any], ready: int) -> Observed:
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    scheduler = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    return replace(observed, deployments=(*observed.deployments,
+                                          as_observed(deployment, ready=ready)),
+                   pods=(pod(labels, unschedulable=scheduler),))
+
+
+def test_without_a_free_gpu_or_reserve_old_replicas_make_room_step_by_step() -> None:
+    p, new, converged, deployment = _changing(3)
+    assert deployment["spec"]["replicas"] == 1  # one surge replica first
+    stuck = _unschedulable(converged, deployment, ready=0)
+    plan = _run(p, new, stuck)
+    [(old, keep)] = plan.scale
+    assert keep == 2 and old["metadata"]["name"] == converged.deployments[0]["metadata"]["name"]
+    progressing = _cond(plan, "Progressing")
+    assert progressing["reason"] == "ReplacingReplicas"
+    assert "replacing replicas 1 at a time" in progressing["message"]
+    # Still serving: 3 old replicas ready of 3 (minimum 2), and nothing to warn about.
+    assert _cond(plan, "Available")["status"] == "True"
+    assert _cond(plan, "Degraded")["status"] == "False"
+    assert plan.delete == ()
+    # One new replica ready: the next one comes as another old one goes (sticky mode).
+    p2 = _with_status(p, plan)
+    grown = replace(converged, deployments=(
+        dict(converged.deployments[0], spec={**converged.deployments[0]["spec"], "replicas": 2}),
+        as_observed(deployment, ready=1)))
+    step = _run(p2, new, grown)
+    [applied] = [o for o in step.apply if o["kind"] == "Deployment"]
+    assert applied["spec"]["replicas"] == 2
+    assert [size for _, size in step.scale] == [1]
+    assert step.status["servingRevision"] == manifest_hash(artifact().spec)
+
+
+def test_a_deployment_reserve_surges_beside_the_old_revision() -> None:
+    p, new, converged, deployment = _changing(3, deployment=2)
+    assert deployment["spec"]["replicas"] == 2
+    plan = _run(p, new, replace(converged, deployments=(
+        *converged.deployments, as_observed(deployment, ready=0))))
+    assert plan.scale == ()  # 3 old + 2 new: within the reserve, nothing gives way
+    assert "surging 2 at a time (reserves.deployment)" in _cond(plan, "Progressing")["message"]
+    full = _changing(3, deployment=3)[3]
+    assert full["spec"]["replicas"] == 3  # the reserve covers a whole second revision
+
+
+def test_a_settings_change_without_a_free_gpu_rolls_within_the_disruption_budget() -> None:
+    p, a = pool(spec__replicas=2), artifact()
+    converged = _converged(p, a)
+    p = _with_status(p, _run(p, a, converged))
+    changed = pool(spec__replicas=2, spec__engine__maxBatchedTokens=4096)
+    changed = _with_status(changed, _run(p, a, converged))
+    rolling = json.loads(json.dumps(converged.deployments[0]))
+    rolling["status"].update(updatedReplicas=1, readyReplicas=2, replicas=3)
+    labels = rolling["spec"]["template"]["metadata"]["labels"]
+    stuck = replace(converged, deployments=(rolling,), pods=(pod(
+        labels, unschedulable="0/3 nodes are available: 3 Insufficient nvidia.com/gpu."),))
+    plan = _run(changed, a, stuck)
+    [deployment] = [o for o in plan.apply if o["kind"] == "Deployment"]
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0,
+                                                               "maxUnavailable": 1}
+    assert _cond(plan, "Progressing")["reason"] == "ReplacingReplicas"
+    assert _cond(plan, "Available")["status"] == "True"
