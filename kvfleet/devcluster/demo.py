@@ -62,8 +62,10 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
                    shadow: bool = False) -> JsonObj:
     """Steps of 50 and 100 %, judged every 4 s on canary-vs-stable TTFT and TPOT p95 and on
     the error rate. Tuned for a busy 2-core host: both revisions are slow there, a bad one far
-    more, and a just-started engine answers its first requests slower (measured: TTFT p95 3x
-    stable's in its first 8 s), hence the warm-up."""
+    more (a 0.3 s/token engine: TPOT 10x stable's), a just-started engine answers its first
+    requests slower (measured: TTFT p95 3x stable's in its first 8 s), hence the warm-up, and
+    one slow request can decide a p95 of a few samples (measured: a good canary's TTFT 3.7x
+    stable's in one window while the operator restarted), hence two failures to fail."""
     return {
         "apiVersion": "kvfleet.io/v1alpha1", "kind": "Rollout",
         "metadata": {"name": pool, "namespace": namespace},
@@ -74,12 +76,13 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
             "steps": [{"weight": 50}, {"weight": 100}],
             "analysis": {
                 "intervalSeconds": 4, "warmupSeconds": 10, "maxWaitSeconds": 120,
+                "failureLimit": 2,
                 "metrics": [
-                    {"name": "ttft", "slo": "TTFTP95", "versusStable": True, "threshold": 3.0,
-                     "minSamples": 8},
+                    {"name": "ttft", "slo": "TTFTP95", "versusStable": True, "threshold": 5.0,
+                     "minSamples": 12},
                     {"name": "tpot", "slo": "TPOTP95", "versusStable": True, "threshold": 3.0,
-                     "minSamples": 8},
-                    {"name": "errors", "slo": "ErrorRate", "minSamples": 8}]},
+                     "minSamples": 12},
+                    {"name": "errors", "slo": "ErrorRate", "minSamples": 12}]},
             "drainSeconds": 3,
             "autoPromote": auto_promote,
         },

@@ -40,19 +40,13 @@ from kvfleet.api.rollout import (
 )
 from kvfleet.api.servingpool import SLOs, TrafficRole, TrafficTarget
 from kvfleet.operator.conditions import Cond, merge_conditions
+from kvfleet.operator.events import Event
 
 SHADOW_STEP = -1
 RUNNING = (Phase.SHADOW, Phase.PROGRESSING)
 ACTIVE = (Phase.SHADOW, Phase.PROGRESSING, Phase.PAUSED, Phase.ROLLING_BACK)
 # Paused for a query error: evaluation goes on and the rollout resumes by itself.
 ANALYSIS_ERROR = "AnalysisError"
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal or Warning
-    reason: str
-    message: str
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from kvfleet.operator import metrics, naming
 from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.cache import Cache
 from kvfleet.operator.coalesce import Coalescer
+from kvfleet.operator.events import Event
 from kvfleet.operator.modelartifact import reconcile_artifact
 from kvfleet.operator.placement import diagnose
 from kvfleet.operator.promquery import PromQuery, Target
@@ -47,7 +48,6 @@ from kvfleet.operator.rollout import (
 )
 from kvfleet.operator.rollout import Decision as RolloutDecision
 from kvfleet.operator.servingpool import (
-    Event,
     Observed,
     deployment_ready,
     ready_replicas,
@@ -186,7 +186,7 @@ class Runtime:
                 baseline_window(view.status, window))
             metrics.ANALYSES.labels(outcome=overall(results).value).inc()
         decision = decide(view, window, results, now)
-        events = [Event(e.type, e.reason, e.message) for e in decision.events]
+        events = list(decision.events)
         if request_error is not None:
             events.append(Event("Warning", "BadRequest", request_error))
         await asyncio.gather(

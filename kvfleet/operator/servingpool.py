@@ -27,6 +27,7 @@ from kvfleet.compat import Matrix, check
 from kvfleet.operator import builders, naming
 from kvfleet.operator.conditions import Cond, merge_conditions
 from kvfleet.operator.drift import has_drifted
+from kvfleet.operator.events import Event
 from kvfleet.operator.placement import diagnose
 from kvfleet.operator.rollout import ACTIVE
 from kvfleet.operator.rollout import Decision as RolloutDecision
@@ -43,13 +44,6 @@ class Observed:
     router_secret: dict[str, Any] | None = None
     network_policy: dict[str, Any] | None = None
     pods: tuple[dict[str, Any], ...] = ()
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal or Warning
-    reason: str
-    message: str
 
 
 @dataclass(frozen=True)
