@@ -4,7 +4,7 @@ node, the router running as a pod, and the harness's Prometheus scraping the rou
 The platform team's story, as a user types it: a pool and its Rollout policy exist; changing
 the pool's artifactRef (one line) starts a rollout. A good artifact is promoted through shadow
 traffic and the steps — with the operator killed mid-step on the way — and the old revision
-retires; a bad one (the engine's fault injection adds 0.3 s to every token) is rolled back at
+retires; a bad one (the engine's fault injection adds 1 s to every token) is rolled back at
 its first analysed step while the stable pods keep their UIDs; no client request fails in
 either. The revisions, policy, router pod and traffic are the demo's
 (`kvfleet.devcluster.demo`), so `make demo` shows what these tests check.
@@ -42,6 +42,7 @@ from kvfleet.devcluster.demo import (
     rollout_policy,
     router_on_node,
     set_artifact,
+    slow_fault,
     smollm2_revision,
     tenant,
 )
@@ -173,7 +174,7 @@ def _promote(kube: KubeClient, kubectl: Kubectl, op: OperatorProcess, ns: str,
 
 def _roll_back(kube: KubeClient, op: OperatorProcess, ns: str, hashes: dict[str, str],
                traffic: Traffic, faults: dict[str, str]) -> None:
-    os.environ[FAULTS_ENV] = f"{hashes['smol-v3'][:12]}:token_delay=0.3"
+    os.environ[FAULTS_ENV] = slow_fault(hashes["smol-v3"])
     stable_pods = _pods(kube, ns, hashes["smol-v2"])
     assert stable_pods
     set_artifact(kube, ns, POOL, "smol-v3")

@@ -4,7 +4,7 @@ The dev cluster (no fake L4s: the local node's two GPUs really run engines), the
 the router as a pod, Prometheus scraping it, three revisions of the embedded SmolLM2 and a
 little synthetic traffic. The demo then does what a platform team does in Git: it changes the
 pool's artifactRef to a good revision (shadow, 50 %, 100 %, promoted), then to a slow one (its
-engines take 0.3 s per token: rolled back at the first analysed step). Meanwhile, in another
+engines take 1 s per token: rolled back at the first analysed step). Meanwhile, in another
 shell: `kubectl get servingpools,rollouts -n demo -w`. Ctrl-C stops everything it started.
 
 The pieces (revisions, policy, router pod, traffic) are shared with the rollout e2e tests.
@@ -62,7 +62,8 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
                    shadow: bool = False) -> JsonObj:
     """Steps of 50 and 100 %, judged every 4 s on canary-vs-stable TTFT and TPOT p95 and on
     the error rate. Tuned for a busy 2-core host: both revisions are slow there, a bad one far
-    more (a 0.3 s/token engine: TPOT 10x stable's), a just-started engine answers its first
+    more (measured stable TPOT p95 0.03-0.24 s as the load varied: a slow revision's 1 s per
+    token stands out at any of them), a just-started engine answers its first
     requests slower (measured: TTFT p95 3x stable's in its first 8 s), hence the warm-up, and
     one slow request can decide a p95 of a few samples (measured: a good canary's TTFT 3.7x
     stable's in one window while the operator restarted), hence two failures to fail."""
@@ -87,6 +88,11 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
             "autoPromote": auto_promote,
         },
     }
+
+
+def slow_fault(revision: str) -> str:
+    """$KVFLEET_ENGINE_FAULTS making `revision`'s engines take 1 s more per token."""
+    return f"{revision[:12]}:token_delay=1.0"
 
 
 def tenant(kube: KubeClient, namespace: str, key: str = TENANT_KEY) -> None:
@@ -251,8 +257,8 @@ Watch it in another shell:
             "canaryRevision") == target and r["status"].get("phase") in (
             "Promoted", "RolledBack", "Paused"), 300, say)
         slow = manifest_hash(revisions[2]["spec"])
-        os.environ[FAULTS_ENV] = f"{slow[:12]}:token_delay=0.3"  # read by the local runner
-        say("\n2. artifactRef: smol-v2 -> smol-v3 (its engines take 0.3 s per token)")
+        os.environ[FAULTS_ENV] = slow_fault(slow)  # read by the local runner
+        say("\n2. artifactRef: smol-v2 -> smol-v3 (its engines take 1 s per token)")
         set_artifact(kube, namespace, POOL, "smol-v3")
         watch_rollout(kube, namespace, POOL, lambda r: (r.get("status") or {}).get(
             "canaryRevision") == slow and r["status"].get("phase") in (

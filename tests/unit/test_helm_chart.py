@@ -1,0 +1,112 @@
+"""The Helm chart (helm/kvfleet) stays what the code generates and renders restricted pods.
+
+Generated parts are compared with their source: the CRDs with crds/, the operator's and the
+router's RBAC rules with the code that prints them. With the pinned helm built (the e2e tools;
+CI builds them first) the chart is also linted and rendered here."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import kvfleet
+from kvfleet.operator.rbac import cluster_role_rules
+from kvfleet.router.manifests import build_manifests
+from kvfleet.webhooks.config import build_validating_webhook_configuration
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "kvfleet"
+
+
+def test_the_charts_crds_are_the_generated_ones() -> None:
+    generated = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    assert sorted(p.name for p in (CHART / "crds").glob("*.yaml")) == generated
+    for name in generated:
+        assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
+            f"copy crds/{name} to helm/kvfleet/crds/ (kvfleet crds generate writes crds/)")
+
+
+def test_the_charts_rbac_is_what_the_components_use() -> None:
+    operator = yaml.safe_load((CHART / "files" / "operator-rules.yaml").read_text())
+    assert operator == cluster_role_rules(), "regenerate helm/kvfleet/files/operator-rules.yaml"
+    router = yaml.safe_load((CHART / "files" / "router-rules.yaml").read_text())
+    role = next(m for m in build_manifests("x") if m["kind"] == "Role")
+    assert router == role["rules"], "regenerate helm/kvfleet/files/router-rules.yaml"
+
+
+def test_chart_version_and_image_follow_the_package() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert chart["appVersion"] == kvfleet.__version__
+    from kvfleet.operator.builders import EngineOptions
+
+    # The engine pods the operator makes run the chart's image by default too.
+    assert EngineOptions().image.rsplit(":", 1)[0] == values["image"]["repository"]
+
+
+def _helm() -> str:
+    from kvfleet.devcluster import toolchain
+    from kvfleet.devcluster.errors import ToolsMissingError
+
+    try:
+        return str(toolchain.locate()["helm"])
+    except ToolsMissingError as exc:
+        pytest.skip(f"helm not built: {exc}")
+
+
+def _run(tmp_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {"HELM_CACHE_HOME": str(tmp_path / "c"), "HELM_CONFIG_HOME": str(tmp_path / "g"),
+           "HELM_DATA_HOME": str(tmp_path / "d"), "PATH": "/usr/bin:/bin"}
+    return subprocess.run([_helm(), *args], env=env, capture_output=True, text=True,
+                          check=check, timeout=120)
+
+
+def _render(tmp_path: Path, *sets: str) -> list[dict[str, Any]]:
+    flags = [f for s in sets for f in ("--set", s)]
+    out = _run(tmp_path, "template", "kv", str(CHART), "-n", "kvfleet-system", *flags).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_chart_lints_and_refuses_a_bad_value_by_name(tmp_path: Path) -> None:
+    lint = _run(tmp_path, "lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in lint.stdout
+    bad = _run(tmp_path, "template", "kv", str(CHART), "--set", "webhook.failurePolicy=Maybe",
+               check=False)
+    assert bad.returncode != 0 and "/webhook/failurePolicy" in bad.stderr
+    typo = _run(tmp_path, "template", "kv", str(CHART), "--set", "operator.replica=2",
+                check=False)
+    assert typo.returncode != 0 and "replica" in typo.stderr
+
+
+def test_every_pod_runs_restricted_and_rbac_renders_as_generated(tmp_path: Path) -> None:
+    docs = _render(tmp_path, "operator.prometheusUrl=http://prometheus:9090")
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    assert sorted(d["metadata"]["name"] for d in deployments) == [
+        "kvfleet-operator", "kvfleet-router", "kvfleet-webhook"]
+    for d in deployments:
+        pod = d["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert c["image"] == f"ghcr.io/kvfleet/kvfleet:{kvfleet.__version__}"
+    operator = next(d for d in deployments if d["metadata"]["name"] == "kvfleet-operator")
+    assert "--prometheus-url=http://prometheus:9090" in \
+        operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    role = next(d for d in docs if d["kind"] == "ClusterRole"
+                and d["metadata"]["name"] == "kv-operator")
+    assert role["rules"] == cluster_role_rules()
+    [webhook] = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
+    expected = build_validating_webhook_configuration(
+        ca_bundle_pem=b"x", service=("kvfleet-system", "kvfleet-webhook", 443))["webhooks"][0]
+    got = webhook["webhooks"][0]
+    for key in ("name", "rules", "failurePolicy", "matchPolicy", "sideEffects",
+                "admissionReviewVersions", "timeoutSeconds"):
+        assert got[key] == expected[key], key
+    assert got["clientConfig"]["service"] == expected["clientConfig"]["service"]
