@@ -98,15 +98,16 @@ def faults() -> Iterator[dict[str, str]]:
         os.environ[FAULTS_ENV] = saved
 
 
-def _setup(kube: KubeClient, namespace: str, auto_promote: bool = True, shadow: bool = False
-           ) -> dict[str, str]:
+def _setup(kube: KubeClient, namespace: str, auto_promote: bool = True, shadow: bool = False,
+           max_wait_seconds: int = 120) -> dict[str, str]:
     """Three revisions of SmolLM2, the pool on the first, its Rollout policy, a tenant key."""
     revisions = [smollm2_revision(f"smol-v{i}", 40 + i, namespace) for i in (1, 2, 3)]
     for artifact in revisions:
         kube.create(artifact)
     tenant(kube, namespace)
     kube.create(local_pool(POOL, "smol-v1", namespace))
-    kube.create(rollout_policy(POOL, namespace, auto_promote=auto_promote, shadow=shadow))
+    kube.create(rollout_policy(POOL, namespace, auto_promote=auto_promote, shadow=shadow,
+                               max_wait_seconds=max_wait_seconds))
     return {a["metadata"]["name"]: manifest_hash(a["spec"]) for a in revisions}
 
 
@@ -306,3 +307,44 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
         finally:
             traffic.close()
     assert traffic.failures == [], traffic.failures[:5]
+
+
+def test_silence_pauses_and_a_new_artifact_restarts_from_stable(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
+    local_node: str, fake_nodes: list[str],
+) -> None:
+    """No traffic at all: the step waits for samples, then pauses saying so, never passes.
+    The artifactRef changed again meanwhile: the rollout restarts from stable with the new
+    canary (the previous canary removed, stable untouched)."""
+    with _only_the_local_l4_node(kube, kubectl):
+        hashes = _setup(kube, namespace, max_wait_seconds=12)
+        _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
+        stable_pods = _pods(kube, namespace, hashes["smol-v1"])
+        set_artifact(kube, namespace, POOL, "smol-v2")
+        paused = _wait_rollout(
+            kube, operator, namespace,
+            lambda r: (r.get("status") or {}).get("pauseReason") == "TooFewSamples",
+            "paused for want of samples", 180)
+        status = paused["status"]
+        assert status["currentWeight"] == 50 and status["counts"]["passed"] == 0
+        assert "no conclusive analysis after" in status["message"]
+        assert all(e["outcome"] == "Waiting" for e in status["evaluations"])
+        assert next(c for c in status["conditions"] if c["type"] == "Degraded")["reason"] == \
+            "TooFewSamples"
+
+        set_artifact(kube, namespace, POOL, "smol-v3")
+        restarted = _wait_rollout(
+            kube, operator, namespace,
+            lambda r: (r.get("status") or {}).get("canaryRevision") == hashes["smol-v3"],
+            "restarted on the new artifact", 60)
+        assert restarted["status"]["phase"] == "Progressing"
+        assert restarted["status"]["stableRevision"] == hashes["smol-v1"]
+        assert any("artifact changed during a rollout" in e.get("message", "")
+                   for e in _events(kube, namespace, "RolloutStarted"))
+        _wait_pool(kube, operator, namespace, POOL,
+                   lambda p: not _pods(kube, namespace, hashes["smol-v2"]),
+                   "the first canary removed", 60)
+        pool = _get(kube, "ServingPool", namespace, POOL)
+        assert pool["status"]["servingRevision"] == hashes["smol-v1"]
+        assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
+

@@ -329,6 +329,9 @@ class RolloutStatus(KubeModel):
     step_started_at: datetime | None = Field(
         default=None, description="When the current step's traffic took effect (window base).")
     pause_reason: str | None = Field(default=None, description="Why the rollout is paused.")
+    promote_full: bool = Field(
+        default=False, description="A promote-full request is being carried out: the canary "
+        "goes to 100% and is promoted without analysis.")
     drain_started_at: datetime | None = Field(
         default=None, description="When the canary lost its traffic (rollback or abort).")
     finished_at: datetime | None = Field(default=None, description="When it ended.")

@@ -59,7 +59,7 @@ def local_pool(name: str, artifact: str, namespace: str) -> JsonObj:
 
 
 def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
-                   shadow: bool = False) -> JsonObj:
+                   shadow: bool = False, max_wait_seconds: int = 120) -> JsonObj:
     """Steps of 50 and 100 %, judged every 4 s on canary-vs-stable TTFT and TPOT p95 and on
     the error rate. Tuned for a busy 2-core host: both revisions are slow there, a bad one far
     more (measured stable TPOT p95 0.03-0.24 s as the load varied: a slow revision's 1 s per
@@ -76,7 +76,7 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
             **({"shadow": {"percent": 50, "durationSeconds": 6}} if shadow else {}),
             "steps": [{"weight": 50}, {"weight": 100}],
             "analysis": {
-                "intervalSeconds": 4, "warmupSeconds": 10, "maxWaitSeconds": 120,
+                "intervalSeconds": 4, "warmupSeconds": 10, "maxWaitSeconds": max_wait_seconds,
                 "failureLimit": 2,
                 "metrics": [
                     {"name": "ttft", "slo": "TTFTP95", "versusStable": True, "threshold": 5.0,

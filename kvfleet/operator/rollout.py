@@ -77,11 +77,6 @@ class Decision:
     events: list[Event] = field(default_factory=list)
     requeue_seconds: float | None = None
 
-    @property
-    def governs(self) -> bool:
-        """The rollout decides which revisions run (else the pool reconciler alone does)."""
-        return self.canary_replicas is not None or bool(self.traffic) or self.promote
-
 
 def rollout_hash(target: str, spec: RolloutSpec) -> str:
     """Digest of what a rollout runs: a change restarts it from stable."""
@@ -149,7 +144,7 @@ def _attempt(status: RolloutStatus, step: int) -> list[Evaluation]:
 
 
 def _promote_full(status: RolloutStatus) -> bool:
-    return status.pause_reason == "PromoteFull"
+    return status.promote_full
 
 
 def _needed(view: View, step: int) -> int:
@@ -207,7 +202,7 @@ class _Run:
         s.started_at, s.finished_at, s.drain_started_at = self.now, None, None
         s.current_step = SHADOW_STEP if self.spec.shadow else 0
         s.current_weight, s.shadow_percent = 0, 0
-        s.step_started_at, s.pause_reason = None, None
+        s.step_started_at, s.pause_reason, s.promote_full = None, None, False
         s.counts = StepCounts()
         s.message = f"{self.where()}: starting the canary revision"
         self.event("Normal", "RolloutStarted",
@@ -271,7 +266,7 @@ class _Run:
             self.event("Normal", "PromotedStep", f"{where} promoted on request")
             self.advance()
         elif action == RequestAction.PROMOTE_FULL and s.phase in (*RUNNING, Phase.PAUSED):
-            s.phase, s.pause_reason = Phase.PROGRESSING, "PromoteFull"
+            s.phase, s.pause_reason, s.promote_full = Phase.PROGRESSING, None, True
             self.enter_step(len(self.spec.steps) - 1)
             self.event("Normal", "PromoteFull",
                        "full promotion on request: the canary goes to 100% without analysis")
@@ -290,6 +285,7 @@ class _Run:
             s.message = f"{self.where()}: scaling the canary"
             return
         s.phase, s.finished_at, s.pause_reason = Phase.PROMOTED, self.now, None
+        s.promote_full = False
         s.stable_revision = s.canary_revision
         s.current_weight, s.shadow_percent = 100, 0
         s.message = f"promoted {s.canary_artifact} ({short_revision(s.canary_revision or '')})"
