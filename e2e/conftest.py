@@ -9,6 +9,7 @@
     local_node   name of a local GPU node whose pods really run (else skips)
     fake_nodes   names of the KWOK GPU nodes (else skips)
     namespace    a fresh namespace per test, deleted afterwards
+    argo_health  Argo CD's health checks for live objects (e2e/argocd_health.py)
 
 The binaries come from e2e/tools/build.sh. Without them the e2e tests skip with the build
 command as the reason, unless KVFLEET_E2E_REQUIRED=1 (set by scripts/test.sh after it built
@@ -27,7 +28,9 @@ from typing import NoReturn
 
 import pytest
 
+from e2e.argocd_health import ArgoHealth
 from kvfleet.devcluster import toolchain
+from kvfleet.devcluster.argocd import ArgoCDSettings
 from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
 from kvfleet.devcluster.errors import ToolsMissingError
 from kvfleet.devcluster.kube import KubeClient
@@ -155,3 +158,14 @@ def namespace(kube: KubeClient) -> Iterator[str]:
     )
     yield name
     kube.delete("Namespace", name)
+
+
+@pytest.fixture(scope="session")
+def argo_health(tmp_path_factory: pytest.TempPathFactory) -> ArgoHealth:
+    """Argo CD's health checks (the pinned argocd binary, the chart's argocd-cm patch)."""
+    try:
+        tools = toolchain.locate()
+    except ToolsMissingError as exc:
+        _unavailable(str(exc))
+    workdir = tmp_path_factory.mktemp("argocd")
+    return ArgoHealth(ArgoCDSettings.from_chart(tools["argocd"], tools["helm"], workdir))

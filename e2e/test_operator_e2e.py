@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e.argocd_health import ArgoHealth
 from kvfleet.api import manifest_hash
 from kvfleet.api.builders import make_artifact, make_pool
 from kvfleet.devcluster import fleet
@@ -101,8 +102,8 @@ class OperatorProcess:
                 self.proc.wait(10)
         self.proc = None
 
-    def restart(self) -> None:
-        self.stop()
+    def restart(self, sig: int = signal.SIGTERM) -> None:
+        self.stop(sig)
         self.start()
 
     @contextlib.contextmanager
@@ -187,6 +188,16 @@ def _available(pool: JsonObj) -> bool:
     return _cond(pool, "Available").get("status") == "True"
 
 
+def _wait_artifact(kube: KubeClient, ns: str, name: str, check: Callable[[JsonObj], bool],
+                   timeout: float = 60) -> JsonObj:
+    def probe() -> JsonObj | None:
+        artifact = _get(kube, "ModelArtifact", ns, name)
+        return artifact if check(artifact) else None
+
+    return kube.wait_for(f"ModelArtifact {ns}/{name} to reach the state the test waits for",
+                         probe, timeout)
+
+
 def _namespaced(obj: JsonObj, ns: str) -> JsonObj:
     obj["metadata"]["namespace"] = ns
     return obj
@@ -215,7 +226,7 @@ def add_nodes(kube: KubeClient) -> Iterator[Callable[[list[JsonObj]], None]]:
 
 def test_examples_become_available_on_matching_gpu_nodes(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
-    add_nodes: Callable[[list[JsonObj]], None],
+    add_nodes: Callable[[list[JsonObj]], None], argo_health: ArgoHealth,
 ) -> None:  # fmt: skip
     example_pool = yaml.safe_load((EXAMPLES / "servingpool-l4.yaml").read_text())
     region = example_pool["spec"]["region"]
@@ -241,6 +252,19 @@ def test_examples_become_available_on_matching_gpu_nodes(
     assert pool["status"]["servingRevision"] == artifact["status"]["manifestHash"]
     assert _cond(artifact, "Verified")["status"] == "True"
     assert _cond(artifact, "Compatible")["status"] == "True"
+    # What Argo CD shows for an Application holding these examples.
+    argo_health.expect(pool, "Healthy", "available-on-fake-nodes")
+    argo_health.expect(artifact, "Healthy", "verified")
+    quota = _get(kube, "TenantQuota", namespace, "search")
+    argo_health.expect(quota, "Healthy", "no-router-yet")
+    # The matrix's refusal, as the operator reports it (no webhook runs in this test).
+    fp8 = yaml.safe_load((EXAMPLES / "invalid" / "modelartifact-fp8-unsupported.yaml")
+                         .read_text())
+    _create(kube, _namespaced(fp8, namespace))
+    refused = _wait_artifact(kube, namespace, fp8["metadata"]["name"],
+                             lambda a: _cond(a, "Compatible").get("status") == "False")
+    health = argo_health.expect(refused, "Degraded", "incompatible")
+    assert health.message.startswith("Incompatible: ")
 
     pods = kube.list("Pod", namespace, label_selector=f"{naming.POOL_LABEL}={name}")
     assert len(pods) == example_pool["spec"]["replicas"]
@@ -267,17 +291,18 @@ def test_examples_become_available_on_matching_gpu_nodes(
 
 def test_missing_gpu_product_reports_why_until_a_node_appears(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
-    add_nodes: Callable[[list[JsonObj]], None],
+    add_nodes: Callable[[list[JsonObj]], None], argo_health: ArgoHealth,
 ) -> None:  # fmt: skip
     """The reason, its update and the recovery arrive through watch events: the drift timer
     does not tick during the test, and the scheduler's verdict is only on the pod."""
     with operator.without_drift_timer():
-        _unschedulable_until_a_node_appears(kube, kubectl, operator, namespace, add_nodes)
+        _unschedulable_until_a_node_appears(kube, kubectl, operator, namespace, add_nodes,
+                                            argo_health)
 
 
 def _unschedulable_until_a_node_appears(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
-    add_nodes: Callable[[list[JsonObj]], None],
+    add_nodes: Callable[[list[JsonObj]], None], argo_health: ArgoHealth,
 ) -> None:  # fmt: skip
     _artifact_and_pool(kube, namespace, "big", spec__gpu__product="NVIDIA-L40S")
     pool = _wait_pool(
@@ -289,6 +314,8 @@ def _unschedulable_until_a_node_appears(
     assert available["status"] == "False"
     assert "no node with 1 free nvidia.com/gpu of product NVIDIA-L40S" in available["message"]
     assert _cond(pool, "Degraded")["reason"] == "Unschedulable"
+    assert argo_health.expect(pool, "Degraded", "unschedulable").message.startswith(
+        "Unschedulable: ")
     events = kubectl(
         "get",
         "events",
@@ -502,7 +529,7 @@ def _keeps_saying_through_a_restart(
 
 def test_engine_refusing_weights_whose_sha256_differs_degrades_the_pool_with_its_reason(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
-    local_node: str, fake_nodes: list[str],
+    local_node: str, fake_nodes: list[str], argo_health: ArgoHealth,
 ) -> None:  # fmt: skip
     """An artifact that pins a sha256 the real file does not have is admitted and Verified (the
     operator never reads weights), but the engine on the local node refuses the file and exits;
@@ -524,6 +551,7 @@ def test_engine_refusing_weights_whose_sha256_differs_degrades_the_pool_with_its
                  "Verified")["status"] == "True"  # fmt: skip
     condition = _cond(degraded, "Degraded")
     assert condition["status"] == "True" and condition["reason"] == "CrashLoopBackOff"
+    argo_health.expect(degraded, "Degraded", "crash-loop")
     # The engine's own words, both digests, nothing of the log lines before them.
     message = condition["message"]
     assert f"sha256 {real_sha256} does not match the manifest's {claimed}" in message

@@ -3,16 +3,19 @@ node, the router running as a pod, and the harness's Prometheus scraping the rou
 
 The platform team's story, as a user types it: a pool and its Rollout policy exist; changing
 the pool's artifactRef (one line) starts a rollout. A good artifact is promoted through shadow
-traffic and the steps — with the operator killed mid-step on the way — and the old revision
-retires; a bad one (the engine's fault injection adds 1 s to every token) is rolled back at
-its first analysed step while the stable pods keep their UIDs; no client request fails in
-either. The revisions, policy, router pod and traffic are the demo's
-(`kvfleet.devcluster.demo`), so `make demo` shows what these tests check.
+traffic and the steps — with the operator SIGKILLed mid-analysis, mid-step and mid-promotion
+on the way — and the old revision retires; a bad one (the engine's fault injection adds 1 s to
+every token) is rolled back at its first analysed step while the stable pods keep their UIDs;
+no client request fails in either. Argo CD's health checks (the chart's, run by the argocd
+binary) judge the live objects in each state. The revisions, policy, router pod and traffic
+are the demo's (`kvfleet.devcluster.demo`), so `make demo` shows what these tests check.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e.argocd_health import ArgoHealth
 from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixtures)
     ROOT,
     Kubectl,
@@ -34,6 +38,7 @@ from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixture
     operator,
 )
 from kvfleet.api import manifest_hash
+from kvfleet.api.rollout import REQUEST_ANNOTATION
 from kvfleet.devcluster.cluster import DevCluster
 from kvfleet.devcluster.demo import (
     POOL,
@@ -114,18 +119,21 @@ def _setup(kube: KubeClient, namespace: str, auto_promote: bool = True, shadow: 
 def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
     local_node: str, fake_nodes: list[str], prometheus: PrometheusClient,
-    faults: dict[str, str],
+    faults: dict[str, str], argo_health: ArgoHealth,
 ) -> None:
     with _only_the_local_l4_node(kube, kubectl):
         hashes = _setup(kube, namespace, shadow=True)
-        _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
+        pool = _wait_pool(kube, operator, namespace, POOL, _available,
+                          "the first revision Ready", 300)
+        argo_health.expect(pool, "Healthy", "available")
         idle = _wait_rollout(kube, operator, namespace, _phase("Idle"), "Idle", 30)
         assert idle["status"]["message"] == "serving smol-v1"
+        argo_health.expect(idle, "Healthy", "idle")
         url = router_on_node(kube, namespace, local_node)
         traffic = Traffic(url)
         try:
-            _promote(kube, kubectl, operator, namespace, hashes, traffic)
-            _roll_back(kube, operator, namespace, hashes, traffic, faults)
+            _promote(kube, kubectl, operator, namespace, hashes, traffic, argo_health)
+            _roll_back(kube, operator, namespace, hashes, traffic, faults, argo_health)
         finally:
             traffic.close()
     assert traffic.failures == [], traffic.failures[:5]
@@ -137,35 +145,55 @@ def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
 
 
 def _promote(kube: KubeClient, kubectl: Kubectl, op: OperatorProcess, ns: str,
-             hashes: dict[str, str], traffic: Traffic) -> None:
+             hashes: dict[str, str], traffic: Traffic, argo: ArgoHealth) -> None:
     set_artifact(kube, ns, POOL, "smol-v2")
     # First the shadow phase: half the live requests are copied to the new revision, whose
     # answers nobody sees; live traffic stays on stable.
-    _wait_rollout(kube, op, ns, lambda r: (r.get("status") or {}).get("shadowPercent") == 50,
-                  "the shadow phase", 240)
+    shadow = _wait_rollout(kube, op, ns,
+                           lambda r: (r.get("status") or {}).get("shadowPercent") == 50,
+                           "the shadow phase", 240)
+    argo.expect(shadow, "Progressing", "shadow")
     pool = _get(kube, "ServingPool", ns, POOL)
     assert {t["role"]: (t["weight"], t["shadowPercent"]) for t in pool["status"]["traffic"]} \
         == {"stable": (100, 0), "shadow": (0, 50)}
+    argo.expect(pool, "Progressing", "rollout-shadow")
+    # Killed (SIGKILL: no clean shut-down) three times on the way, each time a new process
+    # resumes from the Rollout's status alone: mid-analysis (the shadow phase judged once),
+    # mid-step (the canary at 50 %) and mid-promotion (the final check at 100 %).
+    _wait_rollout(kube, op, ns, lambda r: any(
+        e["step"] == -1 for e in (r.get("status") or {}).get("evaluations", [])),
+        "a first shadow evaluation", 240)
+    op.restart(signal.SIGKILL)
     # Mid-step: the canary takes half the conversations and is being analysed; the operator
     # process dies and a new one resumes from the Rollout's status alone.
-    _wait_rollout(kube, op, ns, lambda r: (r.get("status") or {}).get("currentWeight") == 50,
-                  "weight 50%", 240)
+    canary = _wait_rollout(kube, op, ns,
+                           lambda r: (r.get("status") or {}).get("currentWeight") == 50,
+                           "weight 50%", 240)
+    argo.expect(canary, "Progressing", "canary-step")
     pool = _get(kube, "ServingPool", ns, POOL)
     assert {t["role"]: t["weight"] for t in pool["status"]["traffic"]} == {"stable": 50,
                                                                            "canary": 50}
-    op.restart()
+    op.restart(signal.SIGKILL)
+    _wait_rollout(kube, op, ns, lambda r: (r.get("status") or {}).get("currentWeight") == 100
+                  or _phase("Promoted", "RolledBack", "Paused")(r), "weight 100%", 240)
+    op.restart(signal.SIGKILL)
     done = _wait_rollout(kube, op, ns, _phase("Promoted", "RolledBack", "Paused"), "Promoted",
                          240)
     status = done["status"]
     assert status["phase"] == "Promoted", yaml.safe_dump(status)
+    argo.expect(done, "Healthy", "promoted")
     assert status["stableRevision"] == hashes["smol-v2"]
     analysed = {(e["step"], e["outcome"]) for e in status["evaluations"]}
     assert {(-1, "Pass"), (0, "Pass"), (1, "Pass")} <= analysed, analysed
+    # No evaluation lost or counted twice across the kills: each window slot appears once.
+    slots = [(e["revision"], e["step"], e["index"]) for e in status["evaluations"]]
+    assert len(slots) == len(set(slots)), slots
     assert len(_events(kube, ns, "Promoted")) == 1
     pool = _wait_pool(kube, op, ns, POOL, lambda p: not _pods(kube, ns, hashes["smol-v1"])
                       and _available(p), "the old revision retired", 120)
     assert pool["status"]["servingRevision"] == hashes["smol-v2"]
     assert not pool["status"].get("traffic")
+    argo.expect(pool, "Healthy", "promoted")
     table = kubectl("get", "rollouts", "-n", ns).stdout.splitlines()
     assert table[0].split()[:5] == ["NAME", "POOL", "PHASE", "STEP", "WEIGHT"]
     assert table[1].split()[:3] == [POOL, POOL, "Promoted"]
@@ -174,7 +202,7 @@ def _promote(kube: KubeClient, kubectl: Kubectl, op: OperatorProcess, ns: str,
 
 
 def _roll_back(kube: KubeClient, op: OperatorProcess, ns: str, hashes: dict[str, str],
-               traffic: Traffic, faults: dict[str, str]) -> None:
+               traffic: Traffic, faults: dict[str, str], argo: ArgoHealth) -> None:
     os.environ[FAULTS_ENV] = slow_fault(hashes["smol-v3"])
     stable_pods = _pods(kube, ns, hashes["smol-v2"])
     assert stable_pods
@@ -190,10 +218,13 @@ def _roll_back(kube: KubeClient, op: OperatorProcess, ns: str, hashes: dict[str,
     assert failed[-1]["outcome"] == "Fail" and failed[-1]["step"] == 0
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "RolledBack")
+    # Argo CD shows the rollout Degraded with the rollout's own reason.
+    assert argo.expect(done, "Degraded", "rolled-back").message == status["message"]
     # Traffic moved back first; the stable pods were never restarted or replaced.
     pool = _get(kube, "ServingPool", ns, POOL)
     assert pool["status"]["servingRevision"] == hashes["smol-v2"]
     assert not pool["status"].get("traffic")
+    argo.expect(pool, "Healthy", "stable-after-rollback")  # stable serves on
     assert _pods(kube, ns, hashes["smol-v2"]) == stable_pods
     _wait_pool(kube, op, ns, POOL, lambda p: not _pods(kube, ns, hashes["smol-v3"]),
                "the canary removed", 60)
@@ -215,11 +246,12 @@ def _gpu_hog(kube: KubeClient, namespace: str, node: str) -> str:
 def test_capacity_outage_and_requests_each_say_what_they_do(
     kube: KubeClient, kubectl: Kubectl, kubectl_path: str, operator: OperatorProcess,  # noqa: F811
     namespace: str, local_node: str, fake_nodes: list[str], cluster: Any,
+    argo_health: ArgoHealth,
 ) -> None:
     """No free GPU for the canary: the rollout says so and stable serves on. Prometheus down
     mid-step: the rollout pauses and holds its weight; back up: it goes on. Then a person's
-    requests through the kubectl plugin, each sent twice: pause, resume, abort, retry,
-    promote --full."""
+    requests, each sent twice: pause (Argo CD's action), resume, abort, retry and
+    promote --full (the kubectl plugin). Argo CD's health checks judge each state."""
     if not isinstance(cluster, DevCluster):
         pytest.skip("stops and restarts the harness's own Prometheus")
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig),
@@ -251,6 +283,7 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
             assert capacity["reason"] == "InsufficientCapacity"
             assert "nvidia.com/gpu" in capacity["message"], capacity
             assert waiting["status"]["currentWeight"] == 0
+            argo_health.expect(waiting, "Progressing", "insufficient-capacity")
             pool = _get(kube, "ServingPool", namespace, POOL)
             assert _available(pool) and pool["status"]["servingRevision"] == hashes["smol-v1"]
             assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
@@ -266,6 +299,8 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
                     lambda r: (r.get("status") or {}).get("pauseReason") == "AnalysisError",
                     "paused on the outage", 60)
                 assert paused["status"]["currentWeight"] == 50
+                # Waiting for Prometheus, not for a person: Suspended, not Degraded.
+                argo_health.expect(paused, "Suspended", "paused-prometheus-down")
                 time.sleep(8)  # it holds: neither forward nor back while Prometheus is away
                 held = kube.request("GET", ROLLOUTS.format(ns=namespace) + f"/{POOL}")
                 assert (held["status"]["phase"], held["status"]["currentWeight"]) == (
@@ -277,16 +312,27 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
                           (r.get("status") or {}).get("message", ""),
                           "step 1 passed once the analysis ran again", 90)
 
-            for action in ("pause", "pause"):
-                plugin(action)
-            _wait_rollout(kube, operator, namespace,
-                          lambda r: (r.get("status") or {}).get("pauseReason") == "Manual",
-                          "paused on request", 30)
+            running = kube.request("GET", ROLLOUTS.format(ns=namespace) + f"/{POOL}")
+            offered = argo_health.settings.actions(running)
+            assert (offered["pause"], offered["resume"], offered["promote"]) == (
+                False, True, False), offered
+            for _ in range(2):  # Argo CD's pause action, clicked twice
+                request = argo_health.settings.run_action(running, "pause")
+                kube.merge_patch("Rollout", POOL, {"metadata": {"annotations": {
+                    REQUEST_ANNOTATION: json.dumps(request)}}}, namespace)
+            manual = _wait_rollout(
+                kube, operator, namespace,
+                lambda r: (r.get("status") or {}).get("pauseReason") == "Manual",
+                "paused on request", 30)
+            argo_health.expect(manual, "Suspended", "paused-manual")
+            offered = argo_health.settings.actions(manual)
+            assert (offered["pause"], offered["resume"]) == (True, False), offered
             plugin("resume")
             _wait_rollout(kube, operator, namespace, _phase("Progressing"), "resumed", 30)
             for action in ("abort", "abort"):
                 plugin(action)
-            _wait_rollout(kube, operator, namespace, _phase("Aborted"), "aborted", 30)
+            aborted = _wait_rollout(kube, operator, namespace, _phase("Aborted"), "aborted", 30)
+            argo_health.expect(aborted, "Degraded", "aborted")
             pool = _get(kube, "ServingPool", namespace, POOL)
             table = {t["role"]: t["weight"] for t in pool["status"].get("traffic") or []}
             assert table in ({}, {"stable": 100})  # while the canary drains: stable's alone
@@ -311,7 +357,7 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
 
 def test_silence_pauses_and_a_new_artifact_restarts_from_stable(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
-    local_node: str, fake_nodes: list[str],
+    local_node: str, fake_nodes: list[str], argo_health: ArgoHealth,
 ) -> None:
     """No traffic at all: the step waits for samples, then pauses saying so, never passes.
     The artifactRef changed again meanwhile: the rollout restarts from stable with the new
@@ -331,6 +377,8 @@ def test_silence_pauses_and_a_new_artifact_restarts_from_stable(
         assert all(e["outcome"] == "Waiting" for e in status["evaluations"])
         assert next(c for c in status["conditions"] if c["type"] == "Degraded")["reason"] == \
             "TooFewSamples"
+        # A pause only a person can end: Degraded, with the reason.
+        argo_health.expect(paused, "Degraded", "paused-too-few-samples")
 
         set_artifact(kube, namespace, POOL, "smol-v3")
         restarted = _wait_rollout(

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from e2e.argocd_health import ArgoHealth
 from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixtures)
     EXAMPLES,
     KVFLEET,
@@ -90,7 +91,7 @@ def chat(url: str, key: str | None) -> httpx.Response:
 
 def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
     kube: KubeClient, cluster: DevCluster | ExistingCluster, namespace: str, router_pool: str,
-    tmp_path: Path,
+    tmp_path: Path, argo_health: ArgoHealth,
 ) -> None:
     kube.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
         "apiVersion": "v1", "kind": "Secret",
@@ -129,6 +130,7 @@ def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
             time.sleep(1)
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         assert (ready["status"], ready["reason"]) == ("True", "Enforced")
+        argo_health.expect(quota, "Healthy", "enforced")
         # The traffic table in the pool's status is the Rollout controller's only lever: a
         # change reaches requests within a second (here: every conversation to a canary
         # revision that has no replica yet, then back).

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import pytest
 import yaml
 
+from kvfleet.api.servingpool import ServingPool
 from kvfleet.webhooks.certs import make_serving_certs
 from kvfleet.webhooks.config import WEBHOOK_NAME, build_validating_webhook_configuration
 
@@ -168,8 +169,10 @@ def test_good_examples_are_admitted(webhook: Webhook, kubectl: Kubectl, namespac
     listed = kubectl("get", "kvfleet", "-n", namespace, "-o", "name").stdout.split()
     assert "servingpool.kvfleet.io/qwen3-8b-chat" in listed
     assert "rollout.kvfleet.io/qwen3-8b-chat" in listed
+    # The apiserver shows the model's printer columns (priority 0) after NAME, in order.
     columns = kubectl("get", "sp", "-n", namespace).stdout.splitlines()[0].split()
-    assert columns[:4] == ["NAME", "ARTIFACT", "GPU", "DESIRED"]
+    expected = [c.name.upper() for c in ServingPool.crd.printer_columns if c.priority == 0]
+    assert columns == ["NAME", *expected]
 
 
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.stem)

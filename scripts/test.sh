@@ -8,7 +8,14 @@ export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check kvfleet tests e2e bench
 echo "== mypy"; mypy
 echo "== import-linter"; lint-imports
-echo "== e2e tools (cached Kubernetes, etcd, KWOK, helm and Prometheus binaries)"
+echo "== redis-server (Argo CD's cache in the GitOps e2e test), from Debian's packages"
+if ! command -v redis-server >/dev/null; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get install -y --no-install-recommends redis-server \
+    || { $sudo apt-get update && $sudo apt-get install -y --no-install-recommends redis-server; }
+fi
+echo "== e2e tools (cached Kubernetes, etcd, KWOK, helm, Prometheus and Argo CD binaries)"
 # With KUBECONFIG set the e2e tier runs on that cluster and nothing is built.
 [ -n "${KUBECONFIG:-}" ] || { e2e/tools/build.sh; export KVFLEET_E2E_REQUIRED=1; }
 echo "== pytest"

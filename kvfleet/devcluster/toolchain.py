@@ -45,6 +45,11 @@ KWOK_STAGE_FILES = (
 )
 KWOK_STAGES_NAME = "kwok-stages.yaml"
 
+# Argo CD's own CRDs (Application, AppProject), from the pinned argo-cd module, for the GitOps
+# tests: installed on the dev cluster before the application controller starts.
+ARGOCD_CRD_FILES = ("manifests/crds/application-crd.yaml", "manifests/crds/appproject-crd.yaml")
+ARGOCD_CRDS_NAME = "argocd-crds.yaml"
+
 
 @dataclass(frozen=True)
 class Tool:
@@ -90,6 +95,9 @@ def _stamps(name: str, version: str) -> list[str]:
         minor_patch = version.lstrip("v").split(".")[1:]
         release = f"3.{int(minor_patch[0]) - 300}.{minor_patch[1]}"
         return [f"github.com/prometheus/common/version.Version={release}"]
+    if name == "argocd":
+        # argo-cd's Makefile stamps the VERSION file's "3.2.11"; `argocd version` adds the v.
+        return [f"github.com/argoproj/argo-cd/v3/common.version={version.lstrip('v')}"]
     return []  # etcd carries its version as a constant in go.etcd.io/etcd/api/v3/version
 
 
@@ -119,6 +127,9 @@ TOOLS: tuple[Tool, ...] = (
         ("prometheus", "promtool"),
         tags=("remove_all_sd", "enable_kubernetes_sd"),
     ),
+    # One binary (`main.go` repeats argo-cd's dispatch): the CLI by default, the application
+    # controller or repo server under $ARGOCD_BINARY_NAME.
+    Tool("argocd", "github.com/argoproj/argo-cd/v3", (".",), ("argocd",)),
 )
 
 
@@ -128,10 +139,11 @@ def _tool(name: str) -> Tool:
 
 @dataclass(frozen=True)
 class ToolPaths:
-    """Absolute paths of every pinned binary plus the KWOK stage file."""
+    """Absolute paths of every pinned binary, the KWOK stage file and Argo CD's CRDs."""
 
     binaries: dict[str, Path]
     kwok_stages: Path
+    argocd_crds: Path
     versions: dict[str, str]
 
     def __getitem__(self, binary: str) -> Path:
@@ -194,12 +206,14 @@ def locate(src: Path | None = None) -> ToolPaths:
             if not os.access(path, os.X_OK):
                 missing.append(str(path))
     stages = tool_dir(src, _tool("kwok")) / KWOK_STAGES_NAME
+    argocd_crds = tool_dir(src, _tool("argocd")) / ARGOCD_CRDS_NAME
     if missing:
         raise ToolsMissingError(
             f"control-plane binaries not built: {', '.join(missing)}; "
             "run e2e/tools/build.sh (tens of minutes cold, seconds when cached)"
         )
-    return ToolPaths(binaries=binaries, kwok_stages=stages, versions=versions)
+    return ToolPaths(binaries=binaries, kwok_stages=stages, argocd_crds=argocd_crds,
+                     versions=versions)
 
 
 def build(src: Path | None = None, *, log: bool = True) -> ToolPaths:
@@ -267,16 +281,23 @@ def _build_one(go: str, src: Path, tool: Tool, folder: Path, log: bool) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         raise ToolsMissingError(f"building {tool.name} {version} failed (exit {rc}):\n{tail}")
     if tool.name == "kwok":
-        _write_kwok_stages(go, src / tool.name, staging / KWOK_STAGES_NAME)
+        _copy_module_files(go, src / tool.name, tool.module_path, KWOK_STAGE_FILES,
+                           staging / KWOK_STAGES_NAME)
+    if tool.name == "argocd":
+        _copy_module_files(go, src / tool.name, tool.module_path, ARGOCD_CRD_FILES,
+                           staging / ARGOCD_CRDS_NAME)
     staging.rename(folder)
     _say(log, f"[tools] {tool.name}: built in {time.monotonic() - started:.0f}s -> {folder}")
 
 
-def _write_kwok_stages(go: str, module_dir: Path, out: Path) -> None:
-    kwok_dir = subprocess.check_output(
-        [go, "list", "-m", "-f", "{{.Dir}}", "sigs.k8s.io/kwok"], cwd=module_dir, text=True
+def _copy_module_files(go: str, module_dir: Path, module: str, files: tuple[str, ...],
+                       out: Path) -> None:
+    """YAML files of the pinned `module`, joined into one multi-document file beside its
+    binaries."""
+    source = subprocess.check_output(
+        [go, "list", "-m", "-f", "{{.Dir}}", module], cwd=module_dir, text=True
     ).strip()
-    docs = [(Path(kwok_dir) / rel).read_text().strip() for rel in KWOK_STAGE_FILES]
+    docs = [(Path(source) / rel).read_text().strip() for rel in files]
     out.write_text("\n---\n".join(docs) + "\n")
 
 

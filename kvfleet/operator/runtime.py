@@ -184,14 +184,17 @@ class Runtime:
             results = await self.prometheus.evaluate(
                 metric_plans(rollout.spec, pool.spec.slos, window.step), window, target_,
                 baseline_window(view.status, window))
-            metrics.ANALYSES.labels(outcome=overall(results).value).inc()
         decision = decide(view, window, results, now)
         events = list(decision.events)
         if request_error is not None:
             events.append(Event("Warning", "BadRequest", request_error))
-        await asyncio.gather(
-            self._write_status("Rollout", raw_rollout, decision.status.to_wire()),
-            *(self._post_event(raw_rollout, e) for e in events))
+        # The status first, its events (and the analysis count) only once it landed: an
+        # operator killed, or a write refused, in between decides again from the old status
+        # and posts them then, so no transition ("Promoted") is announced or counted twice.
+        await self._write_status("Rollout", raw_rollout, decision.status.to_wire())
+        if results is not None:
+            metrics.ANALYSES.labels(outcome=overall(results).value).inc()
+        await asyncio.gather(*(self._post_event(raw_rollout, e) for e in events))
         for phase in Phase:
             metrics.ROLLOUT_PHASE.labels(namespace=ns, rollout=rollout.metadata.name,
                                          phase=phase.value).set(phase == decision.status.phase)

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 from operator_fakes import artifact, pool
 
+from kvfleet.api.builders import make_artifact, make_rollout
 from kvfleet.compat import default_matrix
+from kvfleet.kube.api import KubeError
 from kvfleet.operator import cache, handlers, naming
 from kvfleet.operator.cache import INDEX_IDS, Cache
 from kvfleet.operator.handlers import OperatorConfig, build_registry
@@ -350,3 +352,38 @@ def test_every_cache_index_is_fed_by_kopf_or_an_informer() -> None:
 def _deployment_name(cluster: FakeCluster) -> str:
     (name,) = [n for kind, n in cluster.objects if kind == "Deployment"]
     return name
+
+
+@pytest.mark.asyncio
+async def test_a_rollouts_events_are_posted_only_once_its_status_landed(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator whose status write is refused (or that dies before it lands) decides again
+    from the old status: had it announced the transition already, it would do so twice."""
+    runtime = _runtime(cluster)
+    await _converge(cluster, runtime)
+    cluster.store(make_artifact("qwen3-8b-v2").set("spec.samplingDefaults.topK", 7).data(),
+                  "ADDED")
+    cluster.store(make_rollout().data(), "ADDED")
+    cluster.edit("ServingPool", "chat", ["spec", "artifactRef", "name"], "qwen3-8b-v2")
+    cluster.deliver()
+    real_patch_status = cluster.patch_status
+
+    async def refused(kind: str, namespace: str, name: str, status: JsonObj) -> JsonObj:
+        if kind == "Rollout":
+            await cluster._request("PATCH", f"{kind} {name}/status")
+            raise KubeError("PATCH", f"rollouts/{name}/status", 500, "etcd timed out")
+        return await real_patch_status(kind, namespace, name, status)
+
+    monkeypatch.setattr(cluster, "patch_status", refused)
+    with pytest.raises(KubeError):
+        await runtime.reconcile_pool((NS, "chat"))
+    assert ("PATCH", "Rollout chat/status") in (requests := cluster.take())
+    assert not [r for r in requests if r[0] == "POST"], requests
+
+    monkeypatch.setattr(cluster, "patch_status", real_patch_status)
+    await runtime.reconcile_pool((NS, "chat"))
+    requests = cluster.take()
+    posted = [r for r in requests if r[0] == "POST"]
+    assert posted.count(("POST", "Event RolloutStarted")) == 1, requests
+    assert requests.index(("PATCH", "Rollout chat/status")) < requests.index(posted[0])

@@ -1,0 +1,23 @@
+-- Which rollout requests apply now; the operator would ignore (and say so in an event) any
+-- other. promote names the step it was made for, so it needs a current step.
+local actions = {}
+local phase = "Idle"
+local step = nil
+if obj.status ~= nil then
+  if obj.status.phase ~= nil then
+    phase = obj.status.phase
+  end
+  step = obj.status.currentStep
+end
+local running = phase == "Shadow" or phase == "Progressing"
+local paused = phase == "Paused"
+actions["promote"] = {["disabled"] = not ((running or paused) and step ~= nil),
+                      ["displayName"] = "Promote the current step"}
+actions["promote-full"] = {["disabled"] = not (running or paused),
+                           ["displayName"] = "Promote fully (skip analysis)"}
+actions["abort"] = {["disabled"] = not (running or paused)}
+actions["retry"] = {["disabled"] = not (paused or phase == "Aborted" or phase == "RolledBack"
+                                        or phase == "RollingBack")}
+actions["pause"] = {["disabled"] = not running}
+actions["resume"] = {["disabled"] = not paused}
+return actions
