@@ -217,13 +217,19 @@ def test_argo_cd_syncs_the_fleet_and_shows_each_rollout_healthy_or_degraded(
             bad = repo.commit(fleet("smol-v3"), "fleet: roll smol to smol-v3")
             argocd.refresh(APP)
             started = time.monotonic()
-            degraded = watch.wait(lambda s: s.revision == bad and s.health == "Degraded",
-                                  "Degraded after the rollback", 360)
-            rollout = _get(kube, "Rollout", namespace, POOL)
-            assert rollout["status"]["phase"] == "RolledBack", rollout["status"]
-            assert degraded.resource_health("Rollout") == {
-                "status": "Degraded", "message": rollout["status"]["message"]}
+            # Degraded from the moment traffic goes back to stable (RollingBack), and still
+            # once the canary is gone (RolledBack), with the rollout's own words.
+            watch.wait(lambda s: s.revision == bad and s.health == "Degraded",
+                       "Degraded as the rollout fails", 360)
+            rollout = kube.wait_for("the Rollout RolledBack", lambda: r if (r := _get(
+                kube, "Rollout", namespace, POOL))["status"]["phase"] == "RolledBack" else None,
+                120)
             assert "tpot canary/stable" in rollout["status"]["message"]
+            degraded = watch.wait(
+                lambda s: s.resource_health("Rollout").get("message")
+                == rollout["status"]["message"], "the rollout's reason in Argo CD", 60)
+            assert degraded.health == "Degraded"
+            assert degraded.resource_health("Rollout")["status"] == "Degraded"
             pool = _get(kube, "ServingPool", namespace, POOL)
             assert pool["status"]["servingRevision"] == hashes["smol-v2"]  # stable serves on
             assert _pods(kube, namespace, hashes["smol-v2"]) == stable_pods

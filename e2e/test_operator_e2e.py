@@ -64,9 +64,10 @@ def _die_with_parent() -> None:
 class OperatorProcess:
     """`kvfleet operator` as a child process; `restart()` is a real process restart."""
 
-    def __init__(self, kubeconfig: Path, log_dir: Path, prometheus_url: str | None = None
-                 ) -> None:
+    def __init__(self, kubeconfig: Path, log_dir: Path, prometheus_url: str | None = None,
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         self.kubeconfig = kubeconfig
+        self.extra_args, self.env = extra_args, env or {}
         self.prometheus_url = prometheus_url  # what the Rollout analysis queries
         self.log_dir = log_dir
         self.metrics_port = _free_port()
@@ -81,8 +82,9 @@ class OperatorProcess:
         self.proc = subprocess.Popen(
             [*command, "operator", "--all-namespaces", "--standalone",
              "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1",
-             "--drift-interval", str(self.drift_interval), "--verbose"],
-            env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONPATH": str(ROOT),
+             "--drift-interval", str(self.drift_interval), "--verbose", *self.extra_args],
+            env={**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig),
+                 "PYTHONPATH": str(ROOT),
                  **({"KVFLEET_PROMETHEUS_URL": self.prometheus_url}
                     if self.prometheus_url else {})},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,

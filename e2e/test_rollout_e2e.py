@@ -51,6 +51,7 @@ from kvfleet.devcluster.demo import (
     smollm2_revision,
     tenant,
 )
+from kvfleet.devcluster.grafana import queries
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.prometheus import PrometheusClient
 from kvfleet.engine.faults import FAULTS_ENV
@@ -142,6 +143,19 @@ def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
     series = prometheus.query(f'sum by (revision) (kvfleet_router_requests_total{{pool="{POOL}"'
                               '})')
     assert {s["metric"]["revision"] for s in series} >= {h[:12] for h in hashes.values()}
+    _dashboard_shows_the_fleet(prometheus)
+
+
+def _dashboard_shows_the_fleet(prometheus: PrometheusClient) -> None:
+    """The chart's Grafana dashboard, queried on the real Prometheus after this traffic: every
+    query runs, and the router's and engines' panels have data under the labels Prometheus
+    really attaches (the operator runs outside the cluster here, so nothing scrapes it)."""
+    empty = []
+    for query in queries(pool=POOL, rate_interval="5m"):
+        if not prometheus.query(query.expr) and not query.expr.count("kvfleet_operator_"):
+            empty.append(query.panel)
+    # Nothing was refused before an engine, and every request succeeded.
+    assert set(empty) <= {"Refused before any engine", "Error ratio by revision"}, empty
 
 
 def _promote(kube: KubeClient, kubectl: Kubectl, op: OperatorProcess, ns: str,

@@ -46,6 +46,17 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="do not coordinate with other operator replicas (no kopf peering)",
     )
+    p.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="run only while holding the Lease kvfleet-operator in --leader-election-namespace "
+        "(replicas stand by meanwhile; a leader that cannot renew exits)",
+    )
+    p.add_argument(
+        "--leader-election-namespace",
+        default=os.environ.get("POD_NAMESPACE", "kvfleet-system"),
+        help="namespace of the leader Lease (default $POD_NAMESPACE)",
+    )
     p.add_argument("--priority", type=int, default=0, help="kopf peering priority")
     p.add_argument("--peering", default=None, help="kopf peering object name")
     p.add_argument(
@@ -140,13 +151,23 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent_reconciles=args.max_concurrent_reconciles,
         prometheus_url=args.prometheus_url,
     )
-    kopf.run(
-        registry=build_registry(config),
-        standalone=args.standalone,
-        priority=args.priority,
-        peering_name=args.peering,
-        liveness_endpoint=args.liveness,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-    )
+    leadership = None
+    if args.leader_elect:
+        from kvfleet.operator.leadership import Leadership
+
+        leadership = Leadership(args.leader_election_namespace)
+        leadership.acquire(args.liveness)
+    try:
+        kopf.run(
+            registry=build_registry(config),
+            standalone=args.standalone,
+            priority=args.priority,
+            peering_name=args.peering,
+            liveness_endpoint=args.liveness,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+        )
+    finally:
+        if leadership is not None:
+            leadership.release()
     return 0

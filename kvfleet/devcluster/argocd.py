@@ -22,6 +22,7 @@ import socket
 import subprocess
 import tempfile
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,8 +204,16 @@ class ArgoCD:
 
     def _install(self) -> None:
         self.kubectl_run("apply", "--server-side", "-f", str(self.crds))
-        self.kubectl_run("wait", "--for=condition=Established", "--timeout=60s",
-                         "crd/applications.argoproj.io", "crd/appprojects.argoproj.io")
+        deadline = time.monotonic() + 60
+        while True:  # `kubectl wait` fails outright while a new CRD has no conditions yet
+            try:
+                self.kubectl_run("wait", "--for=condition=Established", "--timeout=10s",
+                                 "crd/applications.argoproj.io", "crd/appprojects.argoproj.io")
+                break
+            except ArgoCDError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         cm = yaml.safe_load(self.cm_patch.read_text())
         # Compare and refresh every few seconds (Argo CD's default is three minutes).
         cm["data"]["timeout.reconciliation"] = f"{self.resync_seconds}s"
@@ -244,7 +253,10 @@ class ArgoCD:
             "--repo-server", f"127.0.0.1:{repo_port}", "--repo-server-plaintext",
             "--metrics-port", str(metrics_port), "--status-processors", "2",
             "--operation-processors", "2", "--app-resync", str(self.resync_seconds),
-            "--self-heal-timeout-seconds", "2", *common], logs)
+            "--self-heal-timeout-seconds", "2",
+            # Each resource's health in the Application's status (Argo CD 3 keeps it only in
+            # its Redis-backed resource tree by default), where the tests read it.
+            "--persist-resource-health", *common], logs)
         # Its metrics server starts once its caches are set up.
         controller.wait_ready(lambda: _connects(metrics_port), timeout)
 

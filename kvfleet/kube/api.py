@@ -41,6 +41,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ModelArtifact": ("/apis/kvfleet.io/v1alpha1", "modelartifacts"),
     "Rollout": ("/apis/kvfleet.io/v1alpha1", "rollouts"),
     "TenantQuota": ("/apis/kvfleet.io/v1alpha1", "tenantquotas"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
 }
 
 
@@ -297,6 +298,12 @@ class KubeApi:
         """Merge-patch the object (e.g. an annotation); the object as stored."""
         result = await self._send("PATCH", path_of(kind, namespace, name), body=patch,
                                   content_type="application/merge-patch+json")
+        return result or {}
+
+    async def replace(self, path: str, obj: JsonObj) -> JsonObj:
+        """PUT the whole object; its metadata.resourceVersion makes it conditional (409 when
+        someone wrote in between)."""
+        result = await self._send("PUT", path, body=obj)
         return result or {}
 
     async def create(self, obj: JsonObj) -> None:

@@ -66,8 +66,15 @@ def cluster_role_rules() -> list[dict[str, Any]]:
     ]
 
 
+def lease_role_rules() -> list[dict[str, Any]]:
+    """`--leader-elect`: the Lease in the operator's own namespace (a Role, not cluster-wide)."""
+    return [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+             "verbs": ["get", "create", "update"]}]
+
+
 def build_rbac(namespace: str = "kvfleet-system") -> list[dict[str, Any]]:
-    """ServiceAccount, ClusterRole and ClusterRoleBinding for a cluster-wide operator."""
+    """ServiceAccount, ClusterRole and ClusterRoleBinding for a cluster-wide operator, and the
+    Role for its leader Lease."""
     return [
         {
             "apiVersion": "v1",
@@ -88,6 +95,23 @@ def build_rbac(namespace: str = "kvfleet-system") -> list[dict[str, Any]]:
                 "apiGroup": "rbac.authorization.k8s.io",
                 "kind": "ClusterRole",
                 "name": NAME,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": namespace}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {"name": f"{NAME}-leader", "namespace": namespace},
+            "rules": lease_role_rules(),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": f"{NAME}-leader", "namespace": namespace},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": f"{NAME}-leader",
             },
             "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": namespace}],
         },

@@ -6,6 +6,7 @@ CI builds them first) the chart is also linted and rendered here."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 import kvfleet
-from kvfleet.operator.rbac import cluster_role_rules
+from kvfleet.operator.rbac import cluster_role_rules, lease_role_rules
 from kvfleet.router.manifests import build_manifests
 from kvfleet.webhooks.config import build_validating_webhook_configuration
 
@@ -33,6 +34,8 @@ def test_the_charts_crds_are_the_generated_ones() -> None:
 def test_the_charts_rbac_is_what_the_components_use() -> None:
     operator = yaml.safe_load((CHART / "files" / "operator-rules.yaml").read_text())
     assert operator == cluster_role_rules(), "regenerate helm/kvfleet/files/operator-rules.yaml"
+    lease = yaml.safe_load((CHART / "files" / "operator-lease-rules.yaml").read_text())
+    assert lease == lease_role_rules(), "regenerate helm/kvfleet/files/operator-lease-rules.yaml"
     router = yaml.safe_load((CHART / "files" / "router-rules.yaml").read_text())
     role = next(m for m in build_manifests("x") if m["kind"] == "Role")
     assert router == role["rules"], "regenerate helm/kvfleet/files/router-rules.yaml"
@@ -97,8 +100,14 @@ def test_every_pod_runs_restricted_and_rbac_renders_as_generated(tmp_path: Path)
             assert sc["capabilities"] == {"drop": ["ALL"]}
             assert c["image"] == f"ghcr.io/kvfleet/kvfleet:{kvfleet.__version__}"
     operator = next(d for d in deployments if d["metadata"]["name"] == "kvfleet-operator")
-    assert "--prometheus-url=http://prometheus:9090" in \
-        operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--prometheus-url=http://prometheus:9090" in args
+    # Two replicas, one leading through the Lease its Role allows; nothing binds 0.0.0.0.
+    assert operator["spec"]["replicas"] == 2 and "--leader-elect" in args
+    assert not [a for a in args if "0.0.0.0" in a], args
+    leader_role = next(d for d in docs if d["kind"] == "Role"
+                       and d["metadata"]["name"] == "kv-operator-leader")
+    assert leader_role["rules"] == lease_role_rules()
     role = next(d for d in docs if d["kind"] == "ClusterRole"
                 and d["metadata"]["name"] == "kv-operator")
     assert role["rules"] == cluster_role_rules()
@@ -110,3 +119,44 @@ def test_every_pod_runs_restricted_and_rbac_renders_as_generated(tmp_path: Path)
                 "admissionReviewVersions", "timeoutSeconds"):
         assert got[key] == expected[key], key
     assert got["clientConfig"]["service"] == expected["clientConfig"]["service"]
+
+
+def test_optional_parts_render_only_when_asked(tmp_path: Path) -> None:
+    """The argocd-cm patch (Argo CD owns argocd-cm: rendered for `kubectl patch`, never
+    installed by default) and the Grafana dashboard's ConfigMap for the sidecar."""
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in _render(tmp_path)}
+    assert ("ConfigMap", "argocd-cm") not in kinds
+    assert ("ConfigMap", "kv-grafana-dashboard") not in kinds
+    docs = _render(tmp_path, "argocd.cmPatch=true", "grafana.dashboard.enabled=true")
+    [cm] = [d for d in docs if d["metadata"]["name"] == "argocd-cm"]
+    assert cm["metadata"]["namespace"] == "argocd"
+    assert sorted(cm["data"]) == sorted(
+        [f"resource.customizations.health.kvfleet.io_{kind}"
+         for kind in ("ModelArtifact", "Rollout", "ServingPool", "TenantQuota")]
+        + ["resource.customizations.actions.kvfleet.io_Rollout"])
+    actions = yaml.safe_load(cm["data"]["resource.customizations.actions.kvfleet.io_Rollout"])
+    assert sorted(a["name"] for a in actions["definitions"]) == [
+        "abort", "pause", "promote", "promote-full", "resume", "retry"]
+    [board] = [d for d in docs if d["metadata"]["name"] == "kv-grafana-dashboard"]
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(board["data"]["kvfleet.json"]) == json.loads(
+        (CHART / "dashboards" / "kvfleet.json").read_text())
+
+
+def test_each_network_policy_admits_only_its_pods_named_ports(tmp_path: Path) -> None:
+    docs = _render(tmp_path)
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    assert sorted(policies) == ["kvfleet-operator", "kvfleet-router", "kvfleet-webhook"]
+    for d in (d for d in docs if d["kind"] == "Deployment"):
+        policy = policies[d["metadata"]["name"]]
+        pod = d["spec"]["template"]
+        selector = policy["spec"]["podSelector"]["matchLabels"]
+        assert selector.items() <= pod["metadata"]["labels"].items()
+        named = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        [rule] = policy["spec"]["ingress"]
+        assert {p["port"] for p in rule["ports"]} <= named
+    # Only Prometheus may scrape the operator; the router and webhook take any client.
+    assert policies["kvfleet-operator"]["spec"]["ingress"][0]["from"][0]["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+    assert not any(d["kind"] == "NetworkPolicy"
+                   for d in _render(tmp_path, "networkPolicies.enabled=false"))

@@ -108,8 +108,11 @@ def test_print_rbac_runs_from_the_command_line() -> None:
         check=True,
         timeout=120,
     ).stdout
-    kinds = [d["kind"] for d in yaml.safe_load_all(out)]
-    assert kinds == ["ServiceAccount", "ClusterRole", "ClusterRoleBinding"]
+    docs = list(yaml.safe_load_all(out))
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+                                         "Role", "RoleBinding"]
+    # The leader Lease is granted in the operator's namespace only.
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"].startswith("Role")} == {"ops"}
 
 
 def _info(**fields: object) -> SimpleNamespace:
