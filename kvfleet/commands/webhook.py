@@ -23,7 +23,7 @@ from kvfleet.pki import PkiError
 from kvfleet.webhooks.certs import make_serving_certs
 from kvfleet.webhooks.config import build_validating_webhook_configuration
 from kvfleet.webhooks.kube import ObjectReader, credentials
-from kvfleet.webhooks.server import VALIDATE_PATH, make_app, server_ssl_context, start
+from kvfleet.webhooks.server import VALIDATE_PATH, ServingCertificate, make_app, start
 
 
 def register(subparsers: Any) -> None:
@@ -66,7 +66,9 @@ async def _run(args: argparse.Namespace) -> None:
     matrix = load_matrix(args.matrix) if args.matrix else default_matrix()
     reader = ObjectReader(credentials(args.kubeconfig))
     app = make_app(fetch=reader.get, matrix=matrix)
-    runner = await start(app, args.host, args.port, server_ssl_context(args.cert, args.key))
+    certificate = ServingCertificate(args.cert, args.key)
+    runner = await start(app, args.host, args.port, certificate.context)
+    reloading = asyncio.create_task(certificate.watch(), name="certificate-reload")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -79,6 +81,7 @@ async def _run(args: argparse.Namespace) -> None:
     try:
         await stop.wait()
     finally:
+        reloading.cancel()
         await runner.cleanup()
         await reader.close()
 

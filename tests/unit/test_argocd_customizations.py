@@ -60,8 +60,8 @@ def test_every_kind_has_a_health_check_and_every_fixture_a_test() -> None:
         used = {case["inputPath"] for case in _load(folder / "health_test.yaml")["tests"]}
         if kind == "Rollout":
             tests = _load(ACTIONS / "action_test.yaml")
-            used |= {"../" + c["inputPath"] for c in tests["discoveryTests"]}
-            used |= {"../" + c["inputPath"] for c in tests["actionTests"]}
+            # actions/action_test.yaml names the kind's fixtures from actions/: ../testdata/
+            used |= {c["inputPath"] for c in tests["discoveryTests"] + tests["actionTests"]}
         fixtures = {f"testdata/{p.name}" for p in (folder / "testdata").glob("*.yaml")}
         assert fixtures == {u.removeprefix("../") for u in used}, (
             f"{kind}: fixtures without a test, or tests without a fixture")

@@ -160,3 +160,19 @@ def test_each_network_policy_admits_only_its_pods_named_ports(tmp_path: Path) ->
         "matchLabels": {"app.kubernetes.io/name": "prometheus"}}
     assert not any(d["kind"] == "NetworkPolicy"
                    for d in _render(tmp_path, "networkPolicies.enabled=false"))
+
+
+def test_cert_manager_issues_the_webhook_certificate_when_asked(tmp_path: Path) -> None:
+    missing = _run(tmp_path, "template", "kv", str(CHART), "--set",
+                   "webhook.certManager.enabled=true", check=False)
+    assert missing.returncode != 0 and "/webhook/certManager/issuerRef" in missing.stderr
+    docs = _render(tmp_path, "webhook.certManager.enabled=true",
+                   "webhook.certManager.issuerRef.name=ca",
+                   "webhook.certManager.issuerRef.kind=ClusterIssuer")
+    [certificate] = [d for d in docs if d["kind"] == "Certificate"]
+    assert certificate["spec"]["issuerRef"] == {"name": "ca", "kind": "ClusterIssuer"}
+    assert certificate["spec"]["dnsNames"] == ["kvfleet-webhook.kvfleet-system.svc"]
+    assert not [d for d in docs if d["kind"] == "Secret"]  # cert-manager writes it
+    [webhook] = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
+    assert webhook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+        "kvfleet-system/kvfleet-webhook"
