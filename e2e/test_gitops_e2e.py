@@ -16,7 +16,6 @@ commit, none from self-heal.
 
 from __future__ import annotations
 
-import base64
 import os
 import shutil
 import subprocess
@@ -45,13 +44,14 @@ from kvfleet.devcluster.argocd import AppState, ArgoCD, render_cm_patch
 from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
 from kvfleet.devcluster.demo import (
     POOL,
-    TENANT_KEY,
     Traffic,
     local_pool,
     rollout_policy,
     router_on_node,
     slow_fault,
     smollm2_revision,
+    tenant_key,
+    tenant_quota,
 )
 from kvfleet.devcluster.errors import ToolsMissingError
 from kvfleet.devcluster.kube import KubeClient
@@ -167,13 +167,7 @@ def test_argo_cd_syncs_the_fleet_and_shows_each_rollout_healthy_or_degraded(
 ) -> None:
     revisions = [smollm2_revision(f"smol-v{i}", 40 + i, namespace) for i in (1, 2, 3)]
     hashes = {a["metadata"]["name"]: manifest_hash(a["spec"]) for a in revisions}
-    quota = {"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
-             "metadata": {"name": "team-a"},
-             "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 100000}}}
-    kube.create({"apiVersion": "v1", "kind": "Secret",
-                 "metadata": {"name": "team-a-key", "namespace": namespace,
-                              "labels": {"kvfleet.io/tenant": "team-a"}},
-                 "data": {"key": base64.b64encode(TENANT_KEY.encode()).decode()}})
+    tenant_key(kube, namespace)
 
     def fleet(artifact: str) -> dict[str, list[dict[str, Any]]]:
         return {
@@ -181,7 +175,7 @@ def test_argo_cd_syncs_the_fleet_and_shows_each_rollout_healthy_or_degraded(
                 a["metadata"]))) for a in revisions],
             "fleet/servingpool.yaml": [_without_namespace(local_pool(POOL, artifact, namespace))],
             "fleet/rollout.yaml": [_without_namespace(rollout_policy(POOL, namespace))],
-            "fleet/tenantquota.yaml": [quota],
+            "fleet/tenantquota.yaml": [_without_namespace(tenant_quota(namespace))],
         }
 
     repo = GitRepo(tmp_path)

@@ -199,6 +199,11 @@ class RolloutSpec(KubeModel):
     auto_rollback: bool = Field(
         default=True,
         description="Return all traffic to stable when a step fails; false: pause instead.")
+    capacity_wait_seconds: int = Field(
+        default=600, ge=1, le=86400,
+        description="How long the canary may wait for GPUs (its pods unschedulable) before "
+        "the rollout pauses with InsufficientCapacity, weight held and stable untouched; free "
+        "or add GPUs (or set the pool's reserves.deployment) and resume, or abort.")
     drain_seconds: int = Field(
         default=30, ge=0, le=3600,
         description="How long a revision that lost its traffic keeps running for its "
@@ -328,6 +333,9 @@ class RolloutStatus(KubeModel):
     shadow_percent: int = Field(default=0, ge=0, le=100, description="Mirrored percent.")
     step_started_at: datetime | None = Field(
         default=None, description="When the current step's traffic took effect (window base).")
+    canary_waiting_since: datetime | None = Field(
+        default=None, description="Since when the current step has waited for canary pods "
+        "that cannot be placed (bounded by spec.capacityWaitSeconds).")
     pause_reason: str | None = Field(default=None, description="Why the rollout is paused.")
     promote_full: bool = Field(
         default=False, description="A promote-full request is being carried out: the canary "

@@ -95,15 +95,25 @@ def slow_fault(revision: str) -> str:
     return f"{revision[:12]}:token_delay=1.0"
 
 
-def tenant(kube: KubeClient, namespace: str, key: str = TENANT_KEY) -> None:
-    """Tenant team-a: its API key Secret and a TenantQuota with room to spare."""
+def tenant_quota(namespace: str) -> JsonObj:
+    """Tenant team-a's TenantQuota, with room to spare."""
+    return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+            "metadata": {"name": "team-a", "namespace": namespace},
+            "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 100000}}}
+
+
+def tenant_key(kube: KubeClient, namespace: str, key: str = TENANT_KEY) -> None:
+    """Tenant team-a's API key Secret (kept out of Git in a GitOps setup)."""
     kube.create({"apiVersion": "v1", "kind": "Secret",
                  "metadata": {"name": "team-a-key", "namespace": namespace,
                               "labels": {"kvfleet.io/tenant": "team-a"}},
                  "data": {"key": base64.b64encode(key.encode()).decode()}})
-    kube.create({"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
-                 "metadata": {"name": "team-a", "namespace": namespace},
-                 "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 100000}}})
+
+
+def tenant(kube: KubeClient, namespace: str, key: str = TENANT_KEY) -> None:
+    """Tenant team-a: its API key Secret and its TenantQuota."""
+    tenant_key(kube, namespace, key)
+    kube.create(tenant_quota(namespace))
 
 
 def router_on_node(kube: KubeClient, namespace: str, node: str, timeout: float = 90) -> str:

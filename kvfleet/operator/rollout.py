@@ -203,6 +203,7 @@ class _Run:
         s.current_step = SHADOW_STEP if self.spec.shadow else 0
         s.current_weight, s.shadow_percent = 0, 0
         s.step_started_at, s.pause_reason, s.promote_full = None, None, False
+        s.canary_waiting_since = None
         s.counts = StepCounts()
         s.message = f"{self.where()}: starting the canary revision"
         self.event("Normal", "RolloutStarted",
@@ -212,6 +213,7 @@ class _Run:
     def enter_step(self, step: int) -> None:
         s = self.status
         s.current_step, s.step_started_at, s.counts = step, None, StepCounts()
+        s.canary_waiting_since = None
         if step != SHADOW_STEP:
             s.shadow_percent = 0
 
@@ -232,7 +234,7 @@ class _Run:
     def resume(self) -> None:
         s = self.status
         s.phase = Phase.SHADOW if s.current_step == SHADOW_STEP else Phase.PROGRESSING
-        s.pause_reason = None
+        s.pause_reason, s.canary_waiting_since = None, None  # a resumed wait is bounded anew
         if s.step_started_at is not None:
             # A new attempt at the step: a fresh window, so the pause's traffic is judged anew.
             s.step_started_at, s.counts = self.now, StepCounts()
@@ -385,7 +387,7 @@ class _Run:
             s.shadow_percent = spec.shadow.percent if spec.shadow else 0
         else:
             s.current_weight = spec.steps[step].weight
-        s.step_started_at = self.now
+        s.step_started_at, s.canary_waiting_since = self.now, None
         s.counts = StepCounts()
         s.message = f"{self.where()}: traffic moved"
         self.event("Normal", "StepStarted", f"{self.where()}")
@@ -461,14 +463,33 @@ def _progress(run: _Run, window: Window | None, results: list[MetricEvaluation] 
         if view.canary_ready >= needed:
             run.make_effective()
         else:
-            s.message = (f"{run.where()}: waiting for canary replicas "
-                         f"({view.canary_ready}/{needed} ready)"
-                         + (f": {view.canary_problem}" if view.canary_problem else ""))
+            _wait_for_canary(run, needed)
             return
     if s.phase != Phase.PAUSED or s.pause_reason == ANALYSIS_ERROR:
         run.run_step(window, results)
         if s.phase in RUNNING and s.step_started_at is None and not run.promote:
             _progress(run, None, None)  # the next step: make it effective if it can be
+
+
+def _wait_for_canary(run: _Run, needed: int) -> None:
+    """The step waits for its canary replicas; pods that cannot be placed (no free GPU) wait
+    at most spec.capacityWaitSeconds, then the rollout pauses saying what is missing."""
+    view, s = run.view, run.status
+    s.message = (f"{run.where()}: waiting for canary replicas ({view.canary_ready}/{needed} "
+                 "ready)" + (f": {view.canary_problem}" if view.canary_problem else ""))
+    if view.canary_problem is None:
+        s.canary_waiting_since = None  # starting, not stuck: no bound
+        return
+    if s.canary_waiting_since is None:
+        s.canary_waiting_since = run.now
+    waited = (run.now - s.canary_waiting_since).total_seconds()
+    if waited < view.spec.capacity_wait_seconds:
+        run.wake_in(view.spec.capacity_wait_seconds - waited)
+        return
+    run.pause("InsufficientCapacity",
+              f"{run.where()}: the canary could not be placed in {int(waited)}s "
+              f"({view.canary_problem}); stable serves on; free or add GPUs (or set the "
+              "pool's reserves.deployment) and resume, or abort")
 
 
 def _actions(run: _Run, decision: Decision) -> None:
@@ -505,7 +526,8 @@ def _conditions(run: _Run, view: View) -> list[dict[str, Any]]:
         Cond("Degraded", degraded, s.pause_reason or s.phase.value if degraded else "AsExpected",
              s.message if degraded else ""),
     ]
-    waiting = (s.phase in RUNNING and s.step_started_at is None and view.canary_problem)
+    waiting = (s.phase in (*RUNNING, Phase.PAUSED) and s.step_started_at is None
+               and view.canary_problem)
     decided.append(Cond("CapacityOK", not waiting,
                         "InsufficientCapacity" if waiting else "AsExpected",
                         view.canary_problem or "" if waiting else ""))

@@ -74,12 +74,14 @@ class _Sim:
     request: RolloutRequest | None = None
     decisions: list[Decision] = field(default_factory=list)
     evaluated: list[Window] = field(default_factory=list)
+    no_gpu: str | None = None  # canary pods cannot be placed, and why
 
     def view(self) -> View:
         return View(spec=self.spec, status=self.status, generation=1, request=self.request,
                     pool_replicas=self.replicas, slos=SLO, stable=self.stable,
                     target=self.target, target_artifact="qwen3-8b-v2",
-                    canary_ready=self.ready if self.ready_revision == self.target else 0)
+                    canary_ready=self.ready if self.ready_revision == self.target else 0,
+                    canary_problem=self.no_gpu)
 
     def tick(self, seconds: float = 0.0) -> Decision:
         self.now += timedelta(seconds=seconds)
@@ -93,7 +95,7 @@ class _Sim:
         decision = decide(view, window, results, self.now)
         # Between reconciles only the wire form survives (the apiserver's copy).
         self.status = RolloutStatus.model_validate(decision.status.to_wire())
-        self.ready = decision.canary_replicas or 0
+        self.ready = 0 if self.no_gpu else decision.canary_replicas or 0
         self.ready_revision = self.target
         if decision.promote:
             self.stable = self.status.canary_revision or self.stable
@@ -286,6 +288,27 @@ def test_not_ready_canary_holds_and_reports_capacity() -> None:
     assert decision.status.step_started_at is None and _table(decision) == {"stable": 100}
     assert _cond(decision, "CapacityOK") == ("False", "InsufficientCapacity")
     assert "Insufficient nvidia.com/gpu" in decision.status.message
+
+
+def test_a_canary_without_gpus_waits_a_bounded_time_then_pauses_saying_why() -> None:
+    sim = _Sim(_spec(capacityWaitSeconds=60), no_gpu="0/3 nodes: 3 Insufficient nvidia.com/gpu")
+    waiting = sim.run(55)
+    assert waiting.status.phase == Phase.PROGRESSING and _table(waiting) == {"stable": 100}
+    assert waiting.requeue_seconds is not None and waiting.requeue_seconds <= 5
+    paused = sim.run(10)
+    assert (paused.status.phase, paused.status.pause_reason) == (Phase.PAUSED,
+                                                                 "InsufficientCapacity")
+    assert "could not be placed in 60s (0/3 nodes: 3 Insufficient nvidia.com/gpu)" in \
+        paused.status.message
+    assert _cond(paused, "Degraded") == ("True", "InsufficientCapacity")
+    assert _cond(paused, "CapacityOK") == ("False", "InsufficientCapacity")
+    assert _table(paused) == {"stable": 100} and paused.canary_replicas == 1
+    assert _events(sim).count("Paused") == 1
+    # GPUs freed and a person resumes: the wait starts anew, the canary gets its traffic.
+    sim.no_gpu = None
+    resumed = sim.ask(RequestAction.RESUME, "r1")
+    assert resumed.status.phase == Phase.PROGRESSING
+    assert sim.tick(1).status.current_weight == 10
 
 
 # -- requests -----------------------------------------------------------------------------
