@@ -195,9 +195,11 @@ class ArgoCD:
         self.processes: list[ManagedProcess] = []
 
     def kubectl_run(self, *args: str, stdin: str | None = None) -> str:
+        # HOME: kubectl keeps its discovery cache under $HOME/.kube; keep it in the workdir.
         done = subprocess.run([str(self.kubectl), *args], input=stdin, capture_output=True,
                               text=True, timeout=120, check=False,
-                              env={"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin"})
+                              env={"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin",
+                                   "HOME": str(self.workdir)})
         if done.returncode != 0:
             raise ArgoCDError(f"kubectl {' '.join(args[:3])} failed: {done.stderr.strip()}")
         return done.stdout
