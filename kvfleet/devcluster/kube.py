@@ -42,6 +42,7 @@ _RESOURCES: dict[str, tuple[str, str, bool]] = {
     "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets", True),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices", True),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
     "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),

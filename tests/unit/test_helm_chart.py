@@ -176,3 +176,25 @@ def test_cert_manager_issues_the_webhook_certificate_when_asked(tmp_path: Path) 
     [webhook] = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
     assert webhook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
         "kvfleet-system/kvfleet-webhook"
+
+
+def test_pod_monitors_scrape_each_component_on_its_named_port(tmp_path: Path) -> None:
+    from kvfleet.operator.builders import ENGINE_PORT_NAME
+    from kvfleet.operator.naming import ENGINE_COMPONENT
+
+    assert not [d for d in _render(tmp_path) if d["kind"] == "PodMonitor"]
+    docs = _render(tmp_path, "prometheus.podMonitors.enabled=true",
+                   "prometheus.podMonitors.labels.release=prom")
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodMonitor"}
+    assert sorted(monitors) == ["kvfleet-engines", "kvfleet-operator", "kvfleet-router"]
+    assert all(m["metadata"]["labels"]["release"] == "prom" for m in monitors.values())
+    for d in (d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] in
+              monitors):
+        monitor = monitors[d["metadata"]["name"]]["spec"]
+        pod = d["spec"]["template"]
+        assert monitor["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
+        assert monitor["podMetricsEndpoints"][0]["port"] in ports
+    engines = monitors["kvfleet-engines"]["spec"]
+    assert engines["selector"]["matchLabels"] == {"app.kubernetes.io/component": ENGINE_COMPONENT}
+    assert engines["podMetricsEndpoints"][0]["port"] == ENGINE_PORT_NAME
