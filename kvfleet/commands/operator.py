@@ -71,7 +71,8 @@ def register(subparsers: Any) -> None:
         default=9090,
         help="port of the Prometheus /metrics endpoint (0: none)",
     )
-    p.add_argument("--metrics-address", default="0.0.0.0")
+    p.add_argument("--metrics-address", default="127.0.0.1",
+                   help="address of /metrics (in a pod: its IP, as the chart passes $(POD_IP))")
     p.add_argument(
         "--drift-interval",
         type=float,

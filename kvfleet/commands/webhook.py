@@ -35,7 +35,8 @@ def register(subparsers: Any) -> None:
     )
     sub = parser.add_subparsers(dest="webhook_command", metavar="ACTION", required=True)
     serve = sub.add_parser("serve", help="serve AdmissionReview v1 over HTTPS")
-    serve.add_argument("--host", default="0.0.0.0", help="listen address")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="listen address (in a pod: its IP, as the chart passes $(POD_IP))")
     serve.add_argument("--port", type=int, default=9443)
     serve.add_argument("--cert", type=Path, required=True, help="serving certificate (PEM)")
     serve.add_argument("--key", type=Path, required=True, help="its private key (PEM)")

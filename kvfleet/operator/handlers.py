@@ -303,8 +303,10 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             await _handled(runtime.pools.trigger, (namespace or "default", pool))
 
     @kopf.on.delete(GROUP, VERSION, "rollouts", optional=True, registry=registry)
-    async def rollout_deleted(namespace: str | None, spec: Any, **_: Any) -> None:
+    async def rollout_deleted(namespace: str | None, name: str | None, spec: Any,
+                              **_: Any) -> None:
         runtime = state.get()
+        metrics.forget_rollout(namespace or "default", name or "")
         pool = (spec.get("poolRef") or {}).get("name")
         if isinstance(pool, str):
             in_background(runtime.pools.trigger, (namespace or "default", pool))

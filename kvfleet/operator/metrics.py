@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from kvfleet.api.rollout import Phase
 
 RECONCILES = Counter("kvfleet_operator_reconciles_total", "Reconciles run, by kind.", ["kind"])
 RECONCILE_ERRORS = Counter(
@@ -62,3 +66,17 @@ ROLLOUT_WEIGHT = Gauge(
     "Percent of conversations each Rollout sends to its canary.",
     ["namespace", "rollout"],
 )
+
+
+def forget_rollout(namespace: str, rollout: str) -> None:
+    """A deleted Rollout's series go (else its last phase and weight would be reported for
+    ever)."""
+    for phase in Phase:
+        _remove(ROLLOUT_PHASE, namespace, rollout, phase.value)
+    _remove(ROLLOUT_STEP, namespace, rollout)
+    _remove(ROLLOUT_WEIGHT, namespace, rollout)
+
+
+def _remove(gauge: Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):  # never set: nothing to forget
+        gauge.remove(*labels)

@@ -198,3 +198,18 @@ def test_pod_monitors_scrape_each_component_on_its_named_port(tmp_path: Path) ->
     engines = monitors["kvfleet-engines"]["spec"]
     assert engines["selector"]["matchLabels"] == {"app.kubernetes.io/component": ENGINE_COMPONENT}
     assert engines["podMetricsEndpoints"][0]["port"] == ENGINE_PORT_NAME
+
+
+def test_the_charts_pods_run_the_image_as_the_dockerfile_builds_it(tmp_path: Path) -> None:
+    """One image for every component: the chart runs its entrypoint as the user it drops to
+    (a different uid could not read the prebuilt kernels)."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    [user] = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+    [entry] = [yaml.safe_load(line.split(None, 1)[1]) for line in dockerfile.splitlines()
+               if line.startswith("ENTRYPOINT ")]
+    for d in (d for d in _render(tmp_path) if d["kind"] == "Deployment"):
+        pod = d["spec"]["template"]["spec"]
+        assert str(pod["securityContext"]["runAsUser"]) == user, d["metadata"]["name"]
+        assert str(pod["securityContext"]["runAsGroup"]) == user, d["metadata"]["name"]
+        for c in pod["containers"]:
+            assert c["command"] == entry, (d["metadata"]["name"], c["command"])

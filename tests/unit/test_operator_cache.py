@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 from operator_fakes import artifact, pool
+from prometheus_client import generate_latest
 
 from kvfleet.api.builders import make_artifact, make_rollout
 from kvfleet.compat import default_matrix
 from kvfleet.kube.api import KubeError
-from kvfleet.operator import cache, handlers, naming
+from kvfleet.operator import cache, handlers, metrics, naming
 from kvfleet.operator.cache import INDEX_IDS, Cache
 from kvfleet.operator.handlers import OperatorConfig, build_registry
 from kvfleet.operator.runtime import Runtime
@@ -387,3 +388,14 @@ async def test_a_rollouts_events_are_posted_only_once_its_status_landed(
     posted = [r for r in requests if r[0] == "POST"]
     assert posted.count(("POST", "Event RolloutStarted")) == 1, requests
     assert requests.index(("PATCH", "Rollout chat/status")) < requests.index(posted[0])
+    # The operator's own series say where the rollout stands.
+    phase = {p: metrics.ROLLOUT_PHASE.labels(namespace=NS, rollout="chat", phase=p)._value.get()
+             for p in ("Idle", "Progressing", "Promoted")}
+    assert phase == {"Idle": 0, "Progressing": 1, "Promoted": 0}
+    assert metrics.ROLLOUT_STEP.labels(namespace=NS, rollout="chat")._value.get() == 0
+    assert metrics.ROLLOUT_WEIGHT.labels(namespace=NS, rollout="chat")._value.get() == 0
+    # A deleted Rollout's series go with it.
+    metrics.forget_rollout(NS, "chat")
+    exposed = generate_latest().decode()
+    assert 'rollout="chat"' not in exposed
+    metrics.forget_rollout(NS, "chat")  # twice: nothing left to forget, no error
