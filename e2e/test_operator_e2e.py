@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -33,6 +34,8 @@ from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
 from kvfleet.devcluster.kube import KubeClient
 from kvfleet.kube.api import path_of
 from kvfleet.operator import naming
+from kvfleet.operator.rbac import NAME as RBAC_NAME
+from kvfleet.operator.rbac import build_rbac, cluster_role_rules
 
 pytestmark = pytest.mark.e2e
 
@@ -143,11 +146,44 @@ def crds(kubectl: Kubectl) -> None:
     kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", str(ROOT / "crds"))
 
 
+OPERATOR_NAMESPACE = "kvfleet-system"  # the dev cluster's apiserver audits its accounts
+
+
+def operator_kubeconfig(kube: KubeClient, kubectl: Kubectl, folder: Path) -> Path:
+    """A kubeconfig of the operator's own ServiceAccount, with exactly the RBAC
+    `kvfleet operator --print-rbac` prints: the e2e operator runs with what it is granted."""
+    if kube.get_or_none("Namespace", OPERATOR_NAMESPACE) is None:
+        kube.create({"apiVersion": "v1", "kind": "Namespace",
+                     "metadata": {"name": OPERATOR_NAMESPACE}})
+    kubectl("apply", "-f", "-", input=yaml.safe_dump_all(build_rbac(OPERATOR_NAMESPACE)))
+    token = kube.request(
+        "POST", f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts/{RBAC_NAME}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+         "spec": {"expirationSeconds": 6 * 3600}})["status"]["token"]
+    config = kube.config
+    cluster_entry: dict[str, Any] = {"server": config.server}
+    if config.ca_file is not None:
+        cluster_entry["certificate-authority"] = str(config.ca_file)
+    if config.insecure:
+        cluster_entry["insecure-skip-tls-verify"] = True
+    path = folder / "operator.kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "operator",
+        "clusters": [{"name": "cluster", "cluster": cluster_entry}],
+        "users": [{"name": RBAC_NAME, "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "cluster",
+                                                       "user": RBAC_NAME}}]}))
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture(scope="module")
 def operator(
-    cluster: DevCluster | ExistingCluster, crds: None, tmp_path_factory: pytest.TempPathFactory
+    cluster: DevCluster | ExistingCluster, crds: None, kube: KubeClient, kubectl: Kubectl,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[OperatorProcess]:
-    proc = OperatorProcess(Path(cluster.kubeconfig), tmp_path_factory.mktemp("operator"),
+    folder = tmp_path_factory.mktemp("operator")
+    proc = OperatorProcess(operator_kubeconfig(kube, kubectl, folder), folder,
                            cluster.prometheus.url if cluster.prometheus is not None else None)
     proc.start()
     try:
@@ -598,3 +634,53 @@ def test_engine_settings_and_replicas_roll_the_deployment(
     pods = kube.list("Pod", namespace, label_selector=f"{naming.POOL_LABEL}=chat")
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     assert {p["metadata"]["annotations"][key] for p in live} == {after[key]}
+
+
+# -- least privilege, measured: the last test of this module ---------------------------------
+
+# Granted but not always seen in the audit log, each for a reason: server-side apply that
+# creates an object is audited as `patch` but authorized as `create` too; a Deployment is
+# deleted only when a revision retires (the rollout tests); kopf watches namespaces only to
+# resolve `--namespace` globs (the tests run cluster-wide).
+NEEDED_UNSEEN = {
+    **{(group, resource, "create"): "server-side apply creating an object"
+       for group, resource in (("apps", "deployments"), ("", "services"), ("", "configmaps"),
+                               ("", "secrets"), ("networking.k8s.io", "networkpolicies"),
+                               ("policy", "poddisruptionbudgets"))},
+    ("apps", "deployments", "delete"): "a retired revision",
+    **{("", "namespaces", verb): "--namespace globs" for verb in ("list", "watch")},
+}
+
+
+def _granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {(group, resource, verb) for rule in rules for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+def _used(audit_log: Path, user: str) -> set[tuple[str, str, str]]:
+    used: set[tuple[str, str, str]] = set()
+    for line in audit_log.read_text().splitlines():
+        entry = json.loads(line)
+        ref = entry.get("objectRef")
+        if entry["user"]["username"] != user or ref is None:
+            continue  # discovery (/api, /apis) carries no objectRef: any user may read it
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        used.add((ref.get("apiGroup", ""), resource, entry["verb"]))
+    return used
+
+
+def test_the_operator_used_what_its_role_grants_and_nothing_more(
+    cluster: DevCluster | ExistingCluster, operator: OperatorProcess,
+) -> None:
+    """The apiserver's audit log of this module's operator (its own ServiceAccount, the RBAC
+    `--print-rbac` prints): every request was granted (else it would have failed with 403),
+    and every grant was used, or is listed with the reason the tests cannot show it."""
+    if not isinstance(cluster, DevCluster):
+        pytest.skip("reads the dev cluster's apiserver audit log")
+    user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RBAC_NAME}"
+    used = _used(cluster.audit_log, user)
+    granted = _granted(cluster_role_rules())
+    assert used, f"no request by {user} in {cluster.audit_log}"
+    assert used <= granted, f"used but not granted: {sorted(used - granted)}"
+    unused = granted - used - set(NEEDED_UNSEEN)
+    assert not unused, f"granted but never used: {sorted(unused)}"

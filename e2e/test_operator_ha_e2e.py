@@ -14,6 +14,8 @@ import pytest
 
 from e2e.test_operator_e2e import (  # noqa: F401 (crds is a fixture)
     H100,
+    OPERATOR_NAMESPACE,
+    Kubectl,
     OperatorProcess,
     _artifact_and_pool,
     _available,
@@ -21,9 +23,9 @@ from e2e.test_operator_e2e import (  # noqa: F401 (crds is a fixture)
     _free_port,
     _wait_pool,
     crds,
+    operator_kubeconfig,
 )
 from kvfleet.api.builders import make_pool
-from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
 from kvfleet.devcluster.kube import KubeClient
 from kvfleet.operator.leadership import LEASE_NAME
 
@@ -43,14 +45,17 @@ def _alive(port: int) -> bool:
 
 
 @pytest.fixture
-def replicas(cluster: DevCluster | ExistingCluster, crds: None, namespace: str,  # noqa: F811
+def replicas(kube: KubeClient, kubectl: Kubectl, crds: None,  # noqa: F811
              tmp_path: Path) -> Iterator[dict[str, tuple[OperatorProcess, int]]]:
+    """Two replicas as the chart runs them: the operator's ServiceAccount (its Lease Role in
+    its own namespace), the same Lease."""
+    kubeconfig = operator_kubeconfig(kube, kubectl, tmp_path)
     started: dict[str, tuple[OperatorProcess, int]] = {}
     for name in ("op-a", "op-b"):
         port = _free_port()
         proc = OperatorProcess(
-            Path(cluster.kubeconfig), tmp_path, extra_args=(
-                "--leader-elect", "--leader-election-namespace", namespace,
+            kubeconfig, tmp_path, extra_args=(
+                "--leader-elect", "--leader-election-namespace", OPERATOR_NAMESPACE,
                 "--liveness", f"http://127.0.0.1:{port}/healthz"),
             env={"POD_NAME": name})
         proc.log_dir = tmp_path / name
@@ -64,12 +69,13 @@ def replicas(cluster: DevCluster | ExistingCluster, crds: None, namespace: str, 
     finally:
         for proc, _ in started.values():
             proc.stop()
+        kube.delete("Lease", LEASE_NAME, OPERATOR_NAMESPACE)
 
 
 def test_one_replica_leads_and_the_standby_takes_over_when_it_is_killed(
     kube: KubeClient, namespace: str, replicas: dict[str, tuple[OperatorProcess, int]],
 ) -> None:
-    leader = kube.wait_for("a leader", lambda: _holder(kube, namespace), 60)
+    leader = kube.wait_for("a leader", lambda: _holder(kube, OPERATOR_NAMESPACE), 60)
     standby = next(name for name in replicas if name != leader)
     lead_proc, _ = replicas[leader]
     standby_proc, standby_port = replicas[standby]
@@ -85,7 +91,8 @@ def test_one_replica_leads_and_the_standby_takes_over_when_it_is_killed(
     lead_proc.stop(signal.SIGKILL)
     killed = time.monotonic()
     kube.wait_for("the standby to take the Lease",
-                  lambda: _holder(kube, namespace) == standby or None, LEASE_SECONDS + 20)
+                  lambda: _holder(kube, OPERATOR_NAMESPACE) == standby or None,
+                  LEASE_SECONDS + 20)
     taken_after = time.monotonic() - killed
     _create(kube, make_pool("ha-2", "qwen3-8b", namespace).set("spec.gpu.product", H100).data())
     _wait_pool(kube, standby_proc, namespace, "ha-2", _available, "ha-2 Available by the new "

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import yaml
 
 from kvfleet.devcluster import fleet, toolchain
 from kvfleet.devcluster.errors import StartupError
@@ -52,6 +53,8 @@ NODE_GRACE_PER_LEASE = 50 / 40
 
 
 WORKDIR_PREFIX = "kvfleet-devcluster-"
+# Whose requests the apiserver's audit log keeps: the service accounts kvfleet runs as.
+AUDITED_GROUP = "system:serviceaccounts:kvfleet-system"
 OWNER_FILE = "owner.pid"
 
 
@@ -143,6 +146,12 @@ class DevCluster:
         return self.workdir / "admin.kubeconfig"
 
     @property
+    def audit_log(self) -> Path:
+        """The apiserver's audit log (JSON lines) of every request made by a service account
+        of the `kvfleet-system` namespace: what kvfleet's components really ask for."""
+        return self.workdir / "audit.log"
+
+    @property
     def api(self) -> KubeClient:
         if self._api is None:
             raise StartupError("the dev cluster is not started")
@@ -176,6 +185,15 @@ class DevCluster:
         """The controller-manager's `--node-monitor-grace-period` for these leases (50 s for
         the default 40 s lease, as in Kubernetes)."""
         return round(self.options.node_lease_seconds * NODE_GRACE_PER_LEASE)
+
+    def _audit_policy(self) -> Path:
+        path = self.workdir / "audit-policy.yaml"
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+            "omitStages": ["RequestReceived"],
+            "rules": [{"level": "Metadata", "userGroups": [AUDITED_GROUP]},
+                      {"level": "None"}]}))
+        return path
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
         proc = ManagedProcess(name, argv, self.workdir / "logs" / f"{name}.log")
@@ -230,6 +248,9 @@ class DevCluster:
                 "--allow-privileged=true",
                 # The `kubernetes` Service endpoint would be 127.0.0.1, which Endpoints reject.
                 "--endpoint-reconciler-type=none",
+                f"--audit-policy-file={self._audit_policy()}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json",
             ],
         )
         self._api = KubeClient(KubeConfig.load(self.kubeconfig))

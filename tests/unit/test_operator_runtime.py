@@ -83,7 +83,10 @@ def test_rbac_allows_what_the_operator_writes() -> None:
         ("", "configmaps"),
         ("policy", "poddisruptionbudgets"),
     ]:
-        assert allowed(group, resource, "patch") and allowed(group, resource, "delete")
+        assert allowed(group, resource, "patch") and allowed(group, resource, "create")
+    # Only a retired revision's Deployment is deleted; its other children go with their owner.
+    assert allowed("apps", "deployments", "delete")
+    assert not any(allowed(g, r, "delete") for g, r in [("", "services"), ("", "configmaps")])
     assert allowed("kvfleet.io", "servingpools/status", "patch")
     assert not allowed("kvfleet.io", "servingpools", "update")  # never writes spec
     for group, _, plural in [*CHILD_KINDS, PODS]:  # informers list, then watch
