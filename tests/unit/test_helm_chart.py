@@ -213,3 +213,32 @@ def test_the_charts_pods_run_the_image_as_the_dockerfile_builds_it(tmp_path: Pat
         assert str(pod["securityContext"]["runAsGroup"]) == user, d["metadata"]["name"]
         for c in pod["containers"]:
             assert c["command"] == entry, (d["metadata"]["name"], c["command"])
+
+
+def test_the_webhooks_role_grants_what_its_reviews_read(tmp_path: Path) -> None:
+    """Each kind reviewed once with a recording fetch: the kinds it reads by reference (a
+    pool's artifact, a rollout's pool) are exactly what the chart's webhook ClusterRole lets
+    it get, and nothing else."""
+    import asyncio
+
+    from kvfleet.api.builders import make_quota, make_rollout
+    from kvfleet.api.builders import make_artifact as artifact
+    from kvfleet.api.builders import make_pool as pool
+    from kvfleet.compat import default_matrix
+    from kvfleet.webhooks.admission import KINDS, admit
+
+    stored = {"ModelArtifact": artifact().obj().to_wire(), "ServingPool": pool().obj().to_wire()}
+    read: set[str] = set()
+
+    async def fetch(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        read.add(kind)
+        return stored.get(kind)
+
+    for kind, obj in [("ModelArtifact", artifact().data()), ("ServingPool", pool().data()),
+                      ("TenantQuota", make_quota().data()), ("Rollout", make_rollout().data())]:
+        asyncio.run(admit(kind, obj, None, fetch=fetch, matrix=default_matrix()))
+    [role] = [d for d in _render(tmp_path) if d["kind"] == "ClusterRole"
+              and d["metadata"]["name"] == "kv-webhook"]
+    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    assert granted == {("kvfleet.io", KINDS[kind].crd.plural, "get") for kind in read}
