@@ -221,9 +221,9 @@ def test_the_webhooks_role_grants_what_its_reviews_read(tmp_path: Path) -> None:
     it get, and nothing else."""
     import asyncio
 
-    from kvfleet.api.builders import make_quota, make_rollout
     from kvfleet.api.builders import make_artifact as artifact
     from kvfleet.api.builders import make_pool as pool
+    from kvfleet.api.builders import make_quota, make_rollout
     from kvfleet.compat import default_matrix
     from kvfleet.webhooks.admission import KINDS, admit
 
