@@ -22,10 +22,20 @@ def _retrieve(future: asyncio.Future[None]) -> None:
 
 
 class Coalescer(Generic[K]):
+    """At most one run per key; a key's bookkeeping lives only while a trigger for it is in
+    flight, so a deleted object leaves nothing behind (no per-object entry outlives its
+    last reconcile)."""
+
     def __init__(self, run: Callable[[K], Awaitable[None]]) -> None:
         self._run = run
         self._locks: dict[K, asyncio.Lock] = {}
+        self._users: dict[K, int] = {}  # triggers holding or awaiting the key's lock
         self._waiting: dict[K, asyncio.Future[None]] = {}
+
+    @property
+    def num_keys(self) -> int:
+        """Keys with a trigger in flight."""
+        return len(self._locks)
 
     async def trigger(self, key: K) -> None:
         """Return once a run that started after this call has finished (raise if it failed)."""
@@ -37,21 +47,27 @@ class Coalescer(Generic[K]):
         future.add_done_callback(_retrieve)
         self._waiting[key] = future
         lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            # From here on, new triggers need a new run: this one may already have read state.
-            del self._waiting[key]
-            try:
-                await self._run(key)
-            except asyncio.CancelledError:
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            async with lock:
+                # From here on, new triggers need a new run: this one may already have read
+                # state.
+                del self._waiting[key]
+                try:
+                    await self._run(key)
+                except asyncio.CancelledError:
+                    future.cancel()
+                    raise
+                except Exception as exc:
+                    future.set_exception(exc)
+                    raise
+                future.set_result(None)
+        finally:
+            if self._waiting.get(key) is future:
+                # Cancelled while waiting for the lock: the next trigger must start a run of
+                # its own, not join one that will never happen.
+                del self._waiting[key]
                 future.cancel()
-                raise
-            except Exception as exc:
-                future.set_exception(exc)
-                raise
-            future.set_result(None)
-
-    def forget(self, key: K) -> None:
-        """Drop the bookkeeping of a deleted object (no run may be in flight for it)."""
-        lock = self._locks.get(key)
-        if lock is not None and not lock.locked() and key not in self._waiting:
-            del self._locks[key]
+            self._users[key] -= 1
+            if self._users[key] == 0:
+                del self._users[key], self._locks[key]

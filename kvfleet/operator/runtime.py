@@ -243,7 +243,6 @@ class Runtime:
         ns, name = key
         raw = self.cache.get("ServingPool", ns, name)
         if raw is None or raw["metadata"].get("deletionTimestamp"):
-            self.pools.forget(key)
             return
         pool = _parse(ServingPool, raw)
         raw_artifact = self.cache.get("ModelArtifact", ns, pool.spec.artifact_ref.name)
@@ -325,7 +324,6 @@ class Runtime:
         ns, name = key
         raw = self.cache.get("ModelArtifact", ns, name)
         if raw is None or raw["metadata"].get("deletionTimestamp"):
-            self.artifacts.forget(key)
             return
         artifact = _parse(ModelArtifact, raw)
         status = reconcile_artifact(artifact, matrix=self.matrix, now=_now())

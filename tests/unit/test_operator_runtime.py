@@ -42,6 +42,44 @@ async def test_triggers_during_a_run_coalesce_into_one_follow_up() -> None:
     gate.set()
     await asyncio.wait_for(asyncio.gather(first, *followers), 1)
     assert runs == ["a", "b", "a"]
+    assert coalescer.num_keys == 0  # nothing kept per key once its triggers are served
+
+
+@pytest.mark.asyncio
+async def test_no_bookkeeping_outlives_a_keys_triggers() -> None:
+    """Deleted pools and artifacts must not leak an entry each (one per key ever seen)."""
+    async def reconcile(key: str) -> None:
+        if key.endswith("!"):
+            raise RuntimeError("failed")
+
+    coalescer: Coalescer[str] = Coalescer(reconcile)
+    for i in range(100):
+        await coalescer.trigger(f"pool-{i}")
+        with pytest.raises(RuntimeError):
+            await coalescer.trigger(f"pool-{i}!")
+    assert coalescer.num_keys == 0
+
+
+@pytest.mark.asyncio
+async def test_a_trigger_cancelled_while_queued_does_not_strand_the_next_one() -> None:
+    gate = asyncio.Event()
+    runs: list[str] = []
+
+    async def reconcile(key: str) -> None:
+        runs.append(key)
+        if len(runs) == 1:
+            await gate.wait()
+
+    coalescer: Coalescer[str] = Coalescer(reconcile)
+    first = asyncio.create_task(coalescer.trigger("a"))
+    await asyncio.sleep(0)
+    queued = asyncio.create_task(coalescer.trigger("a"))
+    await asyncio.sleep(0)
+    queued.cancel()  # e.g. the operator shutting a handler down
+    gate.set()
+    await asyncio.wait_for(first, 1)
+    await asyncio.wait_for(coalescer.trigger("a"), 1)  # runs, rather than waiting for ever
+    assert runs == ["a", "a"] and coalescer.num_keys == 0
 
 
 @pytest.mark.asyncio
