@@ -361,7 +361,8 @@ class Rollout(KubeModel):
 
     crd: ClassVar[CRDNames] = CRDNames(
         plural="rollouts",
-        short_names=("ro",),
+        # Not "ro": Argo Rollouts has it, and kubectl warns on every ambiguous short name.
+        short_names=("kro",),
         printer_columns=(
             PrinterColumn("Pool", ".spec.poolRef.name"),
             PrinterColumn("Phase", ".status.phase"),

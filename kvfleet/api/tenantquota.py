@@ -120,7 +120,8 @@ class TenantQuota(KubeModel):
 
     crd: ClassVar[CRDNames] = CRDNames(
         plural="tenantquotas",
-        short_names=("tq", "quota"),
+        # Not "quota": ResourceQuota has it.
+        short_names=("tq",),
         printer_columns=(
             PrinterColumn("Tenant", ".spec.tenant"),
             PrinterColumn("Priority", ".spec.priorityClass"),

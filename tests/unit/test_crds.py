@@ -105,3 +105,20 @@ def test_conditions_are_a_list_map_by_type() -> None:
         item = conditions["items"]
         assert set(item["required"]) == {"type", "status", "reason", "lastTransitionTime"}
         assert item["properties"]["lastTransitionTime"]["format"] == "date-time"
+
+
+# Short names clusters already have: Kubernetes' own (kubectl api-resources on v1.34) and
+# the CRDs a serving fleet commonly runs beside kvfleet (Argo CD, Argo Rollouts, KServe,
+# Prometheus Operator, cert-manager). kubectl warns on every ambiguous one.
+TAKEN_SHORT_NAMES = {
+    "cs", "cm", "ep", "ev", "limits", "ns", "no", "pvc", "pv", "po", "rc", "quota", "sa", "svc",
+    "crd", "crds", "ds", "deploy", "rs", "sts", "hpa", "cj", "csr", "ing", "netpol", "pdb", "pc",
+    "sc", "app", "apps", "appproj", "appprojects", "appset", "appsets", "ro", "ar", "at",
+    "isvc", "prom", "smon", "pmon", "am", "cert", "certs", "cr", "crs",
+}
+
+
+def test_no_short_name_is_ambiguous_with_what_clusters_already_have() -> None:
+    names = [n for r in RESOURCES for n in r.crd.short_names]
+    assert len(names) == len(set(names))
+    assert not set(names) & TAKEN_SHORT_NAMES, sorted(set(names) & TAKEN_SHORT_NAMES)
