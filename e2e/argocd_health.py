@@ -21,7 +21,7 @@ CAPTURE_ENV = "KVFLEET_CAPTURE_ARGOCD_FIXTURES"
 
 def fixture_object(obj: dict[str, Any]) -> dict[str, Any]:
     """The object without what only clutters a fixture (managed fields, last-applied)."""
-    clean = {k: v for k, v in obj.items()}
+    clean = dict(obj)
     meta = {k: v for k, v in obj.get("metadata", {}).items() if k != "managedFields"}
     annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
                    if k != "kubectl.kubernetes.io/last-applied-configuration"}

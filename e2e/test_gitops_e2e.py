@@ -142,6 +142,7 @@ class Watch:
 
     def wait(self, check: Callable[[AppState], bool], what: str, timeout: float) -> AppState:
         deadline = time.monotonic() + timeout
+        last: AppState | None = None
         while time.monotonic() < deadline:
             with self.lock:
                 last = self.seen[-1][1] if self.seen else None
@@ -231,7 +232,7 @@ def test_argo_cd_syncs_the_fleet_and_shows_each_rollout_healthy_or_degraded(
             _no_drift(watch.since(started), bad)
             final = argocd.application(APP)
             assert (final.sync, final.health) == ("Synced", "Degraded")
-            history = _history(argocd)
+            history = argocd.application(APP).history
             assert history == [first, good, bad], (
                 f"one sync per commit, none from self-heal: {history}")
         finally:
@@ -251,8 +252,3 @@ def _no_drift(states: list[AppState], revision: str) -> None:
     drifted = [(s.sync, s.out_of_sync()) for s in after[first_synced:] if s.sync != "Synced"]
     assert not drifted, f"Argo CD found a difference from Git after the sync: {drifted[:3]}"
 
-
-def _history(argocd: ArgoCD) -> list[str]:
-    app = yaml.safe_load(argocd.kubectl_run(
-        "get", "applications.argoproj.io", APP, "-n", "argocd", "-o", "yaml"))
-    return [entry["revision"] for entry in (app.get("status") or {}).get("history") or []]

@@ -35,7 +35,7 @@ from kvfleet.devcluster.kube import KubeClient
 from kvfleet.kube.api import path_of
 from kvfleet.operator import naming
 from kvfleet.operator.rbac import NAME as RBAC_NAME
-from kvfleet.operator.rbac import build_rbac, cluster_role_rules
+from kvfleet.operator.rbac import build_rbac, cluster_role_rules, permissions
 
 pytestmark = pytest.mark.e2e
 
@@ -652,11 +652,6 @@ NEEDED_UNSEEN = {
 }
 
 
-def _granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    return {(group, resource, verb) for rule in rules for group in rule["apiGroups"]
-            for resource in rule["resources"] for verb in rule["verbs"]}
-
-
 def _used(audit_log: Path, user: str) -> set[tuple[str, str, str]]:
     used: set[tuple[str, str, str]] = set()
     for line in audit_log.read_text().splitlines():
@@ -679,7 +674,7 @@ def test_the_operator_used_what_its_role_grants_and_nothing_more(
         pytest.skip("reads the dev cluster's apiserver audit log")
     user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RBAC_NAME}"
     used = _used(cluster.audit_log, user)
-    granted = _granted(cluster_role_rules())
+    granted = permissions(cluster_role_rules())
     assert used, f"no request by {user} in {cluster.audit_log}"
     assert used <= granted, f"used but not granted: {sorted(used - granted)}"
     unused = granted - used - set(NEEDED_UNSEEN)

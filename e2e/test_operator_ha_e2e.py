@@ -53,13 +53,13 @@ def replicas(kube: KubeClient, kubectl: Kubectl, crds: None,  # noqa: F811
     started: dict[str, tuple[OperatorProcess, int]] = {}
     for name in ("op-a", "op-b"):
         port = _free_port()
+        log_dir = tmp_path / name
+        log_dir.mkdir()
         proc = OperatorProcess(
-            kubeconfig, tmp_path, extra_args=(
+            kubeconfig, log_dir, extra_args=(
                 "--leader-elect", "--leader-election-namespace", OPERATOR_NAMESPACE,
                 "--liveness", f"http://127.0.0.1:{port}/healthz"),
             env={"POD_NAME": name})
-        proc.log_dir = tmp_path / name
-        proc.log_dir.mkdir()
         proc.start()
         started[name] = (proc, port)
         if name == "op-a":  # a leads first, then b joins

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import textwrap
@@ -31,6 +30,7 @@ import yaml
 
 from kvfleet.api.rollout import REQUEST_ANNOTATION
 from kvfleet.devcluster.cluster import free_port
+from kvfleet.devcluster.probes import tcp_connects
 from kvfleet.devcluster.processes import ManagedProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,6 +156,7 @@ class AppState:
     revision: str
     resources: list[dict[str, Any]]
     conditions: list[dict[str, Any]]
+    history: list[str]  # the revision of each sync, oldest first
 
     @classmethod
     def of(cls, app: dict[str, Any]) -> AppState:
@@ -165,7 +166,8 @@ class AppState:
         return cls(sync=sync.get("status", "Unknown"), health=health.get("status", "Unknown"),
                    health_message=health.get("message", ""), revision=sync.get("revision", ""),
                    resources=status.get("resources") or [],
-                   conditions=status.get("conditions") or [])
+                   conditions=status.get("conditions") or [],
+                   history=[h["revision"] for h in status.get("history") or []])
 
     def out_of_sync(self) -> list[str]:
         """The resources Argo CD finds different from Git, as Kind/name."""
@@ -242,13 +244,13 @@ class ArgoCD:
         redis = self._spawn("redis", [shutil.which("redis-server") or "redis-server",
                                       "--port", str(redis_port), "--bind", "127.0.0.1",
                                       "--save", "", "--appendonly", "no"], logs)
-        redis.wait_ready(lambda: _connects(redis_port), timeout)
+        redis.wait_ready(lambda: tcp_connects("127.0.0.1", redis_port), timeout)
         common = ["--redis", f"127.0.0.1:{redis_port}", "--logformat", "text"]
         repo = self._spawn("argocd-repo-server", [
             str(self.argocd), "--address", "127.0.0.1", "--port", str(repo_port),
             "--metrics-address", "127.0.0.1", "--metrics-port", str(free_port()),
             "--disable-tls", *common], logs)
-        repo.wait_ready(lambda: _connects(repo_port), timeout)
+        repo.wait_ready(lambda: tcp_connects("127.0.0.1", repo_port), timeout)
         metrics_port = free_port()
         controller = self._spawn("argocd-application-controller", [
             str(self.argocd), "--kubeconfig", str(self.kubeconfig), "--namespace", NAMESPACE,
@@ -260,7 +262,7 @@ class ArgoCD:
             # its Redis-backed resource tree by default), where the tests read it.
             "--persist-resource-health", *common], logs)
         # Its metrics server starts once its caches are set up.
-        controller.wait_ready(lambda: _connects(metrics_port), timeout)
+        controller.wait_ready(lambda: tcp_connects("127.0.0.1", metrics_port), timeout)
 
     def _spawn(self, name: str, argv: list[str], logs: Path) -> ManagedProcess:
         home = self.workdir / "home"
@@ -301,9 +303,3 @@ class ArgoCD:
         """Ask for a compare now (what the UI's Refresh button does), not at the next resync."""
         self.kubectl_run("annotate", "applications.argoproj.io", name, "-n", NAMESPACE,
                          "argocd.argoproj.io/refresh=normal", "--overwrite")
-
-
-def _connects(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0

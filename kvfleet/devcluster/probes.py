@@ -27,13 +27,8 @@ def run_probe(http_client: httpx.Client, pod: LocalPod, container: JsonObj, prob
             return False
         return 200 <= resp.status_code < 400
     if tcp := probe.get("tcpSocket"):
-        try:
-            with socket.create_connection(
-                (tcp.get("host") or pod.ip, container_port(container, tcp["port"])), timeout
-            ):
-                return True
-        except OSError:
-            return False
+        return tcp_connects(tcp.get("host") or pod.ip, container_port(container, tcp["port"]),
+                            timeout)
     if exec_ := probe.get("exec"):
         try:
             done = subprocess.run(
@@ -47,6 +42,15 @@ def run_probe(http_client: httpx.Client, pod: LocalPod, container: JsonObj, prob
             return False
         return done.returncode == 0
     return True
+
+
+def tcp_connects(host: str, port: int, timeout: float = 1.0) -> bool:
+    """A tcpSocket probe: does something accept connections there?"""
+    try:
+        with socket.create_connection((host, port), timeout):
+            return True
+    except OSError:
+        return False
 
 
 def container_port(container: JsonObj, port: int | str) -> int:

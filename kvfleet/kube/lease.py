@@ -89,11 +89,13 @@ class LeaderElector:
         self.retry_seconds = retry_seconds
         self.clock = clock or (lambda: datetime.now(UTC))
         self.where = f"Lease {namespace}/{name}"
+        self.holder: str | None = None  # who held the Lease at the last attempt
 
     async def try_acquire(self) -> bool:
         """One attempt to hold (or renew) the Lease; False when another holds it or won."""
         now = self.clock()
         lease = await self.api.get("Lease", self.namespace, self.name)
+        self.holder = ((lease or {}).get("spec") or {}).get("holderIdentity")
         try:
             if lease is None:
                 await self.api.create({
@@ -123,11 +125,10 @@ class LeaderElector:
                 if await self.try_acquire():
                     log.info("%s: %s leads", self.where, self.identity)
                     return
-                lease = await self.api.get("Lease", self.namespace, self.name)
-                holder = ((lease or {}).get("spec") or {}).get("holderIdentity")
-                if holder != waiting_on:
-                    log.info("%s: held by %s; %s stands by", self.where, holder, self.identity)
-                    waiting_on = holder
+                if self.holder != waiting_on:
+                    log.info("%s: held by %s; %s stands by", self.where, self.holder,
+                             self.identity)
+                    waiting_on = self.holder
             except (KubeError, OSError) as exc:
                 log.warning("%s: cannot read or write it (%s); retrying", self.where, exc)
             await asyncio.sleep(self.retry_seconds)

@@ -65,6 +65,12 @@ def cluster_role_rules() -> list[dict[str, Any]]:
     ]
 
 
+def permissions(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """Every (apiGroup, resource, verb) the rules grant, e.g. ("apps", "deployments", "patch")."""
+    return {(group, resource, verb) for rule in rules for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
 def lease_role_rules() -> list[dict[str, Any]]:
     """`--leader-elect`: the Lease in the operator's own namespace (a Role, not cluster-wide)."""
     return [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
