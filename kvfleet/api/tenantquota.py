@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 from typing import ClassVar, Literal
 
@@ -106,10 +107,34 @@ class TenantUsage(KubeModel):
     concurrent_requests: int | None = Field(default=None, ge=0, description="In flight.")
 
 
+class BucketsLeft(KubeModel):
+    """Allowance left in one router's share of each per-minute limit."""
+
+    requests_per_minute: float | None = Field(default=None, description="Requests left.")
+    input_tokens_per_minute: float | None = Field(default=None, description="Input tokens left.")
+    output_tokens_per_minute: float | None = Field(
+        default=None, description="Output tokens left.")
+
+
+class RouterReport(KubeModel):
+    """One router replica's part: its recent usage and what its buckets had left when it wrote
+    (a restarted router starts from these, not from full buckets)."""
+
+    at: datetime = Field(description="When the router wrote this report.")
+    requests_per_minute: int = Field(default=0, ge=0, description="Requests/minute.")
+    tokens_per_minute: int = Field(default=0, ge=0, description="Tokens/minute.")
+    concurrent_requests: int = Field(default=0, ge=0, description="In flight.")
+    remaining: BucketsLeft = Field(
+        default_factory=BucketsLeft, description="What this router's buckets had left at `at`.")
+
+
 class TenantQuotaStatus(KubeModel):
     """Observed state."""
 
-    usage: TenantUsage | None = Field(default=None, description="Recent usage.")
+    usage: TenantUsage | None = Field(
+        default=None, description="Recent usage, summed over the router replicas.")
+    routers: dict[str, RouterReport] = Field(
+        default_factory=dict, description="Each router replica's report, by its pod name.")
     observed_generation: int | None = Field(default=None, ge=0, description="Generation seen.")
     conditions: list[Condition] = conditions_field()
 

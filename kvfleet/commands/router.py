@@ -18,6 +18,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="with --config: router replicas sharing the limits (each enforces 1/N "
                         "of each); in a cluster the router counts its Ready pods")
+    p.add_argument("--name", default=os.environ.get("POD_NAME") or socket.gethostname(),
+                   help="this replica's name in the TenantQuotas' router reports (default: "
+                        "$POD_NAME, which the manifests set, else the host name); a restarted "
+                        "router with the same name starts from its own last report")
     p.add_argument("--pick", choices=["affinity", "round-robin"], default="affinity",
                    help="replica choice: load then prefix affinity (default), or round-robin "
                         "(a baseline for benchmarks)")
@@ -117,7 +123,8 @@ async def _serve(args: argparse.Namespace, state: Any) -> int:
         from kvfleet.router.cluster import ClusterSource
 
         api = _cluster_api()
-        source = ClusterSource(api, router, None if args.all_namespaces else args.namespace)
+        source = ClusterSource(api, router, None if args.all_namespaces else args.namespace,
+                               name=args.name)
         tasks.append(asyncio.create_task(source.run()))
         app = build_app(router, ready=source.synced)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,

@@ -6,8 +6,11 @@ engine token, made by the operator), TenantQuotas, and the router's own pods. An
 rebuilds the whole `RouterState` (`state_from_objects`, pure) within `DEBOUNCE_SECONDS`, so a
 traffic-table edit by the Rollout controller reaches requests well within a second.
 
-Each TenantQuota's `status.usage` and `Ready` condition are written back every
-`STATUS_INTERVAL_SECONDS` when they changed (never once per request).
+Each TenantQuota's `status` gets this router's report under `routers.<its pod name>` (usage
+and what its buckets have left), the fleet's `usage` (the sum over the live routers) and the
+`Ready` condition, every `STATUS_INTERVAL_SECONDS` when its usage changed (never once per
+request). A router that starts takes its buckets from those reports (`seeds`), so a restart
+loses at most one interval of admissions, not a minute's allowance.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ ENGINE_SELECTOR = f"app.kubernetes.io/component={ENGINE_COMPONENT},{POOL_LABEL}"
 ROUTER_SELECTOR = f"app.kubernetes.io/name={ROUTER_APP}"
 DEBOUNCE_SECONDS = 0.05
 STATUS_INTERVAL_SECONDS = 10.0
+REPORT_TTL_SECONDS = 60.0  # a bucket refills fully in a minute: older reports say nothing
+REPORT_IDLE_TTL_SECONDS = 3600.0
 
 
 def _ready(pod: Mapping[str, Any]) -> bool:
@@ -139,27 +144,88 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
     return state
 
 
-def usage_status(ledger: QuotaLedger, tenant: str, previous: tuple[int, int] | None,
-                 elapsed: float, generation: int | None) -> dict[str, Any] | None:
+def _parse_time(text: object) -> datetime | None:
+    try:
+        return datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _reports(raw: Mapping[str, Any], now: datetime) -> dict[str, tuple[JsonObj, float]]:
+    """The TenantQuota's router reports that parse: name -> (report, age in seconds)."""
+    found: dict[str, tuple[JsonObj, float]] = {}
+    for name, report in ((raw.get("status") or {}).get("routers") or {}).items():
+        if isinstance(report, dict) and (at := _parse_time(report.get("at"))) is not None:
+            found[str(name)] = (report, (now - at).total_seconds())
+    return found
+
+
+def _gone(name: str, me: str, router_pods: set[str]) -> bool:
+    """A report by a router pod that no longer exists (only known where routers are pods)."""
+    return name != me and bool(router_pods) and name not in router_pods
+
+
+def seeds(raw: Mapping[str, Any], me: str, router_pods: set[str], now: datetime
+          ) -> list[tuple[dict[str, float], float]]:
+    """What a starting router's buckets for this TenantQuota start from, as (remaining, age)
+    pairs (the ledger takes the lowest): its own last report (a restarted container keeps its
+    pod's name), else those of router pods that are gone (a replaced pod); reports over a
+    minute old are ignored, their buckets have refilled since."""
+    reports = {n: r for n, r in _reports(raw, now).items() if r[1] < REPORT_TTL_SECONDS}
+    chosen = [reports[me]] if me in reports else [
+        r for n, r in reports.items() if _gone(n, me, router_pods)]
+    return [({k: float(v) for k, v in (report.get("remaining") or {}).items()
+              if isinstance(v, (int, float))}, age) for report, age in chosen]
+
+
+def usage_status(ledger: QuotaLedger, tenant: str, previous: tuple[int, int, int] | None,
+                 elapsed: float, raw: Mapping[str, Any], me: str, router_pods: set[str],
+                 now: datetime, mono: float) -> dict[str, Any] | None:
+    """This router's report into the TenantQuota's status, the fleet's usage (the sum of the
+    live routers' recent reports), and the reports to prune (gone routers, over a minute
+    old); None when the tenant has no quota here."""
     usage = ledger.usage(tenant)
     if usage is None:
         return None
     requests, tokens, in_flight = usage
-    before = previous or (0, 0)  # the first report: everything since the router started
+    before = previous or (0, 0, 0)  # the first report: everything since the router started
     per_minute = 60.0 / max(elapsed, 1e-9)
-    return {
-        "usage": {"requestsPerMinute": round((requests - before[0]) * per_minute),
-                  "tokensPerMinute": round((tokens - before[1]) * per_minute),
-                  "concurrentRequests": in_flight},
-        "observedGeneration": generation,
-    }
+    mine: dict[str, Any] = {"at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "requestsPerMinute": round((requests - before[0]) * per_minute),
+            "tokensPerMinute": round((tokens - before[1]) * per_minute),
+            "concurrentRequests": in_flight, "remaining": ledger.remaining(tenant, mono)}
+    routers: dict[str, Any] = {me: mine}
+    total = {"requestsPerMinute": 0, "tokensPerMinute": 0, "concurrentRequests": 0}
+    for name, (report, age) in _reports(raw, now).items():
+        if name == me:
+            continue
+        idle = not any(report.get(k) for k in total)
+        # Prune: a gone pod's report, a busy report no one renewed within the minute (a live
+        # busy router rewrites every interval), an idle one after an hour (a live idle router
+        # writes it again when it next serves).
+        if _gone(name, me, router_pods) or age >= (REPORT_IDLE_TTL_SECONDS if idle
+                                                   else REPORT_TTL_SECONDS):
+            routers[name] = None  # merge patch: removed
+            continue
+        if age >= REPORT_TTL_SECONDS:
+            continue
+        for key in total:
+            value = report.get(key)
+            total[key] += value if isinstance(value, int) else 0
+    for key in total:
+        total[key] += mine[key]
+    return {"usage": total, "routers": routers,
+            "observedGeneration": (raw.get("metadata") or {}).get("generation")}
 
 
 class ClusterSource:
     """Keeps a router's state in step with the cluster (one namespace, or all with None)."""
 
-    def __init__(self, api: KubeApi, router: Any, namespace: str | None) -> None:
+    def __init__(self, api: KubeApi, router: Any, namespace: str | None,
+                 name: str = "router") -> None:
         self.api, self.router, self.namespace = api, router, namespace
+        self.name = name  # this replica's name in the TenantQuotas' reports: its pod's
+        self._seeded: set[str] = set()  # TenantQuotas whose reports this router started from
         self._dirty = asyncio.Event()
         self.informers = {
             "pools": Informer(api, "ServingPool", "", self._changed, namespace=namespace),
@@ -171,7 +237,8 @@ class ClusterSource:
             "routers": Informer(api, "Pod", ROUTER_SELECTOR, self._changed,
                                 namespace=namespace),
         }
-        self._reported: dict[str, tuple[int, int]] = {}  # TenantQuota -> (requests, tokens)
+        # TenantQuota -> (requests, tokens, in flight) at this router's last report
+        self._reported: dict[str, tuple[int, int, int]] = {}
 
     def _changed(self, _: str | None, __: JsonObj) -> None:
         self._dirty.set()
@@ -189,7 +256,25 @@ class ClusterSource:
             cluster_wide=self.namespace is None)
         self.router.update(state)
         routers = sum(1 for pod in self._objects("routers") if _ready(pod))
-        self.router.ledger.set_replicas(max(1, routers), time.monotonic())
+        now = time.monotonic()
+        self.router.ledger.set_replicas(max(1, routers), now)
+        wall = datetime.now(UTC)
+        for raw in self._objects("quotas"):
+            namespace, name = _where(raw)
+            tenant = (raw.get("spec") or {}).get("tenant")
+            key = f"{namespace}/{name}"
+            if key in self._seeded or not isinstance(tenant, str) or \
+                    tenant not in state.quotas or state.quotas[tenant][0] != key:
+                continue
+            self._seeded.add(key)
+            for remaining, age in seeds(raw, self.name, self._router_pods(), wall):
+                self.router.ledger.seed(tenant, remaining, age, now)
+                log.info("TenantQuota %s: buckets taken from a router report %.0f s old",
+                         key, age)
+
+    def _router_pods(self) -> set[str]:
+        return {str(p["metadata"]["name"]) for p in self._objects("routers")
+                if not p["metadata"].get("deletionTimestamp")}
 
     async def run(self) -> None:
         tasks = [asyncio.create_task(i.run()) for i in self.informers.values()]
@@ -223,11 +308,19 @@ class ClusterSource:
         tenant = (raw.get("spec") or {}).get("tenant")
         if not isinstance(tenant, str) or (usage := self.router.ledger.usage(tenant)) is None:
             return
-        status = usage_status(self.router.ledger, tenant, self._reported.get(key), elapsed,
-                              raw["metadata"].get("generation"))
-        self._reported[key] = (usage[0], usage[1])
+        previous = self._reported.get(key)
+        status = usage_status(self.router.ledger, tenant, previous, elapsed, raw, self.name,
+                              self._router_pods(), datetime.now(UTC), time.monotonic())
+        self._reported[key] = (usage[0], usage[1], usage[2])
         if status is None:
             return
+        # Unchanged since the last report (no admission, nothing ended): the buckets only
+        # refilled, which the last report plus its time already says.
+        stored = ((raw.get("status") or {}).get("routers") or {}).get(self.name) or {}
+        mine = status["routers"][self.name]
+        unchanged = previous == self._reported[key] and all(
+            stored.get(k) == mine[k] for k in status["usage"]) and all(
+            v is not None for v in status["routers"].values())
         enforced = self.router.state.quotas.get(tenant, ("", None))[0] == key
         current = raw.get("status") or {}
         before: dict[str, Any] = next(
@@ -243,7 +336,8 @@ class ClusterSource:
             "lastTransitionTime": before.get("lastTransitionTime")
             if before.get("status") == ready else
             datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}]
-        if all(current.get(k) == v for k, v in status.items()):
+        if unchanged and all(current.get(k) == v for k, v in status.items()
+                             if k not in ("routers", "usage")):
             return
         try:
             await self.api.patch_status("TenantQuota", namespace, name, status)

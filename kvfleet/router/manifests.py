@@ -44,7 +44,9 @@ def build_manifests(namespace: str, image: str = "kvfleet:0.1.0") -> list[dict[s
         # out so a runner without images (the dev cluster's local nodes) runs it too.
         "command": ["kvfleet"],
         "args": ["router", "-n", namespace, "--host", "$(POD_IP)", "--port", str(PORT)],
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        # POD_NAME: the replica's name in the TenantQuotas' router reports.
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},

@@ -15,8 +15,14 @@ their unused allowance on this router).
 Several router replicas: each enforces `1 / replicas` of every limit (rounded up, at least 1),
 `replicas` being the Ready routers in its own Endpoints. The fleet-wide limit then holds as long
 as clients' requests spread over the replicas (the Service balances connections); a client
-pinned to one replica gets that replica's share. Restarting a router resets its buckets to full:
-at most one minute's allowance (its share) can be spent twice across a restart.
+pinned to one replica gets that replica's share.
+
+Restarts: each router reports what its buckets have left into the TenantQuota's status every
+`STATUS_INTERVAL_SECONDS` (see `kvfleet.router.cluster`), and a router that starts takes its
+buckets from its own last report, or from that of a router pod that is gone (the lowest), plus
+the refill since (`seed`). What a restart can lose is the admissions of the last interval
+before it: at most 10 s of a tenant's traffic on that replica is admitted twice, never a whole
+minute's allowance.
 """
 
 from __future__ import annotations
@@ -211,6 +217,27 @@ class QuotaLedger:
                 bucket.refill(now)
                 # An underestimate is charged now: the level may go below zero for a while.
                 bucket.level = min(bucket.capacity, bucket.level + refund)
+
+    def remaining(self, tenant: str, now: float) -> dict[str, float]:
+        """What each per-minute bucket of `tenant` has left now (resource name -> level)."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return {}
+        for bucket in state.buckets.values():
+            bucket.refill(now)
+        return {resource.value: round(bucket.level, 3)
+                for resource, bucket in state.buckets.items()}
+
+    def seed(self, tenant: str, remaining: dict[str, float], age: float, now: float) -> None:
+        """A starting router's buckets from a report `age` seconds old: what was left then plus
+        the refill since, never above what the bucket holds now."""
+        state = self._tenants.get(tenant)
+        if state is None:
+            return
+        for resource, bucket in state.buckets.items():
+            if (left := remaining.get(resource.value)) is not None:
+                bucket.refill(now)
+                bucket.level = min(bucket.level, left + max(0.0, age) * bucket.rate)
 
     def usage(self, tenant: str) -> tuple[int, int, int] | None:
         """(requests admitted, tokens used, in flight) since this router started."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -351,3 +352,104 @@ def test_engine_and_router_agree_on_the_headers_and_defaults_between_them() -> N
     assert router.ROUTER_TOKEN_HEADER == engine.ROUTER_TOKEN_HEADER
     assert router.SHARED_PREFIX_HEADER == engine.SHARED_PREFIX_HEADER
     assert router.DEFAULT_MAX_TOKENS["/v1/chat/completions"] == settings.default_max_tokens
+
+
+def _source_with_quota(name: str, status: dict[str, object] | None = None,
+                       router_pods: tuple[str, ...] = ()) -> tuple[object, object]:
+    from kvfleet.router.cluster import ClusterSource
+    from kvfleet.router.server import Router
+
+    router = Router(parse_config({}))
+    source = ClusterSource(api=None, router=router, namespace="llm",  # type: ignore[arg-type]
+                           name=name)
+    source.informers["quotas"].store.put({
+        "metadata": {"name": "a", "namespace": "llm", "uid": "q", "generation": 1},
+        "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 60}},
+        "status": status or {}})
+    for i, pod in enumerate(router_pods):
+        obj = engine_pod(pod, "-", "-", f"10.1.0.{i}")
+        obj["metadata"]["uid"] = pod  # type: ignore[index]
+        source.informers["routers"].store.put(obj)
+    return source, router
+
+
+def _ago(seconds: float) -> str:
+    from datetime import UTC, datetime, timedelta
+
+    return (datetime.now(UTC) - timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def test_a_restarted_router_starts_from_its_last_report_not_from_full_buckets() -> None:
+    # Router r0 had 2 of 60 requests left 5 s ago (a request a second refills since).
+    report = {"at": _ago(5), "requestsPerMinute": 58, "remaining": {"requestsPerMinute": 2}}
+    source, router = _source_with_quota("r0", {"routers": {"r0": report}}, ("r0",))
+    source.rebuild()  # type: ignore[attr-defined]
+    admitted = 0
+    now = time.monotonic()
+    with pytest.raises(QuotaExceeded):
+        for _ in range(60):
+            router.ledger.admit("team-a", 1, 1, now)  # type: ignore[attr-defined]
+            admitted += 1
+    assert admitted == 7, admitted  # 2 left + 5 refilled, not 60
+
+
+def test_a_replaced_router_pod_starts_from_the_gone_pods_report_and_a_live_ones_is_not_its_own(
+) -> None:
+    reports = {"old-pod": {"at": _ago(1), "remaining": {"requestsPerMinute": 0}},
+               "live-pod": {"at": _ago(1), "remaining": {"requestsPerMinute": 0}}}
+    # The new pod takes over the report of the pod that no longer exists.
+    source, router = _source_with_quota("new-pod", {"routers": reports},
+                                        ("new-pod", "live-pod"))
+    source.rebuild()  # type: ignore[attr-defined]
+    with pytest.raises(QuotaExceeded):
+        for _ in range(3):
+            router.ledger.admit("team-a", 1, 1, time.monotonic())  # type: ignore[attr-defined]
+    # Had the old pod still existed, the new one would start full (the live one's report is
+    # that router's own share).
+    source, router = _source_with_quota("new-pod", {"routers": reports},
+                                        ("new-pod", "live-pod", "old-pod"))
+    source.rebuild()  # type: ignore[attr-defined]
+    for _ in range(20):
+        router.ledger.admit("team-a", 1, 1, time.monotonic())  # type: ignore[attr-defined]
+    # A report over a minute old says nothing: the bucket has refilled since.
+    stale = {"old-pod": {"at": _ago(61), "remaining": {"requestsPerMinute": 0}}}
+    source, router = _source_with_quota("new-pod", {"routers": stale}, ("new-pod",))
+    source.rebuild()  # type: ignore[attr-defined]
+    for _ in range(20):
+        router.ledger.admit("team-a", 1, 1, time.monotonic())  # type: ignore[attr-defined]
+
+
+def test_each_router_writes_its_own_report_and_the_fleets_usage_is_their_sum() -> None:
+    from datetime import UTC, datetime
+
+    from kvfleet.router.cluster import usage_status
+
+    reports = {"peer": {"at": _ago(3), "requestsPerMinute": 30, "tokensPerMinute": 300,
+                        "concurrentRequests": 2},
+               "gone": {"at": _ago(3), "requestsPerMinute": 99},
+               "dead-busy": {"at": _ago(70), "requestsPerMinute": 99},
+               "idle": {"at": _ago(70), "requestsPerMinute": 0}}
+    raw = {"metadata": {"generation": 3}, "status": {"routers": reports}}
+    ledger = QuotaLedger()
+    ledger.set_quotas({"team-a": ("llm/a", quota(requests_per_minute=60))}, 0.0)
+    held = [ledger.admit("team-a", 5, 5, 0.0) for _ in range(10)]
+    for reservation in held[:4]:
+        ledger.settle(reservation, 3, 0.0)
+    status = usage_status(ledger, "team-a", None, 60.0, raw, "me",
+                          {"me", "peer", "dead-busy", "idle"}, datetime.now(UTC), 0.0)
+    assert status is not None
+    mine = status["routers"]["me"]
+    assert (mine["requestsPerMinute"], mine["tokensPerMinute"], mine["concurrentRequests"]) \
+        == (10, 32, 6)
+    assert mine["remaining"]["requestsPerMinute"] == 50
+    assert status["usage"] == {"requestsPerMinute": 40, "tokensPerMinute": 332,
+                               "concurrentRequests": 8}
+    # Pruned: the gone pod's report and a busy one no one renewed in a minute; an idle one
+    # stays (an idle live router does not rewrite it).
+    assert status["routers"]["gone"] is None and status["routers"]["dead-busy"] is None
+    assert "idle" not in status["routers"] and "peer" not in status["routers"]
+    # What the apiserver's schema accepts.
+    from kvfleet.api.tenantquota import TenantQuotaStatus
+
+    TenantQuotaStatus.model_validate({**status, "routers": {
+        k: v for k, v in status["routers"].items() if v is not None}})
