@@ -246,14 +246,17 @@ def _roll_back(kube: KubeClient, op: OperatorProcess, ns: str, hashes: dict[str,
 
 
 def _gpu_hog(kube: KubeClient, namespace: str, node: str) -> str:
-    """A pod holding one of the local node's GPUs (a sleeping process)."""
+    """A pod holding every GPU of the local node that the pool's one replica leaves free (a
+    sleeping process)."""
+    free = int(kube.get("Node", node)["status"]["allocatable"]["nvidia.com/gpu"]) - 1
     _create(kube, {"apiVersion": "v1", "kind": "Pod",
                    "metadata": {"name": "gpu-hog", "namespace": namespace},
                    "spec": {"nodeName": node, "tolerations": tolerations(),
                             "containers": [{"name": "hog", "image": "python",
                                             "command": ["python", "-c",
                                                         "import time; time.sleep(3600)"],
-                                            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
+                                            "resources": {"limits": {
+                                                "nvidia.com/gpu": str(free)}}}]}})
     return "gpu-hog"
 
 

@@ -77,7 +77,7 @@ def _demo(args: argparse.Namespace) -> int:
     from kvfleet.devcluster import fleet
     from kvfleet.devcluster.cluster import ClusterOptions
 
-    # No fake L4s: every L4 pod lands on the local node, whose two GPUs really run engines.
+    # No fake L4s: every L4 pod lands on the local node, whose GPUs really run engines.
     options = ClusterOptions(node_groups=(fleet.NodeGroup(fleet.H100_80GB, 1, 8),))
     return _serve(options, _run_demo)
 

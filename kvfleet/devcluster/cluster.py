@@ -86,8 +86,9 @@ class ClusterOptions:
     node_groups: Sequence[fleet.NodeGroup] = fleet.DEFAULT_FLEET
     local_nodes: int = 1
     local_product: fleet.GpuProduct = fleet.L4
-    # Two: a rollout runs its canary beside the serving revision (each a real engine process).
-    local_gpus_per_node: int = 2
+    # Four: two revisions of a two-replica pool side by side (the router e2e), each pod a real
+    # engine process; a process runs only for a pod placed there.
+    local_gpus_per_node: int = 4
     prometheus: bool = True
     startup_timeout: float = 90.0
     # How long a fake node's lease lasts; KWOK renews it every quarter of this, and the node

@@ -1,6 +1,6 @@
 """`kvfleet dev-cluster demo`: a rollout a newcomer can watch, on this machine.
 
-The dev cluster (no fake L4s: the local node's two GPUs really run engines), the operator,
+The dev cluster (no fake L4s: the local node's GPUs really run engines), the operator,
 the router as a pod, Prometheus scraping it, three revisions of the embedded SmolLM2 and a
 little synthetic traffic. The demo then does what a platform team does in Git: it changes the
 pool's artifactRef to a good revision (shadow, 50 %, 100 %, promoted), then to a slow one (its

@@ -255,9 +255,11 @@ class ClusterSource:
             self._objects("tokens"), self._objects("quotas"),
             cluster_wide=self.namespace is None)
         self.router.update(state)
-        routers = sum(1 for pod in self._objects("routers") if _ready(pod))
+        # This router counts itself from its start, before its own pod is Ready: a replacing
+        # pod seeds its buckets at its final share, not at the survivors' larger one.
+        routers = {str(p["metadata"]["name"]) for p in self._objects("routers") if _ready(p)}
         now = time.monotonic()
-        self.router.ledger.set_replicas(max(1, routers), now)
+        self.router.ledger.set_replicas(len(routers | {self.name}), now)
         wall = datetime.now(UTC)
         for raw in self._objects("quotas"):
             namespace, name = _where(raw)

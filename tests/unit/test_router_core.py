@@ -310,7 +310,8 @@ def test_in_a_cluster_each_router_enforces_its_share_of_the_ready_routers() -> N
     from kvfleet.router.server import Router
 
     router = Router(parse_config({}))
-    source = ClusterSource(api=None, router=router, namespace="llm")  # type: ignore[arg-type]
+    source = ClusterSource(api=None, router=router, namespace="llm",  # type: ignore[arg-type]
+                           name="router-0")
     quota_obj = {"metadata": {"name": "a", "namespace": "llm", "uid": "q"},
                  "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 10}}}
     source.informers["quotas"].store.put(quota_obj)

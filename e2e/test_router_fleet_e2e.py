@@ -1,0 +1,323 @@
+"""The router in front of a real fleet on the dev cluster: two revisions of one pool with two
+replicas each (real `kvfleet serve` processes behind pods on the local node), two router pods
+(the install manifests), real Secrets and TenantQuotas, and the Rollout controller moving the
+traffic table on a person's promote requests.
+
+What a platform team relies on, each measured here: the weights 0/10/50/100 realised within 3
+points over 2,000 conversations each, on either router (they agree without talking); a
+conversation never switching back to stable as the weight rises; shadow copies that never reach
+the client and are never charged to the tenant; a replica pod deleted under load losing no
+request; a spoofed tenant header changing nothing; a router pod replaced after its tenant spent
+its allowance starting from that router's report, not from a full minute's allowance.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+import yaml
+
+from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixtures)
+    Kubectl,
+    OperatorProcess,
+    _available,
+    _only_the_local_l4_node,
+    _wait_pool,
+    crds,
+    operator,
+)
+from kvfleet.api import manifest_hash
+from kvfleet.api.labels import ROUTER_APP
+from kvfleet.api.rollout import REQUEST_ANNOTATION
+from kvfleet.devcluster.demo import (
+    POOL,
+    TENANT_KEY,
+    local_pool,
+    router_on_node,
+    set_artifact,
+    smollm2_revision,
+    tenant,
+)
+from kvfleet.devcluster.kube import JsonObj, KubeClient
+from kvfleet.operator import naming
+from kvfleet.router.manifests import PORT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SESSIONS = 2000  # conversations per weight
+WORKERS = 8
+TEAM_B_KEY = "sk-e2e-team-b-0123456789abcdef"
+TEAM_B_RPM = 20  # 10 on each of the two routers
+
+
+def _routers(kube: KubeClient, ns: str) -> dict[str, str]:
+    """Ready router pods: name -> URL."""
+    found = {}
+    for pod in kube.list("Pod", ns, label_selector=f"app.kubernetes.io/name={ROUTER_APP}"):
+        conditions = (pod.get("status") or {}).get("conditions", [])
+        if not pod["metadata"].get("deletionTimestamp") and any(
+                c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+            found[pod["metadata"]["name"]] = f"http://{pod['status']['podIP']}:{PORT}"
+    return found
+
+
+def _chat(client: httpx.Client, url: str, key: str, session: str, max_tokens: int = 1,
+          headers: dict[str, str] | None = None) -> httpx.Response:
+    return client.post(url + "/v1/chat/completions", timeout=120,
+                       headers={"authorization": f"Bearer {key}", **(headers or {})},
+                       json={"model": POOL, "max_tokens": max_tokens, "user": session,
+                             "temperature": 0,
+                             "messages": [{"role": "user", "content": "Hi"}]})
+
+
+class Clients:
+    """WORKERS threads, each with its own connection pool, sending conversations."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.pool = ThreadPoolExecutor(WORKERS)
+        self.opened: list[httpx.Client] = []
+        self.lock = threading.Lock()
+
+    def client(self) -> httpx.Client:
+        if not hasattr(self.local, "client"):
+            self.local.client = httpx.Client()
+            with self.lock:
+                self.opened.append(self.local.client)
+        return self.local.client  # type: ignore[no-any-return]
+
+    def run(self, sessions: list[str], urls: list[str], key: str = TENANT_KEY
+            ) -> dict[str, httpx.Response | str]:
+        """Each session's request, alternately through each router: session -> response (or
+        the transport error)."""
+        def one(i: int) -> tuple[str, httpx.Response | str]:
+            try:
+                return sessions[i], _chat(self.client(), urls[i % len(urls)], key, sessions[i])
+            except httpx.HTTPError as exc:
+                return sessions[i], f"{type(exc).__name__}: {exc}"
+        return dict(self.pool.map(one, range(len(sessions))))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        for client in self.opened:
+            client.close()
+
+
+def _revisions(answers: dict[str, httpx.Response | str]) -> dict[str, str]:
+    """session -> short revision that answered; every request must have succeeded."""
+    failed = {s: (a if isinstance(a, str) else f"{a.status_code}: {a.text[:200]}")
+              for s, a in answers.items() if isinstance(a, str) or a.status_code != 200}
+    assert not failed, f"{len(failed)} failed, e.g. {list(failed.items())[:3]}"
+    return {s: a.headers["x-kvfleet-revision"] for s, a in answers.items()
+            if not isinstance(a, str)}
+
+
+def _request(kube: KubeClient, ns: str, action: str, step: int | None = None) -> None:
+    request: JsonObj = {"action": action, "id": uuid.uuid4().hex[:16]}
+    if step is not None:
+        request["step"] = step
+    kube.merge_patch("Rollout", POOL, {"metadata": {"annotations": {
+        REQUEST_ANNOTATION: json.dumps(request)}}}, ns)
+
+
+def _wait_rollout(kube: KubeClient, op: OperatorProcess, ns: str,
+                  check: Callable[[JsonObj], bool], what: str, timeout: float) -> JsonObj:
+    deadline = time.monotonic() + timeout
+    rollout: JsonObj = {}
+    while time.monotonic() < deadline:
+        rollout = kube.get("Rollout", POOL, ns)
+        if check(rollout.get("status") or {}):
+            return rollout
+        time.sleep(0.3)
+    pytest.fail(f"Rollout {ns}/{POOL}: timed out waiting for {what}; status:\n"
+                f"{yaml.safe_dump(rollout.get('status'))}\noperator log:\n{op.log_tail()}")
+
+
+def _pods(kube: KubeClient, ns: str, revision: str) -> list[str]:
+    selector = f"{naming.POOL_LABEL}={POOL},{naming.REVISION_LABEL}={revision[:12]}"
+    return [p["metadata"]["name"] for p in kube.list("Pod", ns, label_selector=selector)
+            if not p["metadata"].get("deletionTimestamp") and any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in (p.get("status") or {}).get("conditions", []))]
+
+
+def _router_metric(urls: list[str], name: str, **labels: str) -> float:
+    """The sum over the routers of one series' samples matching `labels`."""
+    total = 0.0
+    for url in urls:
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line
+                                                  for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture
+def clients() -> Iterator[Clients]:
+    c = Clients()
+    yield c
+    c.close()
+
+
+def test_weights_stickiness_shadow_replica_loss_and_router_restart_on_a_real_fleet(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
+    local_node: str, fake_nodes: list[str], clients: Clients,
+) -> None:
+    revisions = [smollm2_revision(f"smol-v{i}", 40 + i, namespace) for i in (1, 2)]
+    for artifact in revisions:
+        kube.create(artifact)
+    stable, canary = (manifest_hash(a["spec"])[:12] for a in revisions)
+    tenant(kube, namespace)
+    _team_b(kube, namespace)
+    pool = local_pool(POOL, "smol-v1", namespace)
+    pool["spec"]["replicas"] = 2
+    kube.create(pool)
+    # The traffic table moves only on a person's promote: no step is analysed.
+    kube.create({
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "Rollout",
+        "metadata": {"name": POOL, "namespace": namespace},
+        "spec": {"poolRef": {"name": POOL}, "autoPromote": False, "drainSeconds": 3,
+                 "shadow": {"percent": 50, "durationSeconds": 1, "analysis": False},
+                 "steps": [{"weight": w, "analysis": False} for w in (10, 50, 100)]}})
+    sessions = [f"conversation-{i}" for i in range(SESSIONS)]
+    with _only_the_local_l4_node(kube, kubectl):
+        _wait_pool(kube, operator, namespace, POOL,
+                   lambda p: _available(p) and len(_pods(kube, namespace, stable)) == 2,
+                   "two stable replicas Ready", 300)
+        router_on_node(kube, namespace, local_node)
+        routers = kube.wait_for("both router pods Ready", lambda: _routers(
+            kube, namespace) if len(_routers(kube, namespace)) == 2 else None, 90)
+        urls = list(routers.values())
+        time.sleep(0.5)  # a first scrape of the engines' load
+
+        # Weight 0: the stable revision answers every conversation.
+        assert set(_revisions(clients.run(sessions, urls)).values()) == {stable}
+
+        # Shadow: half the live requests are copied to the new revision; the client only
+        # ever sees stable's answers, and the copies are not charged: team-b's 10 requests
+        # a minute on this router are all admitted although 5 copies or so went along.
+        set_artifact(kube, namespace, POOL, "smol-v2")
+        _wait_rollout(kube, operator, namespace, lambda s: s.get("shadowPercent") == 50,
+                      "the shadow phase", 240)
+        time.sleep(1.5)  # the routers follow the pool's traffic table
+        def mirrored() -> float:  # copies sent, and copies shed at the routers' cap
+            return _router_metric(urls, "kvfleet_router_requests_total", traffic="shadow",
+                                  revision=canary) + _router_metric(
+                urls, "kvfleet_router_shadow_comparisons_total", outcome="shed")
+
+        before = mirrored()
+        with httpx.Client() as client:
+            # Over a limit (before any engine), naming it and the TenantQuota: a max_tokens that
+            # can never fit this router's share of team-b's output tokens.
+            too_long = _chat(client, urls[0], TEAM_B_KEY, "b-long", max_tokens=1500)
+            assert too_long.status_code == 429, too_long.text
+            assert "outputTokensPerMinute" in too_long.text
+            assert f"TenantQuota {namespace}/team-b" in too_long.json()["error"]["message"]
+            answers = [_chat(client, urls[0], TEAM_B_KEY, f"b-{i}") for i in range(10)]
+            assert [a.status_code for a in answers] == [200] * 10, answers[-1].text
+            assert {a.headers["x-kvfleet-revision"] for a in answers} == {stable}
+            over = _chat(client, urls[0], TEAM_B_KEY, "b-over")
+            assert over.status_code == 429 and int(over.headers["retry-after"]) >= 1, over.text
+            # A spoofed tenant header is dropped: team-a's key with "x-kvfleet-tenant:
+            # team-b" is team-a's request, and served although team-b has nothing left.
+            spoofed = _chat(client, urls[0], TENANT_KEY, "spoof",
+                            headers={"x-kvfleet-tenant": "team-b"})
+            assert spoofed.status_code == 200, spoofed.text
+        shadowed = clients.run(sessions[:400], urls)
+        assert set(_revisions(shadowed).values()) == {stable}
+        time.sleep(2)  # the last copies finish
+        share = (mirrored() - before) * 100 / 411
+        assert abs(share - 50) <= 8, share
+
+        # The canary steps, each on a person's promote. A conversation moves to the canary at
+        # most once, never back, and each weight is realised within 3 points.
+        seen: dict[str, str] = {s: stable for s in sessions}
+        for step, weight in enumerate((10, 50, 100)):
+            _request(kube, namespace, "promote", step - 1)
+            _wait_rollout(kube, operator, namespace,
+                          lambda s, w=weight: s.get("currentWeight") == w, f"weight {weight}%",
+                          240)
+            time.sleep(1.5)
+            if weight == 100:
+                kube.wait_for("two canary replicas Ready", lambda: len(
+                    _pods(kube, namespace, canary)) == 2 or None, 240)
+                answered = _revisions(_with_a_replica_deleted(
+                    kube, namespace, canary, lambda: clients.run(sessions, urls)))
+            else:
+                answered = _revisions(clients.run(sessions, urls))
+            share = Counter(answered.values())[canary] * 100 / SESSIONS
+            assert abs(share - weight) <= 3, (weight, share)
+            back = [s for s in sessions if seen[s] == canary and answered[s] == stable]
+            assert not back, f"{len(back)} conversations switched back, e.g. {back[:3]}"
+            seen = answered
+        _router_restart(kube, namespace, routers)
+
+
+def _team_b(kube: KubeClient, ns: str) -> None:
+    kube.create({"apiVersion": "v1", "kind": "Secret",
+                 "metadata": {"name": "team-b-key", "namespace": ns,
+                              "labels": {"kvfleet.io/tenant": "team-b"}},
+                 "data": {"key": base64.b64encode(TEAM_B_KEY.encode()).decode()}})
+    kube.create({"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+                 "metadata": {"name": "team-b", "namespace": ns},
+                 "spec": {"tenant": "team-b", "limits": {
+                     "requestsPerMinute": TEAM_B_RPM, "outputTokensPerMinute": 2000}}})
+
+
+def _with_a_replica_deleted(kube: KubeClient, ns: str, revision: str,
+                            load: Callable[[], dict[str, httpx.Response | str]]
+                            ) -> dict[str, httpx.Response | str]:
+    """`load` runs while one of the revision's two replica pods is deleted (as a node drain
+    or `kubectl delete pod` does: SIGTERM, the engine drains)."""
+    with ThreadPoolExecutor(1) as side:
+        running = side.submit(load)
+        time.sleep(3)
+        victim = _pods(kube, ns, revision)[0]
+        kube.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{victim}")
+        answers = running.result()
+    assert victim not in _pods(kube, ns, revision)
+    return answers
+
+
+def _router_restart(kube: KubeClient, ns: str, routers: dict[str, str]) -> None:
+    """team-b spent its allowance on the first router; once that router wrote its report, its
+    pod is deleted. The Deployment's new pod starts from the gone pod's report: it admits only
+    what refilled since (~1 request in 6 s), not a fresh minute's allowance (10)."""
+    (first, url), = list(routers.items())[:1]
+    with httpx.Client() as client:
+        while _chat(client, url, TEAM_B_KEY, "b-spend").status_code == 200:
+            pass
+
+        def reported() -> bool | None:
+            status = kube.get("TenantQuota", "team-b", ns).get("status") or {}
+            report = (status.get("routers") or {}).get(first) or {}
+            left = (report.get("remaining") or {}).get("requestsPerMinute")
+            return True if left is not None and left < 1 else None
+
+        kube.wait_for("the router's report of team-b", reported, 30)
+        report = kube.get("TenantQuota", "team-b", ns)["status"]["routers"][first]
+        kube.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{first}")
+        replaced = kube.wait_for("a new router pod Ready", lambda: next(
+            (u for n, u in _routers(kube, ns).items() if n not in routers), None), 90)
+        admitted = 0
+        for i in range(10):
+            answer = _chat(client, replaced, TEAM_B_KEY, f"b-after-{i}")
+            assert answer.status_code in (200, 429), answer.text
+            admitted += answer.status_code == 200
+    # What the report had left plus the refill since (a request every 6 s), not the fresh
+    # minute's allowance (10) a router without the report would start from.
+    at = datetime.fromisoformat(report["at"].replace("Z", "+00:00"))
+    refilled = report["remaining"]["requestsPerMinute"] + (
+        datetime.now(UTC) - at).total_seconds() * TEAM_B_RPM / 2 / 60
+    assert admitted <= math.floor(refilled) + 1 and admitted < 10, (admitted, refilled)
