@@ -88,18 +88,33 @@ async def admit(
     """
     if kind not in KINDS:
         return Decision([FieldError("kind", "schema", f"{kind} is not a kvfleet kind")])
-    try:
-        new = _parse(kind, new_data)
-        old = _parse(kind, old_data) if old_data is not None else None
-    except ValidationError as error:
-        return Decision(_schema_errors(error))
     if new_data.get("metadata", {}).get("deletionTimestamp"):
         # Finalizer removal during deletion must never be blocked by a missing reference.
         return Decision()
-    if old is not None and old.spec == new.spec:
-        # Metadata-only updates (labels, finalizers) keep an admitted spec admitted, even if a
-        # referenced object has since gone away.
+    if old_data is not None and old_data.get("spec") == new_data.get("spec"):
+        # Metadata-only updates (labels, annotations such as a rollout request, finalizers)
+        # keep an admitted spec admitted: even if a referenced object has since gone away, and
+        # even if a stricter schema after an upgrade no longer accepts the stored spec (the
+        # spec's owner fixes it with a spec change, which is validated).
         return Decision()
+    try:
+        new = _parse(kind, new_data)
+    except ValidationError as error:
+        return Decision(_schema_errors(error))
+    old = None
+    warnings: list[FieldError] = []
+    if old_data is not None:
+        # The stored object is best effort: one that a newer schema refuses must not block the
+        # update that fixes it. Its immutable fields then rest on the CRD's CEL rules alone.
+        try:
+            old = _parse(kind, old_data)
+        except ValidationError as error:
+            first = _schema_errors(error)[0]
+            warnings.append(FieldError(
+                first.field, "schema", f"the stored {kind} no longer validates ({first.message});"
+                " checked the new object alone", severity="warning"))
+        if old is not None and old.spec == new.spec:  # the same spec, spelled otherwise
+            return Decision()
     new.metadata.namespace = new.metadata.namespace or namespace or "default"
     namespace = new.metadata.namespace
     found: list[FieldError]
@@ -117,5 +132,5 @@ async def admit(
         raise TypeError(f"no admission rules for {type(new).__name__}")
     return Decision(
         errors=[e for e in found if e.severity == "error"],
-        warnings=[e for e in found if e.severity == "warning"],
+        warnings=warnings + [e for e in found if e.severity == "warning"],
     )

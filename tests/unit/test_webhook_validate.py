@@ -193,6 +193,23 @@ def test_metadata_only_update_and_deletion_are_admitted_without_references() -> 
     assert _admit("ServingPool", deleting, old, _store()).allowed
 
 
+def test_a_stored_object_a_stricter_schema_refuses_blocks_no_update() -> None:
+    """After an upgrade that tightens the schema, the stored pool no longer parses: annotation
+    and label patches go through, a spec change that fixes it is validated on its own (with a
+    warning), and one that is still invalid is refused for the new object's own fault."""
+    stored = make_pool().set("spec.replicas", -1).data()  # what the old schema let in
+    annotated = make_pool().set("spec.replicas", -1).set(
+        "metadata.annotations", {"kvfleet.io/rollout-request": "{}"}).data()
+    assert _admit("ServingPool", annotated, stored, _store(_artifact())).allowed
+    fixed = _admit("ServingPool", _pool().to_wire(), stored, _store(_artifact()))
+    assert fixed.allowed, fixed.errors
+    assert [(w.field, w.rule) for w in fixed.warnings] == [("spec.replicas", "schema")]
+    assert "stored ServingPool no longer validates" in fixed.warnings[0].message
+    still = make_pool().set("spec.replicas", -2).data()
+    [error] = _admit("ServingPool", still, stored, _store(_artifact())).errors
+    assert (error.field, error.rule) == ("spec.replicas", "schema")
+
+
 def test_fetch_failure_propagates() -> None:
     async def broken(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         raise FetchError("connection refused")
