@@ -78,6 +78,11 @@ class StreamEvent:
     num_cached_tokens: int = 0
 
 
+# A StreamEvent (sys.getsizeof: 88 B), its text object (49 B + the characters) and its list
+# slot, rounded up.
+EVENT_OVERHEAD_BYTES = 160
+
+
 class RequestStream:
     """The published events of one request; readers iterate from the first event."""
 
@@ -111,6 +116,10 @@ class RequestStream:
                     return
             self._changed.clear()
             await self._changed.wait()
+
+    def nbytes(self) -> int:
+        """About what the kept events weigh: their text plus a fixed cost per event."""
+        return sum(len(e.text) * 4 + EVENT_OVERHEAD_BYTES for e in self.events)
 
     async def result(self) -> list[StreamEvent]:
         async for _ in self.follow():
@@ -151,7 +160,8 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.limits = limits or AdmissionLimits()
-        self._idempotency: IdempotencyCache[RequestStream] = idempotency or IdempotencyCache()
+        self._idempotency: IdempotencyCache[RequestStream] = idempotency or IdempotencyCache(
+            size=RequestStream.nbytes)
         self._log_text = log_text
         self.accepting = False
         # Seconds slept after every step: an injected fault only (`faults.token_delay`).

@@ -228,7 +228,25 @@ def test_idempotency_cache_expires_finished_entries_and_bounds_its_size() -> Non
     assert cache.get("t", "a", "f1") is None
     for key in "xyz":
         cache.put("t", key, "f", key)
+        cache.mark_finished("t", key)
     assert len(cache) == 2 and cache.get("t", "x", "f") is None
+
+
+def test_idempotency_cache_bounds_finished_bytes_and_never_evicts_a_running_request() -> None:
+    cache: IdempotencyCache[str] = IdempotencyCache(capacity=3, ttl_seconds=60,
+                                                    max_bytes=10, size=len)
+    for key in "abc":  # three requests running at once, each over the byte budget
+        cache.put("t", key, "f", key * 8)
+    cache.put("t", "d", "f", "d")  # a fourth: over the count, but every entry is running
+    assert len(cache) == 4 and cache.get("t", "a", "f") == "a" * 8
+    cache.mark_finished("t", "a")  # finished, and the count (4 > 3) drops it at once
+    assert cache.get("t", "a", "f") is None and len(cache) == 3
+    cache.mark_finished("t", "b")  # 8 bytes finished: within 10
+    assert len(cache) == 3 and cache.finished_bytes == 8
+    cache.mark_finished("t", "c")  # 16 bytes finished: the least recently used goes
+    assert cache.get("t", "b", "f") is None and cache.get("t", "c", "f") == "c" * 8
+    assert cache.finished_bytes == 8
+    assert cache.get("t", "d", "f") == "d"  # still running, still there
 
 
 @pytest.mark.asyncio
