@@ -229,7 +229,7 @@ class AsyncEngine:
         self._next_id += 1
         request_id = f"cmpl-{self._next_id:x}-{time.time_ns() % 10**9:09d}"
         stream = RequestStream(request_id, spec, int(time.time()))
-        now = time.time()
+        now = time.monotonic()  # deadlines and timings: never moved by a clock step
         request = Request(
             request_id=request_id, prompt_token_ids=spec.prompt_token_ids,
             sampling_params=spec.sampling, tenant=spec.tenant, priority=spec.priority,
@@ -398,7 +398,7 @@ class AsyncEngine:
             self._needs_step = True
 
     def _expire_deadlines(self) -> None:
-        now = time.time()
+        now = time.monotonic()
         for tracked in self._tracked.values():
             if (tracked.deadline is not None and now >= tracked.deadline
                     and tracked.forced_reason is None and not tracked.request.is_finished):
@@ -470,7 +470,7 @@ class AsyncEngine:
     def _record_finish(self, tracked: _Tracked, finish_reason: str) -> None:
         request = tracked.request
         timings = request.timings
-        finish_time = timings.finish_time or time.time()
+        finish_time = timings.finish_time or time.monotonic()
         result = FinishedRequestTimings(
             arrival_time=timings.arrival_time,
             first_scheduled_time=timings.first_scheduled_time,

@@ -47,7 +47,8 @@ class ChatTemplateProtocol(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """One finished request. Times are `time.time()` seconds."""
+    """One finished request. Times are `time.monotonic()` seconds: only differences mean
+    anything."""
 
     request_id: str
     prompt: str | None

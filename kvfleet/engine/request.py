@@ -137,7 +137,8 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class RequestTimings:
-    """Wall-clock instants (`time.time()` seconds) of a request's life, None until reached."""
+    """Instants (`time.monotonic()` seconds: a wall-clock step never moves a deadline or a
+    latency) of a request's life, None until reached."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -163,7 +164,7 @@ class Request:
     """One generation request as the scheduler sees it.
 
     `priority`: lower values are served first under the priority policy (vLLM's convention).
-    `deadline`: absolute `time.time()` instant after which the request ends with
+    `deadline`: absolute `time.monotonic()` instant after which the request ends with
     finish_reason `deadline`. `cache_salt`: the prefix-cache scope (tenant scope, model hash,
     adapter, template version); requests with different salts never share cached blocks.
     """
@@ -197,7 +198,7 @@ class Request:
         if not self.prompt_token_ids:
             raise InvalidRequestError("prompt", "is empty", "send at least one token of prompt")
         self.all_token_ids = list(self.prompt_token_ids)
-        arrival = time.time() if self.arrival_time is None else self.arrival_time
+        arrival = time.monotonic() if self.arrival_time is None else self.arrival_time
         self.arrival_time = arrival
         self.timings = RequestTimings(arrival_time=arrival)
 

@@ -65,7 +65,7 @@ class FakeCore:
     def abort_request(self, request_id: str,
                       reason: FinishReason = FinishReason.CANCELLED) -> None:
         request = self.requests.get(request_id)
-        if request is not None and request.finish(reason, time.time()):
+        if request is not None and request.finish(reason, time.monotonic()):
             self.num_aborts += 1
 
     def has_unfinished_requests(self) -> bool:
@@ -89,7 +89,7 @@ class FakeCore:
             raise RuntimeError("injected step failure")
         if self.step_seconds:
             time.sleep(self.step_seconds)
-        now = time.time()
+        now = time.monotonic()
         live = [r for r in self.requests.values() if not r.is_finished]
         self.max_batch = max(self.max_batch, len(live))
         for request in live:

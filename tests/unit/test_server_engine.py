@@ -9,6 +9,7 @@ import asyncio
 import io
 import json
 import logging
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -270,5 +271,26 @@ async def test_a_bug_outside_the_step_ends_requests_with_error_instead_of_hangin
         after = await engine.submit(spec(max_tokens=3))
         assert (await asyncio.wait_for(after.result(), 5))[-1].finish_reason == "length"
         assert core.blocks_in_use() == 0
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_wall_clock_step_moves_no_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NTP steps the wall clock an hour ahead mid-request: a 30 s deadline still has its 30 s
+    (deadlines run on the monotonic clock), and an hour back does not extend one either."""
+    core = FakeCore(step_seconds=0.005)
+    engine, _ = await started(core)
+    try:
+        stream = await engine.submit(spec(max_tokens=250, deadline_seconds=30.0))
+        await wait_events(stream, 1)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3600)
+        await wait_events(stream, len(stream.events) + 20)
+        assert not stream.finished, stream.events[-1]
+        short = await engine.submit(spec(max_tokens=250, deadline_seconds=0.2))
+        monkeypatch.setattr(time, "time", lambda: real() - 3600)
+        events = await asyncio.wait_for(short.result(), 5)
+        assert events[-1].finish_reason == "deadline"
     finally:
         await engine.stop()
