@@ -119,6 +119,10 @@ def register(subparsers: Any) -> None:
                       help="chat requests without max_tokens (capped by the context)")
     http.add_argument("--drain-grace-seconds", type=float, default=30.0,
                       help="on SIGTERM, time in-flight requests get before being cancelled")
+    http.add_argument("--stall-seconds", type=float, default=60.0,
+                      help="with requests in flight and no engine step finished for this "
+                           "long, the engine is failed: /health and /ready answer 503 with the "
+                           "reason and its streams end with an error")
     logs = p.add_argument_group("logging")
     logs.add_argument("--log-level", default="info",
                       choices=["debug", "info", "warning", "error"])
@@ -162,5 +166,6 @@ def run(args: argparse.Namespace) -> int:
                              max_in_flight_per_tenant=args.max_in_flight_per_tenant)
     load = build_loader(args, limits)
     options = RuntimeOptions(host=args.host, port=args.port,
-                             grace_seconds=args.drain_grace_seconds, settings=settings)
+                             grace_seconds=args.drain_grace_seconds,
+                             stall_seconds=args.stall_seconds, settings=settings)
     return asyncio.run(run_server(load, options))

@@ -164,8 +164,10 @@ class AsyncEngine:
             size=RequestStream.nbytes)
         self._log_text = log_text
         self.accepting = False
-        # Seconds slept after every step: an injected fault only (`faults.token_delay`).
+        # Seconds slept after every step, and steps until the thread hangs: injected faults
+        # only (`faults.token_delay`, `faults.stall_after`).
         self.step_delay = 0.0
+        self.stall_after: int | None = None
         self._in_flight: dict[str, RequestStream] = {}
         self._per_tenant: dict[str, int] = {}
         self._next_id = 0
@@ -176,15 +178,64 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._needs_step = False  # engine thread only: an abort's blocks free at a step
+        # The watchdog's view: when the engine thread last finished a loop turn, and why the
+        # engine is failed (sticky: a dead or stalled engine is restarted, not trusted again).
+        self._progress_at = time.monotonic()
+        self.failure: str | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.stall_seconds = 60.0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, stall_seconds: float = 60.0) -> None:
         self._loop = asyncio.get_running_loop()
+        self.stall_seconds = stall_seconds
+        self._progress_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self._thread.start()
+        self._watchdog = asyncio.create_task(self._watch())
+
+    def check(self) -> str | None:
+        """Why the engine cannot serve, or None: its thread is gone, or requests are in flight
+        and no loop turn finished in `stall_seconds` (one step of a full batch takes well
+        under a second; a stuck kernel or a deadlock never finishes one)."""
+        if self.failure is not None:
+            return self.failure
+        if self._thread is not None and not self._thread.is_alive() and not self._stop:
+            return "the engine thread is not running"
+        stalled = time.monotonic() - self._progress_at
+        if self._in_flight and stalled > self.stall_seconds:
+            return (f"no engine step finished in {stalled:.0f} s with {len(self._in_flight)} "
+                    "requests in flight")
+        return None
+
+    async def _watch(self, period: float = 1.0) -> None:
+        """Fails the engine once `check` finds a problem: it stops accepting, /health and
+        /ready answer 503 with the reason (the kubelet restarts the pod, routers stop sending
+        to it), and every in-flight stream ends now with an error event, not a hang."""
+        while self.failure is None:
+            await asyncio.sleep(period)
+            if self._stop:
+                return
+            problem = self.check()
+            if problem is None:
+                continue
+            self.failure, self.accepting = problem, False
+            streams = list(self._in_flight.values())
+            logger.error("engine failed: %s; ending %d requests with finish_reason error",
+                         problem, len(streams))
+            for stream in streams:
+                stream.publish(StreamEvent(
+                    seq=len(stream.events), text="", num_new_tokens=0, finish_reason="error",
+                    num_prompt_tokens=len(stream.spec.prompt_token_ids),
+                    num_output_tokens=sum(e.num_new_tokens for e in stream.events)))
+                if not stream.accepted.done():
+                    stream.accepted.set_result(None)
+                self._forget(stream)
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         with self._lock:
             self._stop = True
             self._lock.notify()
@@ -325,6 +376,7 @@ class AsyncEngine:
                 if self._stop:
                     return
                 commands, self._commands = self._commands, _Commands()
+                self._progress_at = time.monotonic()  # idle time is not a stall
             batch: list[tuple[RequestStream, StreamEvent | BaseException | None]] = []
             try:
                 self._apply(commands, batch)
@@ -340,6 +392,7 @@ class AsyncEngine:
                                  "error", len(self._tracked))
                 self._fail_all(batch)
             self._hand_over(batch)
+            self._progress_at = time.monotonic()
 
     def _hand_over(self, batch: list[tuple[RequestStream, StreamEvent | BaseException | None]]
                    ) -> None:
@@ -355,6 +408,10 @@ class AsyncEngine:
                 self.core.step()
                 if self.step_delay > 0:
                     time.sleep(self.step_delay)
+                if self.stall_after is not None:
+                    self.stall_after -= 1
+                    while self.stall_after <= 0 and not self._stop:  # the injected hang
+                        time.sleep(0.1)
         except Exception:  # a failing step must not kill the server: fail its requests
             logger.exception("engine step failed; failing %d requests", len(self._tracked))
             for tracked in self._tracked.values():

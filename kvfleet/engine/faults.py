@@ -6,7 +6,9 @@ artifact without a bad model. Off unless `$KVFLEET_ENGINE_FAULTS` names the revi
 `token_delay` (seconds) is added to every engine step after warm-up, so to every token of
 every request, the first included (TTFT, TPOT and end-to-end latency grow; the requests stay
 in flight, so a drain waits for them as for any slow request); `error_rate` (0-1) is the share
-of requests answered 500 internal_error. The engine logs a warning at start when a fault
+of requests answered 500 internal_error; `stall_after` (steps) makes the engine thread hang
+after that many steps past warm-up, as a stuck kernel or a deadlock would (the watchdog's
+case: probes fail, streams end with an error). The engine logs a warning at start when a fault
 applies to it.
 """
 
@@ -22,10 +24,11 @@ FAULTS_ENV = "KVFLEET_ENGINE_FAULTS"
 class Faults:
     token_delay: float = 0.0
     error_rate: float = 0.0
+    stall_after: float = 0.0  # steps; 0: never
 
     @property
     def active(self) -> bool:
-        return self.token_delay > 0 or self.error_rate > 0
+        return self.token_delay > 0 or self.error_rate > 0 or self.stall_after > 0
 
     def fail_now(self) -> bool:
         return self.error_rate > 0 and random.random() < self.error_rate
@@ -43,15 +46,16 @@ def faults_for(spec: str, revision: str | None) -> Faults:
         values: dict[str, float] = {}
         for item in filter(None, (s.strip() for s in settings.split(","))):
             key, _, value = item.partition("=")
-            if key not in ("token_delay", "error_rate"):
+            if key not in ("token_delay", "error_rate", "stall_after"):
                 raise ValueError(f"{FAULTS_ENV}: unknown fault {key!r} (token_delay, "
-                                 "error_rate)")
+                                 "error_rate, stall_after)")
             try:
                 values[key] = float(value)
             except ValueError:
                 raise ValueError(f"{FAULTS_ENV}: {key}={value!r} is not a number") from None
         faults = Faults(**values)
-        if faults.token_delay < 0 or not 0 <= faults.error_rate <= 1:
-            raise ValueError(f"{FAULTS_ENV}: token_delay >= 0 and 0 <= error_rate <= 1")
+        if faults.token_delay < 0 or not 0 <= faults.error_rate <= 1 or faults.stall_after < 0:
+            raise ValueError(f"{FAULTS_ENV}: token_delay >= 0, 0 <= error_rate <= 1 and "
+                             "stall_after >= 0")
         return faults
     return Faults()

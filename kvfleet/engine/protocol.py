@@ -231,10 +231,12 @@ class ErrorResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "failed"] = "ok"
     state: str
+    reason: str | None = None  # why the engine failed (its watchdog's finding)
 
 
 class ReadyResponse(BaseModel):
     ready: bool
     state: str
+    reason: str | None = None

@@ -44,6 +44,7 @@ class RuntimeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     grace_seconds: float = 30.0
+    stall_seconds: float = 60.0  # the engine watchdog's limit (`AsyncEngine.check`)
     settings: ServerSettings = field(default_factory=ServerSettings)
 
 
@@ -136,10 +137,12 @@ async def run_server(load: Callable[[], LoadedEngine], options: RuntimeOptions) 
         loaded = await in_own_thread(load, "kvfleet-load")
         serving.chat_template = loaded.chat_template
         serving.engine = loaded.engine
-        loaded.engine.start()
+        loaded.engine.start(options.stall_seconds)
         if lifecycle.state is LifecycleState.LOADING:
             await warm_up(loaded.engine, lifecycle, loaded.warmup_prompt_ids)
             loaded.engine.step_delay = options.settings.faults.token_delay
+            if options.settings.faults.stall_after:
+                loaded.engine.stall_after = int(options.settings.faults.stall_after)
             logger.info("ready", extra={"fields": {"event": "ready",
                                                    "model": loaded.engine.model.name,
                                                    "revision": loaded.engine.model.revision}})

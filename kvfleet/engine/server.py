@@ -464,14 +464,27 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
         return Response(engine.tokenizer.to_json(), media_type="application/json",
                         headers={"x-kvfleet-revision": engine.model.revision})
 
-    @app.get("/health", response_model=HealthResponse)
-    async def health() -> HealthResponse:
-        return HealthResponse(state=lifecycle.state.value)
+    def engine_problem() -> str | None:
+        return serving.engine.check() if serving.engine is not None else None
+
+    @app.get("/health", response_model=HealthResponse,
+             responses={503: {"model": HealthResponse}})
+    async def health() -> JSONResponse:
+        # Liveness: a dead or stalled engine thread (the watchdog's finding) fails it, so the
+        # kubelet restarts the process; loading and draining are alive.
+        problem = engine_problem()
+        body = HealthResponse(status="ok" if problem is None else "failed",
+                              state=lifecycle.state.value, reason=problem)
+        return JSONResponse(body.model_dump(exclude_none=True),
+                            status_code=200 if problem is None else 503)
 
     @app.get("/ready", response_model=ReadyResponse, responses={503: {"model": ReadyResponse}})
     async def ready() -> JSONResponse:
-        body = ReadyResponse(ready=lifecycle.is_ready, state=lifecycle.state.value)
-        return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+        problem = engine_problem()
+        body = ReadyResponse(ready=lifecycle.is_ready and problem is None,
+                             state=lifecycle.state.value, reason=problem)
+        return JSONResponse(body.model_dump(exclude_none=True),
+                            status_code=200 if body.ready else 503)
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:

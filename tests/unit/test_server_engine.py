@@ -9,6 +9,7 @@ import asyncio
 import io
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_fakes import FakeCore, chat_template, make_engine
 
+from kvfleet.engine.admission import NotAcceptingError
 from kvfleet.engine.async_engine import AsyncEngine, GenerationSpec, RequestStream
 from kvfleet.engine.idempotency import IdempotencyCache, IdempotencyConflict
 from kvfleet.engine.lifecycle import Lifecycle, LifecycleState, WarmupError, warm_up
@@ -292,5 +294,68 @@ async def test_a_wall_clock_step_moves_no_deadline(monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr(time, "time", lambda: real() - 3600)
         events = await asyncio.wait_for(short.result(), 5)
         assert events[-1].finish_reason == "deadline"
+    finally:
+        await engine.stop()
+
+
+async def _probes(app: object) -> tuple[httpx.Response, httpx.Response]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),  # type: ignore[arg-type]
+                                 base_url="http://kvfleet") as client:
+        return await client.get("/health"), await client.get("/ready")
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_engine_fails_its_probes_and_ends_its_streams() -> None:
+    """The engine thread stops making progress with a request in flight (a stuck kernel, a
+    deadlock): within the stall limit plus the watchdog's period, liveness and readiness
+    answer 503 with the reason, the stream ends with an error event instead of hanging, and
+    new requests are refused."""
+    core = FakeCore(step_seconds=0.005)
+    engine, lifecycle = await started(core)
+    app = create_app(Serving(lifecycle, engine, chat_template()))
+    stuck = threading.Event()
+    try:
+        health, ready = await _probes(app)
+        assert (health.status_code, ready.status_code) == (200, 200)
+        engine.stall_seconds = 0.3
+        stream = await engine.submit(spec(max_tokens=200))
+        await wait_events(stream, 2)
+        real_step = core.step
+
+        def stall() -> None:
+            stuck.wait(30)
+            real_step()
+
+        core.step = stall  # type: ignore[method-assign]
+        events = await asyncio.wait_for(stream.result(), 5)
+        assert events[-1].finish_reason == "error"
+        health, ready = await _probes(app)
+        assert (health.status_code, ready.status_code) == (503, 503)
+        assert "no engine step finished in" in health.json()["reason"]
+        assert "1 requests in flight" in ready.json()["reason"]
+        with pytest.raises(NotAcceptingError):
+            await engine.submit(spec(max_tokens=3))
+    finally:
+        stuck.set()
+        await engine.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the kill
+async def test_a_dead_engine_thread_fails_its_probes_even_when_idle() -> None:
+    core = FakeCore(step_seconds=0.005)
+    engine, lifecycle = await started(core)
+    app = create_app(Serving(lifecycle, engine, chat_template()))
+    try:
+        def die() -> None:
+            raise SystemExit("injected: the engine thread exits")  # not an Exception
+
+        core.step = die  # type: ignore[method-assign]
+        stream = await engine.submit(spec(max_tokens=200))
+        events = await asyncio.wait_for(stream.result(), 5)
+        assert events[-1].finish_reason == "error"
+        health, ready = await _probes(app)
+        assert health.status_code == 503 and ready.status_code == 503
+        assert health.json()["reason"] == "the engine thread is not running"
     finally:
         await engine.stop()
