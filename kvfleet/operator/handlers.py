@@ -34,6 +34,7 @@ import kopf
 from kvfleet.compat import Matrix
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError, connection_from_kopf
 from kvfleet.kube.informer import Informer
+from kvfleet.kube.tasks import exit_process, fatal_if_it_ends
 from kvfleet.operator import cache, metrics, naming, podwatch
 from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.promquery import PromQuery
@@ -73,6 +74,8 @@ class OperatorConfig:
     drift_interval_seconds: float = 30.0
     max_concurrent_reconciles: int = 4
     prometheus_url: str | None = None  # what Rollout analysis queries
+    # What a background loop's end does (tests record it instead of exiting).
+    on_fatal: Callable[[str], None] = exit_process
 
 
 class _State:
@@ -200,13 +203,15 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     def start(runtime: Runtime) -> None:
         loop = asyncio.get_running_loop()
         for informer in state.informers:
-            state.loops.append(loop.create_task(informer.run(), name=f"informer {informer.kind}"))
+            state.loops.append(fatal_if_it_ends(loop.create_task(
+                informer.run(), name=f"informer {informer.kind}"), config.on_fatal))
 
         async def drift() -> None:
             await state.synced()
             await drift_forever(runtime, config.drift_interval_seconds, in_background)
 
-        state.loops.append(loop.create_task(drift(), name="drift"))
+        state.loops.append(fatal_if_it_ends(loop.create_task(drift(), name="drift"),
+                                            config.on_fatal))
 
     @kopf.on.login(registry=registry)
     async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo:

@@ -41,6 +41,7 @@ from kvfleet.api.servingpool import ServingPoolStatus
 from kvfleet.api.tenantquota import TenantQuotaSpec
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.kube.informer import Informer
+from kvfleet.kube.tasks import exit_process, fatal_if_it_ends
 from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad
 from kvfleet.router.quota import QuotaLedger
@@ -225,6 +226,7 @@ class ClusterSource:
                  name: str = "router") -> None:
         self.api, self.router, self.namespace = api, router, namespace
         self.name = name  # this replica's name in the TenantQuotas' reports: its pod's
+        self.on_fatal = exit_process  # what a background loop's end does (tests record it)
         self._seeded: set[str] = set()  # TenantQuotas whose reports this router started from
         self._dirty = asyncio.Event()
         self.informers = {
@@ -279,8 +281,10 @@ class ClusterSource:
                 if not p["metadata"].get("deletionTimestamp")}
 
     async def run(self) -> None:
-        tasks = [asyncio.create_task(i.run()) for i in self.informers.values()]
-        tasks.append(asyncio.create_task(self._write_statuses()))
+        tasks = [fatal_if_it_ends(asyncio.create_task(i.run(), name=f"informer {name}"),
+                                  self.on_fatal) for name, i in self.informers.items()]
+        tasks.append(fatal_if_it_ends(asyncio.create_task(
+            self._write_statuses(), name="TenantQuota status writer"), self.on_fatal))
         try:
             while True:
                 await self._dirty.wait()
