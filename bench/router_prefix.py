@@ -1,14 +1,15 @@
 """Prefix-aware replica choice against round-robin, on two real engine replicas.
 
-    .venv/bin/python bench/router_prefix.py [--tenants 4] [--requests 8] [--prefix-words 500]
-                                            [--kv-mib 96]
+    .venv/bin/python bench/router_prefix.py [--tenants 4] [--requests 16] [--prefix-words 500]
+                                            [--kv-mib 96] [--order random|rotation]
 
 Two `kvfleet serve` replicas (the embedded SmolLM2, prefix cache on, 1 thread each) behind a
 real `kvfleet router --config`, once with `--pick affinity` (the default: load, then
 rendezvous hashing of tenant and prompt prefix) and once with `--pick round-robin`, each run on
 fresh engines. The workload is multi-tenant and shared-prefix: each tenant has its own long
-system prompt that all its requests share, followed by a short question; tenants take turns,
-two requests in flight, 1 output token each. Prints the prefix-cache hit rate (the engines'
+system prompt that all its requests share, followed by a short question; tenants arrive in a
+seeded random order (`--order rotation`: strictly in turn), two requests in flight, 1 output
+token each. Prints the prefix-cache hit rate (the engines'
 own counters: prompt tokens found cached / looked up) and TTFT p50 / p90 of both runs and the
 ratios; writes `bench/out/router_prefix.png` (TTFT CDFs).
 """
@@ -39,15 +40,22 @@ WORDS = ("cluster", "node", "pod", "replica", "tenant", "quota", "budget", "toke
          "throughput", "scheduler", "batch")
 
 
-def workload(tenants: int, requests: int, prefix_words: int) -> list[tuple[str, str]]:
+def workload(tenants: int, requests: int, prefix_words: int, order: str = "random"
+             ) -> list[tuple[str, str]]:
+    """Each tenant's `requests` questions under its own long prefix. `random`: tenants arrive
+    in a seeded random order (as independent clients do); `rotation`: strictly in turn, t0 t1
+    ... t0 t1 ..., a lock-step that round-robin over an even number of replicas happens to
+    partition perfectly (every tenant always lands on the same replica)."""
     rng = random.Random(0)
     prompts = {f"t{i}": " ".join(rng.choice(WORDS) for _ in range(prefix_words))
                for i in range(tenants)}
-    order = []
+    sequence = []
     for r in range(requests):
         for tenant, prefix in prompts.items():
-            order.append((tenant, f"{prefix}\nQuestion {r}: which word comes first?"))
-    return order
+            sequence.append((tenant, f"{prefix}\nQuestion {r}: which word comes first?"))
+    if order == "random":
+        rng.shuffle(sequence)
+    return sequence
 
 
 async def run(url: str, order: list[tuple[str, str]]) -> list[float]:
@@ -111,12 +119,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tenants", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=8, help="per tenant")
+    parser.add_argument("--requests", type=int, default=16, help="per tenant")
     parser.add_argument("--prefix-words", type=int, default=500)
+    parser.add_argument("--order", choices=["random", "rotation"], default="random",
+                        help="tenants' arrival order (see workload())")
     parser.add_argument("--kv-mib", type=int, default=96,
                         help="each replica's KV cache (SmolLM2: ~46 KB a token)")
     args = parser.parse_args()
-    order = workload(args.tenants, args.requests, args.prefix_words)
+    order = workload(args.tenants, args.requests, args.prefix_words, args.order)
     results = {}
     for policy in ("affinity", "round-robin"):
         print(f"{policy}: {len(order)} requests ...", flush=True)
