@@ -201,15 +201,16 @@ def usage_status(ledger: QuotaLedger, tenant: str, previous: tuple[int, int, int
         if name == me:
             continue
         idle = not any(report.get(k) for k in total)
-        # Prune: a gone pod's report, a busy report no one renewed within the minute (a live
-        # busy router rewrites every interval), an idle one after an hour (a live idle router
-        # writes it again when it next serves).
-        if _gone(name, me, router_pods) or age >= (REPORT_IDLE_TTL_SECONDS if idle
-                                                   else REPORT_TTL_SECONDS):
+        gone = _gone(name, me, router_pods)
+        # Prune: a gone pod's report or a busy one no one renewed (a live busy router rewrites
+        # every interval) after the minute its buckets take to refill, not before: the pod
+        # that replaces a gone one starts from its report. An idle live router's report goes
+        # after an hour (it writes it again when it next serves).
+        if age >= (REPORT_IDLE_TTL_SECONDS if idle and not gone else REPORT_TTL_SECONDS):
             routers[name] = None  # merge patch: removed
             continue
-        if age >= REPORT_TTL_SECONDS:
-            continue
+        if gone or age >= REPORT_TTL_SECONDS:
+            continue  # not part of the fleet's usage
         for key in total:
             value = report.get(key)
             total[key] += value if isinstance(value, int) else 0

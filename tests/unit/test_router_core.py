@@ -428,6 +428,7 @@ def test_each_router_writes_its_own_report_and_the_fleets_usage_is_their_sum() -
     reports = {"peer": {"at": _ago(3), "requestsPerMinute": 30, "tokensPerMinute": 300,
                         "concurrentRequests": 2},
                "gone": {"at": _ago(3), "requestsPerMinute": 99},
+               "gone-old": {"at": _ago(61), "requestsPerMinute": 0},
                "dead-busy": {"at": _ago(70), "requestsPerMinute": 99},
                "idle": {"at": _ago(70), "requestsPerMinute": 0}}
     raw = {"metadata": {"generation": 3}, "status": {"routers": reports}}
@@ -445,10 +446,12 @@ def test_each_router_writes_its_own_report_and_the_fleets_usage_is_their_sum() -
     assert mine["remaining"]["requestsPerMinute"] == 50
     assert status["usage"] == {"requestsPerMinute": 40, "tokensPerMinute": 332,
                                "concurrentRequests": 8}
-    # Pruned: the gone pod's report and a busy one no one renewed in a minute; an idle one
-    # stays (an idle live router does not rewrite it).
-    assert status["routers"]["gone"] is None and status["routers"]["dead-busy"] is None
-    assert "idle" not in status["routers"] and "peer" not in status["routers"]
+    # Pruned after a minute: a gone pod's report and a busy one no one renewed. A gone pod's
+    # younger report stays for its replacement to start from (not counted in the usage); an
+    # idle live router's stays (it does not rewrite an unchanged report).
+    assert status["routers"]["gone-old"] is None and status["routers"]["dead-busy"] is None
+    assert "gone" not in status["routers"] and "idle" not in status["routers"]
+    assert "peer" not in status["routers"]
     # What the apiserver's schema accepts.
     from kvfleet.api.tenantquota import TenantQuotaStatus
 
