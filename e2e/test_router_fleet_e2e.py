@@ -303,12 +303,14 @@ def _router_restart(kube: KubeClient, ns: str, routers: dict[str, str]) -> None:
     with httpx.Client() as client:
         while _chat(client, url, TEAM_B_KEY, "b-spend").status_code == 200:
             pass
+        spent = datetime.now(UTC)
 
-        def reported() -> bool | None:
+        def reported() -> bool | None:  # a report written after the spend
             status = kube.get("TenantQuota", "team-b", ns).get("status") or {}
             report = (status.get("routers") or {}).get(first) or {}
-            left = (report.get("remaining") or {}).get("requestsPerMinute")
-            return True if left is not None and left < 1 else None
+            at = report.get("at")
+            return True if at and datetime.fromisoformat(at.replace("Z", "+00:00")) >= spent \
+                else None
 
         kube.wait_for("the router's report of team-b", reported, 30)
         report = kube.get("TenantQuota", "team-b", ns)["status"]["routers"][first]
