@@ -127,8 +127,12 @@ async def _serve(args: argparse.Namespace, state: Any) -> int:
                                name=args.name)
         tasks.append(asyncio.create_task(source.run()))
         app = build_app(router, ready=source.synced)
+    # Keep-alive longer than clients' and load balancers' idle timeouts (60 s is common; httpx
+    # drops its own after 5 s): a server that closes first races a client reusing the
+    # connection, and that request fails with "server disconnected" (uvicorn's default is 5 s).
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_config=None, access_log=False))
+                                           log_config=None, access_log=False,
+                                           timeout_keep_alive=75))
     try:
         await server.serve()
     finally:
