@@ -4,7 +4,7 @@ replicas each (real `kvfleet serve` processes behind pods on the local node), tw
 traffic table on a person's promote requests.
 
 What a platform team relies on, each measured here: the weights 0/10/50/100 realised within 3
-points over 2,000 conversations each, on either router (they agree without talking); a
+points over 800 conversations each, on either router (they agree without talking); a
 conversation never switching back to stable as the weight rises; shadow copies that never reach
 the client and are never charged to the tenant; a replica pod deleted under load losing no
 request; a spoofed tenant header changing nothing; a router pod replaced after its tenant spent
@@ -55,7 +55,11 @@ from kvfleet.router.manifests import PORT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SESSIONS = 2000  # conversations per weight
+# Conversations per weight. The split is a hash of (pool, tenant, conversation), so for these
+# names it is fixed (10.9 and 50.4 % of 800): the 3-point bound checks that both routers
+# bucket alike and follow the table, not a sample's luck. 2,000 took the test past its
+# 900 s limit on a loaded CI host.
+SESSIONS = 800
 WORKERS = 8
 TEAM_B_KEY = "sk-e2e-team-b-0123456789abcdef"
 TEAM_B_RPM = 20  # 10 on each of the two routers
@@ -74,7 +78,7 @@ def _routers(kube: KubeClient, ns: str) -> dict[str, str]:
 
 def _chat(client: httpx.Client, url: str, key: str, session: str, max_tokens: int = 1,
           headers: dict[str, str] | None = None) -> httpx.Response:
-    return client.post(url + "/v1/chat/completions", timeout=120,
+    return client.post(url + "/v1/chat/completions", timeout=60,
                        headers={"authorization": f"Bearer {key}", **(headers or {})},
                        json={"model": POOL, "max_tokens": max_tokens, "user": session,
                              "temperature": 0,
@@ -106,7 +110,11 @@ class Clients:
                 return sessions[i], _chat(self.client(), urls[i % len(urls)], key, sessions[i])
             except httpx.HTTPError as exc:
                 return sessions[i], f"{type(exc).__name__}: {exc}"
-        return dict(self.pool.map(one, range(len(sessions))))
+        started = time.monotonic()
+        answers = dict(self.pool.map(one, range(len(sessions))))
+        # On a failure (or the suite's timeout) the captured output shows where time went.
+        print(f"{len(sessions)} conversations in {time.monotonic() - started:.1f} s", flush=True)
+        return answers
 
     def close(self) -> None:
         self.pool.shutdown()
