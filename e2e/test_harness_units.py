@@ -3,7 +3,6 @@ pod status, $(VAR) expansion, pod IP blocks, kubeconfig parsing, Prometheus rela
 
 from __future__ import annotations
 
-import base64
 import os
 import shutil
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 from kvfleet.devcluster import fleet, toolchain
 from kvfleet.devcluster.cluster import OWNER_FILE, WORKDIR_PREFIX, remove_orphaned_workdirs
 from kvfleet.devcluster.errors import DevClusterError, ToolsMissingError
-from kvfleet.devcluster.kube import KubeConfig
+from kvfleet.devcluster.kube import connect
 from kvfleet.devcluster.pki import create_pki, kubeconfig_yaml
 from kvfleet.devcluster.podrunner import IpPool, container_exit_code
 from kvfleet.devcluster.podstate import Container, LocalPod, expand, pod_status
@@ -112,26 +111,20 @@ def test_ip_pools_in_one_machine_never_share_a_block() -> None:
         second.close()
 
 
-def test_kubeconfig_with_inline_data_and_credential_plugins(tmp_path: Path) -> None:
+def test_the_harness_kubeconfig_is_read_by_the_shared_loader(tmp_path: Path) -> None:
     pki = create_pki(tmp_path / "pki", "10.0.0.1")
     path = tmp_path / "files.kubeconfig"
-    path.write_text(kubeconfig_yaml("https://127.0.0.1:6443", pki.ca.cert, pki.admin, "admin"))
-    assert KubeConfig.load(path).client_cert == pki.admin.cert
-    ca_data = base64.b64encode(pki.ca.cert.read_bytes()).decode()
-    inline = tmp_path / "inline.kubeconfig"
-    inline.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
-        "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
-        f"clusters: [{{name: k, cluster: {{server: 'https://x:1/', "
-        f"certificate-authority-data: {ca_data}}}}}]\n"
-        "users: [{name: u, user: {token: abc}}]\n"
-    )
-    cfg = KubeConfig.load(inline)
-    assert cfg.server == "https://x:1" and cfg.token == "abc"
-    assert cfg.ca_file is not None and cfg.ca_file.read_bytes() == pki.ca.cert.read_bytes()
-    inline.write_text(inline.read_text().replace("{token: abc}", "{exec: {command: x}}"))
-    with pytest.raises(DevClusterError, match="credential plugin"):
-        KubeConfig.load(inline)
+    path.write_text(kubeconfig_yaml("https://127.0.0.1:6443/", pki.ca.cert, pki.admin, "admin"))
+    client = connect(path)
+    try:
+        assert client.credentials.server == "https://127.0.0.1:6443"
+        assert client.credentials.tls.cert == pki.admin.cert.read_bytes()
+        assert client.credentials.tls.ca == pki.ca.cert.read_bytes()
+    finally:
+        client.close()
+    path.write_text("current-context: nowhere\n")
+    with pytest.raises(DevClusterError, match=f"kubeconfig {path}"):
+        connect(path)
 
 
 def test_prometheus_keeps_only_annotated_loopback_pods(tmp_path: Path) -> None:

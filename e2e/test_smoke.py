@@ -292,8 +292,8 @@ def test_local_pod_restarts_per_restart_policy(
 
 WHOAMI = (
     "import os, pathlib; "
-    "from kvfleet.devcluster.kube import KubeClient, KubeConfig; "
-    "api = KubeClient(KubeConfig.load(pathlib.Path(os.environ['KUBECONFIG']))); "
+    "from kvfleet.devcluster.kube import connect; "
+    "api = connect(pathlib.Path(os.environ['KUBECONFIG'])); "
     "review = api.request('POST', '/apis/authentication.k8s.io/v1/selfsubjectreviews', "
     "{'apiVersion': 'authentication.k8s.io/v1', 'kind': 'SelfSubjectReview'}); "
     "pathlib.Path(os.environ['OUT']).write_text(review['status']['userInfo']['username'])"

@@ -192,13 +192,13 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvfleet.devcluster.kube import KubeClient, KubeConfig
+    from kvfleet.devcluster.kube import connect
 
     state = _read_state()
     if state is None:
         print("no dev cluster is up")
         return 1
-    api = KubeClient(KubeConfig.load(Path(state["kubeconfig"])), timeout=5)
+    api = connect(Path(state["kubeconfig"]), timeout=5)
     try:
         ready = api.get_raw("/readyz").status_code == 200
         nodes = api.list("Node")

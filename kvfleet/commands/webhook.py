@@ -19,10 +19,11 @@ from typing import Any
 import yaml
 
 from kvfleet.compat import MatrixError, default_matrix, load_matrix
+from kvfleet.kube.credentials import Credentials, CredentialsError
 from kvfleet.pki import PkiError
 from kvfleet.webhooks.certs import make_serving_certs
 from kvfleet.webhooks.config import build_validating_webhook_configuration
-from kvfleet.webhooks.kube import ObjectReader, credentials
+from kvfleet.webhooks.kube import ObjectReader
 from kvfleet.webhooks.server import VALIDATE_PATH, ServingCertificate, make_app, start
 
 
@@ -65,7 +66,7 @@ def register(subparsers: Any) -> None:
 
 async def _run(args: argparse.Namespace) -> None:
     matrix = load_matrix(args.matrix) if args.matrix else default_matrix()
-    reader = ObjectReader(credentials(args.kubeconfig))
+    reader = ObjectReader(Credentials(args.kubeconfig))
     app = make_app(fetch=reader.get, matrix=matrix)
     certificate = ServingCertificate(args.cert, args.key)
     runner = await start(app, args.host, args.port, certificate.context)
@@ -91,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         asyncio.run(_run(args))
-    except (MatrixError, OSError, KeyError) as error:
+    except (MatrixError, CredentialsError, OSError, KeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -28,7 +28,7 @@ import yaml
 
 from kvfleet.devcluster import fleet, toolchain
 from kvfleet.devcluster.errors import StartupError
-from kvfleet.devcluster.kube import KubeClient, KubeConfig, condition_true
+from kvfleet.devcluster.kube import KubeClient, condition_true, connect
 from kvfleet.devcluster.pki import ClusterPki, create_pki, kubeconfig_yaml
 from kvfleet.devcluster.podrunner import LocalPodRunner
 from kvfleet.devcluster.processes import ManagedProcess
@@ -254,7 +254,7 @@ class DevCluster:
                 "--audit-log-format=json",
             ],
         )
-        self._api = KubeClient(KubeConfig.load(self.kubeconfig))
+        self._api = connect(self.kubeconfig)
         apiserver.wait_ready(lambda: self.api.get_raw("/readyz").status_code == 200, timeout)
 
         component_kubeconfigs = {
@@ -353,7 +353,7 @@ class DevCluster:
         self.local_node_names = fleet.create_nodes(self.api, local)
         if local:
             self.runner = LocalPodRunner(
-                KubeClient(self.api.config),  # its own connection pool for its own thread
+                KubeClient(self.api.credentials),  # its own connection pool for its own thread
                 self.local_node_names,
                 self.workdir / "pods",
                 project_root=opts.project_root,
@@ -419,8 +419,8 @@ class ExistingCluster:
 
     def __init__(self, kubeconfig: Path) -> None:
         self.kubeconfig = kubeconfig
-        self.api = KubeClient(KubeConfig.load(kubeconfig))
-        self.server = self.api.config.server
+        self.api = connect(kubeconfig)
+        self.server = self.api.credentials.server
         self.fake_node_names = self._nodes(f"{fleet.FAKE_NODE_LABEL}=kwok")
         self.local_node_names = self._nodes(f"{fleet.LOCAL_NODE_LABEL}=true")
         url = os.environ.get(PROMETHEUS_URL_ENV)

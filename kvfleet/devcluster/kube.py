@@ -1,159 +1,73 @@
 """A small, synchronous Kubernetes API client over httpx: enough for the harness, the local pod
 runner and the e2e tests, without the weight of a generated client.
 
-It reads the kubeconfigs the harness writes and the common shapes of real ones (CA and client
-certificate as files or inline data, bearer tokens); exec credential plugins are not supported.
+Credentials and the kind -> path table are the control plane's own (kvfleet.kube.credentials,
+kvfleet.kube.resources): any kubeconfig kubectl reads works here, exec plugins included.
 """
 
 from __future__ import annotations
 
-import atexit
-import base64
 import json
-import ssl
-import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-import yaml
 
 from kvfleet.devcluster.errors import DevClusterError, KubeApiError
+from kvfleet.kube.credentials import Credentials, CredentialsError
+from kvfleet.kube.resources import UnknownKind, path_of
 
 JsonObj = dict[str, Any]
 T = TypeVar("T")
 
-# (group/version prefix, plural) per kind the harness and tests touch.
-_RESOURCES: dict[str, tuple[str, str, bool]] = {
-    "Pod": ("/api/v1", "pods", True),
-    "Node": ("/api/v1", "nodes", False),
-    "Event": ("/api/v1", "events", True),
-    "Namespace": ("/api/v1", "namespaces", False),
-    "Service": ("/api/v1", "services", True),
-    "ConfigMap": ("/api/v1", "configmaps", True),
-    "Secret": ("/api/v1", "secrets", True),
-    "ServiceAccount": ("/api/v1", "serviceaccounts", True),
-    "Deployment": ("/apis/apps/v1", "deployments", True),
-    "ReplicaSet": ("/apis/apps/v1", "replicasets", True),
-    "Lease": ("/apis/coordination.k8s.io/v1", "leases", True),
-    "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
-    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets", True),
-    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices", True),
-    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
-    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
-    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
-    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
-    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
-    "CustomResourceDefinition": (
-        "/apis/apiextensions.k8s.io/v1",
-        "customresourcedefinitions",
-        False,
-    ),
-    "ValidatingWebhookConfiguration": (
-        "/apis/admissionregistration.k8s.io/v1",
-        "validatingwebhookconfigurations",
-        False,
-    ),
-    "MutatingWebhookConfiguration": (
-        "/apis/admissionregistration.k8s.io/v1",
-        "mutatingwebhookconfigurations",
-        False,
-    ),
-    # kvfleet's own resources (group kvfleet.io, see DESIGN.md).
-    "ModelArtifact": ("/apis/kvfleet.io/v1alpha1", "modelartifacts", True),
-    "ServingPool": ("/apis/kvfleet.io/v1alpha1", "servingpools", True),
-    "TenantQuota": ("/apis/kvfleet.io/v1alpha1", "tenantquotas", True),
-    "Rollout": ("/apis/kvfleet.io/v1alpha1", "rollouts", True),
-}
 
-
-@dataclass(frozen=True)
-class KubeConfig:
-    """What a client needs from a kubeconfig: the server and how to trust and log in to it."""
-
-    server: str
-    ca_file: Path | None = None
-    client_cert: Path | None = None
-    client_key: Path | None = None
-    token: str | None = None
-    insecure: bool = False
-
-    @classmethod
-    def load(cls, path: Path) -> KubeConfig:
-        """Parse the current context of a kubeconfig file; inline data goes to temp files."""
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise DevClusterError(f"cannot read kubeconfig {path}: {exc}") from exc
-        current = doc.get("current-context")
-        contexts = {c["name"]: c["context"] for c in doc.get("contexts") or []}
-        if current not in contexts:
-            raise DevClusterError(f"{path}: current-context {current!r} is not in contexts")
-        ctx = contexts[current]
-        cluster = {c["name"]: c["cluster"] for c in doc.get("clusters") or []}[ctx["cluster"]]
-        user = {u["name"]: u["user"] for u in doc.get("users") or []}.get(ctx.get("user"), {})
-        if "exec" in user or "auth-provider" in user:
-            raise DevClusterError(
-                f"{path}: user {ctx.get('user')!r} uses a credential plugin, which this client "
-                "does not run; use a kubeconfig with a client certificate or a token"
-            )
-
-        def material(file_key: str, data_key: str, entry: Mapping[str, Any]) -> Path | None:
-            if entry.get(file_key):
-                return (path.parent / str(entry[file_key])).resolve()
-            if entry.get(data_key):
-                # ssl loads certificates only from files; removed when the interpreter exits.
-                with tempfile.NamedTemporaryFile("wb", delete=False, suffix=".pem") as tmp:
-                    tmp.write(base64.b64decode(entry[data_key]))
-                atexit.register(Path(tmp.name).unlink, missing_ok=True)
-                return Path(tmp.name)
-            return None
-
-        return cls(
-            server=str(cluster["server"]).rstrip("/"),
-            ca_file=material("certificate-authority", "certificate-authority-data", cluster),
-            client_cert=material("client-certificate", "client-certificate-data", user),
-            client_key=material("client-key", "client-key-data", user),
-            token=user.get("token"),
-            insecure=bool(cluster.get("insecure-skip-tls-verify")),
-        )
-
-    def ssl_context(self) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
-        if self.insecure:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        if self.client_cert and self.client_key:
-            ctx.load_cert_chain(str(self.client_cert), str(self.client_key))
-        return ctx
+def connect(kubeconfig: Path, timeout: float = 30.0) -> KubeClient:
+    """A client for the current context of `kubeconfig`."""
+    try:
+        return KubeClient(Credentials(kubeconfig), timeout)
+    except CredentialsError as exc:
+        raise DevClusterError(str(exc)) from exc
 
 
 def resource_path(kind: str, namespace: str | None = None, name: str | None = None) -> str:
     try:
-        prefix, plural, namespaced = _RESOURCES[kind]
-    except KeyError:
-        raise DevClusterError(f"kind {kind!r} is not known to kvfleet.devcluster.kube") from None
-    path = prefix
-    if namespaced and namespace:
-        path += f"/namespaces/{namespace}"
-    path += f"/{plural}"
-    return f"{path}/{name}" if name else path
+        return path_of(kind, namespace, name)
+    except UnknownKind as exc:
+        raise DevClusterError(str(exc)) from None
 
 
 class KubeClient:
     """JSON requests to one API server; every non-2xx answer raises KubeApiError."""
 
-    def __init__(self, config: KubeConfig, timeout: float = 30.0) -> None:
-        self.config = config
-        headers = {"Accept": "application/json"}
-        if config.token:
-            headers["Authorization"] = f"Bearer {config.token}"
-        self._http = httpx.Client(
-            base_url=config.server, verify=config.ssl_context(), headers=headers, timeout=timeout
-        )
+    def __init__(self, credentials: Credentials, timeout: float = 30.0) -> None:
+        self.credentials = credentials
+        self._timeout = timeout
+        self._http = self._connect()
+
+    def _connect(self) -> httpx.Client:
+        self._tls = self.credentials.tls_generation
+        return httpx.Client(base_url=self.credentials.server, timeout=self._timeout,
+                            verify=self.credentials.ssl_context(),
+                            headers={"Accept": "application/json"})
+
+    def _send(self, method: str, path: str, headers: Mapping[str, str] | None = None,
+              **kwargs: Any) -> httpx.Response:
+        """One request; a 401 reloads the credentials (a rotated token) and sends it again."""
+        for attempt in (1, 2):
+            if self._tls != self.credentials.tls_generation:  # a renewed client certificate
+                self._http.close()
+                self._http = self._connect()
+            generation = self.credentials.generation
+            authorization = self.credentials.authorization()
+            sent = {**(headers or {}), **({"Authorization": authorization} if authorization
+                                          else {})}
+            resp = self._http.request(method, path, headers=sent, **kwargs)
+            if resp.status_code != 401 or attempt == 2:
+                break
+            self.credentials.reload(generation)
+        return resp
 
     def close(self) -> None:
         self._http.close()
@@ -169,7 +83,7 @@ class KubeClient:
     ) -> JsonObj:
         content = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": content_type} if content is not None else {}
-        resp = self._http.request(method, path, content=content, params=params, headers=headers)
+        resp = self._send(method, path, content=content, params=params, headers=headers)
         if resp.status_code >= 400:
             try:
                 status = resp.json()
@@ -183,7 +97,7 @@ class KubeClient:
         return data
 
     def get_raw(self, path: str) -> httpx.Response:
-        return self._http.get(path)
+        return self._send("GET", path)
 
     # Typed conveniences over `request`.
     def get(self, kind: str, name: str, namespace: str | None = None) -> JsonObj:

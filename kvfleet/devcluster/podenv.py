@@ -4,10 +4,13 @@ ConfigMap and Secret keys, $(VAR) expansion) and in-cluster credentials for its 
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import sys
 from pathlib import Path
+
+import yaml
 
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.podstate import LocalPod, expand
@@ -61,8 +64,6 @@ def container_env(
             cm = api.get("ConfigMap", ref["name"], pod.namespace)
             env[name] = cm.get("data", {}).get(ref["key"], "")
         elif ref := item.get("valueFrom", {}).get("secretKeyRef"):
-            import base64
-
             secret = api.get("Secret", ref["name"], pod.namespace)
             env[name] = base64.b64decode(secret.get("data", {}).get(ref["key"], "")).decode()
     return env
@@ -93,17 +94,19 @@ def service_account_env(api: KubeClient, pod: LocalPod, obj: JsonObj) -> dict[st
             },
         },
     )
-    server = api.config.server
-    ca = api.config.ca_file
+    server = api.credentials.server
+    cluster: JsonObj = {"server": server}
+    if api.credentials.tls.ca:
+        cluster["certificate-authority-data"] = base64.b64encode(api.credentials.tls.ca).decode()
     kubeconfig = pod.folder / "serviceaccount.kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: in-cluster\n"
-        f"clusters:\n- name: in-cluster\n  cluster:\n    server: {server}\n"
-        + (f"    certificate-authority: {ca}\n" if ca else "")
-        + f"users:\n- name: {account}\n  user:\n    token: {review['status']['token']}\n"
-        "contexts:\n- name: in-cluster\n  context:\n    cluster: in-cluster\n"
-        f"    user: {account}\n    namespace: {pod.namespace}\n"
-    )
+    kubeconfig.touch(mode=0o600)
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "in-cluster",
+        "clusters": [{"name": "in-cluster", "cluster": cluster}],
+        "users": [{"name": account, "user": {"token": review["status"]["token"]}}],
+        "contexts": [{"name": "in-cluster", "context": {
+            "cluster": "in-cluster", "user": account, "namespace": pod.namespace}}],
+    }))
     kubeconfig.chmod(0o600)
     host, _, port = server.removeprefix("https://").rpartition(":")
     return {

@@ -2,47 +2,29 @@
 
 In the operator, kopf watches and keeps its own session; this client does the reads and writes
 of a reconcile (server-side apply of owned objects, status patches, events) and the informers'
-lists and watches. It is built from a `kopf.ConnectionInfo` (the one kopf logged in with, or
-`kopf.login_via_*`'s for the router), so there is one source of credentials, and it counts every
-request so the operator can report apiserver requests per reconcile.
+lists and watches. Both take their credentials from one `Credentials` (kvfleet.kube.credentials:
+the `kubernetes` package's loaders, tokens kept current), and this client counts every request
+so the operator can report apiserver requests per reconcile.
 
 KubeError            a request failed (status code, the server's message, the path)
 """
 
 from __future__ import annotations
 
-import base64
+import asyncio
 import codecs
 import json
-import os
-import shutil
-import ssl
-import tempfile
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-JsonObj = dict[str, Any]
+from kvfleet.kube.credentials import Credentials, CredentialsError
+from kvfleet.kube.resources import api_version_of, path_of
 
-# kind -> (API prefix, plural); the kinds the operator and the router read or write.
-RESOURCES: dict[str, tuple[str, str]] = {
-    "ConfigMap": ("/api/v1", "configmaps"),
-    "Secret": ("/api/v1", "secrets"),
-    "Service": ("/api/v1", "services"),
-    "Pod": ("/api/v1", "pods"),
-    "Event": ("/api/v1", "events"),
-    "Deployment": ("/apis/apps/v1", "deployments"),
-    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
-    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
-    "ServingPool": ("/apis/kvfleet.io/v1alpha1", "servingpools"),
-    "ModelArtifact": ("/apis/kvfleet.io/v1alpha1", "modelartifacts"),
-    "Rollout": ("/apis/kvfleet.io/v1alpha1", "rollouts"),
-    "TenantQuota": ("/apis/kvfleet.io/v1alpha1", "tenantquotas"),
-    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
-}
+__all__ = ["JsonObj", "KubeApi", "KubeError", "api_version_of", "login", "path_of"]
+
+JsonObj = dict[str, Any]
 
 
 class KubeError(RuntimeError):
@@ -60,88 +42,15 @@ class KubeError(RuntimeError):
         return self.status in (409, 429) or self.status >= 500
 
 
-def api_version_of(kind: str) -> str:
-    """`apps/v1` for a Deployment, `v1` for a Service: what list items leave out."""
-    prefix, _ = RESOURCES[kind]
-    return prefix.removeprefix("/apis/").removeprefix("/api/")
-
-
-def cluster_path_of(kind: str) -> str:
-    """The collection of a namespaced kind across all namespaces."""
-    prefix, plural = RESOURCES[kind]
-    return f"{prefix}/{plural}"
-
-
-def path_of(kind: str, namespace: str, name: str | None = None) -> str:
-    prefix, plural = RESOURCES[kind]
-    path = f"{prefix}/namespaces/{namespace}/{plural}"
-    return f"{path}/{name}" if name else path
-
-
-def _material(path: Any, data: Any, folder: Path, name: str) -> str | None:
-    """A file path for PEM material given inline (base64) or as a path."""
-    if path:
-        return os.fsdecode(path)
-    if not data:
-        return None
-    raw = data.encode() if isinstance(data, str) else data
-    target = folder / name
-    target.write_bytes(base64.b64decode(raw))
-    target.chmod(0o600)
-    return str(target)
-
-
-@dataclass(frozen=True)
-class Connection:
-    """Where and how to reach the apiserver."""
-
-    server: str
-    ssl_context: ssl.SSLContext
-    headers: dict[str, str]
-    auth: aiohttp.BasicAuth | None = None
-
-
-def connection_from_kopf(info: Any) -> Connection:
-    """The `kopf.ConnectionInfo` kopf logged in with (certificate, token or basic auth)."""
-    folder = Path(tempfile.mkdtemp(prefix="kvfleet-operator-"))
-    try:
-        context = _ssl_context(info, folder)
-    finally:
-        # The context holds the CA and key in memory: no copy of a key stays on disk.
-        shutil.rmtree(folder, ignore_errors=True)
-    headers = {"Accept": "application/json"}
-    if info.token:
-        headers["Authorization"] = f"Bearer {info.token}"
-    auth = aiohttp.BasicAuth(info.username, info.password or "") if info.username else None
-    return Connection(info.server.rstrip("/"), context, headers, auth)
-
-
-def _ssl_context(info: Any, folder: Path) -> ssl.SSLContext:
-    ca = _material(info.ca_path, info.ca_data, folder, "ca.crt")
-    # With a cluster CA, trust only it (as kubectl does); without one, the system's.
-    context = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
-    cert = _material(info.certificate_path, info.certificate_data, folder, "client.crt")
-    key = _material(info.private_key_path, info.private_key_data, folder, "client.key")
-    if cert is not None:
-        context.load_cert_chain(cert, key)
-    if info.insecure:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
-
-
 def login(field_manager: str, who: str) -> KubeApi:
-    """A client with kopf's credentials: the pod's service account, else $KUBECONFIG (or
-    ~/.kube/config). Raises SystemExit naming `who` when there are none."""
-    import kopf
-
-    settings = kopf.OperatorSettings()
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-        settings=settings)
-    if info is None:
-        raise SystemExit(f"{who}: no credentials: run in a pod with a service account, or set "
-                         "KUBECONFIG")
-    return KubeApi(connection_from_kopf(info), field_manager=field_manager)
+    """A client with the process's credentials (kvfleet.kube.credentials: $KUBECONFIG, the
+    pod's service account, ~/.kube/config). Raises SystemExit naming `who` when there are
+    none or they cannot be read."""
+    try:
+        credentials = Credentials()
+    except CredentialsError as error:
+        raise SystemExit(f"{who}: {error}") from None
+    return KubeApi(credentials, field_manager=field_manager)
 
 
 def _error(method: str, path: str, status: int, raw: bytes) -> KubeError:
@@ -162,7 +71,7 @@ class KubeApi:
 
     def __init__(
         self,
-        connection: Connection,
+        credentials: Credentials,
         on_request: Callable[[str], None] | None = None,
         *,
         field_manager: str = "kvfleet-operator",
@@ -170,29 +79,57 @@ class KubeApi:
         timeout_seconds: float = 30.0,
     ) -> None:
         self._field_manager = field_manager
-        self._connection = connection
+        self.credentials = credentials
         self._on_request = on_request
         self._max_connections = max_connections
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._session: aiohttp.ClientSession | None = None
+        self._session_tls = -1
+        self._retired: list[aiohttp.ClientSession] = []
 
     def _client(self) -> aiohttp.ClientSession:
-        # Created on first use, inside the running loop (aiohttp requires it).
-        if self._session is None:
+        # Created on first use, inside the running loop (aiohttp requires it), and again when
+        # the TLS material changed (a renewed client certificate). The old session may still
+        # carry a watch: it is closed with this client, not now.
+        if self._session is None or self._session_tls != self.credentials.tls_generation:
+            if self._session is not None:
+                self._retired.append(self._session)
+            self._session_tls = self.credentials.tls_generation
             self._session = aiohttp.ClientSession(
-                base_url=self._connection.server,
-                headers=self._connection.headers,
-                auth=self._connection.auth,
+                base_url=self.credentials.server,
+                headers={"Accept": "application/json"},
                 timeout=self._timeout,
                 connector=aiohttp.TCPConnector(
-                    ssl=self._connection.ssl_context, limit=self._max_connections
+                    ssl=self.credentials.ssl_context(), limit=self._max_connections
                 ),
             )
         return self._session
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in [*self._retired, *([self._session] if self._session else [])]:
+            await session.close()
+        self._retired, self._session = [], None
+
+    async def _open(self, method: str, path: str, *, params: dict[str, str] | None = None,
+                    data: bytes | None = None, headers: dict[str, str] | None = None,
+                    timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
+        """The response (the caller releases it). A 401 reloads the credentials (a rotated
+        token) and the request is sent once more."""
+        for attempt in (1, 2):
+            generation = self.credentials.generation
+            sent = dict(headers or {})
+            authorization = self.credentials.authorization()
+            if authorization:
+                sent["Authorization"] = authorization
+            extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+            response = await self._client().request(
+                method, path, params=params, data=data, headers=sent, **extra)
+            if response.status != 401 or attempt == 2:
+                return response
+            response.release()
+            # Off the loop: reloading may run an exec credential plugin.
+            await asyncio.to_thread(self.credentials.reload, generation)
+        raise AssertionError("unreachable")
 
     async def _send(
         self,
@@ -208,9 +145,8 @@ class KubeApi:
             self._on_request(method)
         content = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": content_type} if body is not None else None
-        async with self._client().request(
-            method, path, params=params, data=content, headers=headers
-        ) as response:
+        async with await self._open(method, path, params=params, data=content,
+                                    headers=headers) as response:
             status, raw = response.status, await response.read()
         if status == 404 and missing_ok:
             return None
@@ -232,8 +168,8 @@ class KubeApi:
                         namespace: str | None = None) -> JsonObj:
         """One page of a list, cluster-wide or in `namespace` (an informer's; not counted as
         a reconcile's)."""
-        path = cluster_path_of(kind) if namespace is None else path_of(kind, namespace)
-        async with self._client().get(path, params=params) as response:
+        path = path_of(kind, namespace)
+        async with await self._open("GET", path, params=params) as response:
             status, raw = response.status, await response.read()
         if status >= 400:
             raise _error("GET", path, status, raw)
@@ -245,10 +181,10 @@ class KubeApi:
         """The events of a watch, cluster-wide or in `namespace`, one JSON object per line,
         until the server ends it (`timeoutSeconds`); no total timeout, but a silent connection
         is dropped."""
-        path = cluster_path_of(kind) if namespace is None else path_of(kind, namespace)
+        path = path_of(kind, namespace)
         idle = float(params.get("timeoutSeconds", "300")) + 60
         timeout = aiohttp.ClientTimeout(total=None, sock_read=idle)
-        async with self._client().get(path, params=params, timeout=timeout) as response:
+        async with await self._open("GET", path, params=params, timeout=timeout) as response:
             if response.status >= 400:
                 raise _error("GET", path, response.status, await response.read())
             # Objects can be larger than aiohttp's line limit: split the chunks ourselves.

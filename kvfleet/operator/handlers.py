@@ -32,7 +32,8 @@ import aiohttp
 import kopf
 
 from kvfleet.compat import Matrix
-from kvfleet.kube.api import JsonObj, KubeApi, KubeError, connection_from_kopf
+from kvfleet.kube.api import JsonObj, KubeApi, KubeError
+from kvfleet.kube.credentials import Credentials, CredentialsError
 from kvfleet.kube.informer import Informer
 from kvfleet.kube.tasks import exit_process, fatal_if_it_ends
 from kvfleet.operator import cache, metrics, naming, podwatch
@@ -78,10 +79,22 @@ class OperatorConfig:
     on_fatal: Callable[[str], None] = exit_process
 
 
+def connection_info(credentials: Credentials) -> kopf.ConnectionInfo:
+    """kopf's view of the operator's credentials (PEM material inline, the current token)."""
+    scheme, _, token = (credentials.authorization() or "").partition(" ")
+    tls = credentials.tls
+    return kopf.ConnectionInfo(
+        server=credentials.server, ca_data=tls.ca, insecure=tls.insecure or None,
+        certificate_data=tls.cert, private_key_data=tls.key,
+        scheme=scheme or None, token=token or None)
+
+
 class _State:
-    """The runtime, created at login (it needs the credentials kopf logged in with)."""
+    """The runtime, created at the first login: kopf and the runtime's client share one
+    `Credentials`."""
 
     def __init__(self) -> None:
+        self.credentials: Credentials | None = None
         self.runtime: Runtime | None = None
         self.informers: list[Informer] = []
         self.background: set[asyncio.Task[None]] = set()
@@ -214,16 +227,19 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                                             config.on_fatal))
 
     @kopf.on.login(registry=registry)
-    async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo:
-        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-            settings=settings
-        )
-        if info is None:
-            raise kopf.LoginError(
-                "no credentials: run in a pod with a service account, or set KUBECONFIG"
-            )
+    async def login(**kwargs: Any) -> kopf.ConnectionInfo:
+        try:
+            if state.credentials is None:
+                state.credentials = await asyncio.to_thread(Credentials)
+            else:
+                # kopf logs in again when the apiserver refused what it had: read the
+                # credentials again (a rotated token file, a renewed certificate).
+                await asyncio.to_thread(state.credentials.reload)
+        except CredentialsError as error:
+            raise kopf.LoginError(str(error)) from error
+        credentials = state.credentials
         if state.runtime is None:
-            api = KubeApi(connection_from_kopf(info), metrics.count_request,
+            api = KubeApi(credentials, metrics.count_request,
                           field_manager=naming.FIELD_MANAGER)
             state.informers = [
                 Informer(api, kind, selector, pod_changed if kind == "Pod" else child_changed,
@@ -245,7 +261,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 prometheus=PromQuery(config.prometheus_url),
             )
             start(state.runtime)
-        return info
+        return connection_info(credentials)
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:

@@ -9,16 +9,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import ssl
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from kubeconfig_fakes import write_kubeconfig
 from operator_fakes import artifact, pool
 from test_operator_cache import FakeCluster, _converge  # the cache tests' fake apiserver
 
 from kvfleet.compat import default_matrix
-from kvfleet.kube.api import Connection, JsonObj, KubeApi, KubeError, api_version_of
+from kvfleet.kube.api import JsonObj, KubeApi, KubeError, api_version_of
+from kvfleet.kube.credentials import Credentials
 from kvfleet.kube.informer import Informer, Store
 from kvfleet.operator import naming
 from kvfleet.operator.cache import INDEX_IDS, Cache, index_entry
@@ -282,7 +284,7 @@ async def test_the_drift_loop_checks_every_cached_pool_once_per_interval_spread_
 
 
 @pytest.mark.asyncio
-async def test_kube_api_watch_splits_lines_across_chunks_and_reports_410() -> None:
+async def test_kube_api_watch_splits_lines_across_chunks_and_reports_410(tmp_path: Path) -> None:
     """The real client over a real HTTP server: an event larger than aiohttp's line limit, a
     line split between chunks, and a watch refused with 410 Gone."""
     from aiohttp import web
@@ -315,7 +317,8 @@ async def test_kube_api_watch_splits_lines_across_chunks_and_reports_410() -> No
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    api = KubeApi(Connection(f"http://127.0.0.1:{port}", ssl.create_default_context(), {}))
+    api = KubeApi(Credentials(write_kubeconfig(tmp_path / "kc", {}, {},
+                                               server=f"http://127.0.0.1:{port}")))
     try:
         page = await api.list_page("Service", {"labelSelector": SELECTOR})
         assert page["metadata"]["resourceVersion"] == "9"

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import ssl
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from kvfleet.cli import build_parser
-from kvfleet.devcluster.pki import create_pki
-from kvfleet.kube.api import connection_from_kopf
 from kvfleet.operator.coalesce import Coalescer
 from kvfleet.operator.handlers import CHILD_KINDS, PODS
 from kvfleet.operator.rbac import build_rbac, permissions
@@ -153,35 +148,3 @@ def test_print_rbac_runs_from_the_command_line() -> None:
     assert {d["metadata"]["namespace"] for d in docs if d["kind"].startswith("Role")} == {"ops"}
 
 
-def _info(**fields: object) -> SimpleNamespace:
-    base: dict[str, object] = {
-        "server": "https://127.0.0.1:6443/", "ca_path": None, "ca_data": None,
-        "certificate_path": None, "certificate_data": None, "private_key_path": None,
-        "private_key_data": None, "insecure": None, "token": None, "username": None,
-        "password": None,
-    }  # fmt: skip
-    return SimpleNamespace(**{**base, **fields})
-
-
-def test_connection_from_inline_kubeconfig_certificates(tmp_path: Path) -> None:
-    pki = create_pki(tmp_path, "10.0.0.1")
-
-    def b64(path: Path) -> str:
-        return base64.b64encode(path.read_bytes()).decode()
-
-    conn = connection_from_kopf(
-        _info(ca_data=b64(pki.ca.cert), certificate_data=b64(pki.admin.cert),
-              private_key_data=b64(pki.admin.key))
-    )  # fmt: skip
-    assert conn.server == "https://127.0.0.1:6443"
-    assert conn.ssl_context.verify_mode == ssl.CERT_REQUIRED
-    assert [c["subject"] for c in conn.ssl_context.get_ca_certs()] == [
-        ((("commonName", "kvfleet-dev-ca"),),)
-    ]
-    assert "Authorization" not in conn.headers
-
-
-def test_connection_with_a_service_account_token(tmp_path: Path) -> None:
-    pki = create_pki(tmp_path, "10.0.0.1")
-    conn = connection_from_kopf(_info(ca_path=str(pki.ca.cert), token="abc"))
-    assert conn.headers["Authorization"] == "Bearer abc"
