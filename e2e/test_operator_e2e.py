@@ -9,6 +9,7 @@ adds are deleted by that test.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import json
@@ -149,28 +150,43 @@ def crds(kubectl: Kubectl) -> None:
 OPERATOR_NAMESPACE = "kvfleet-system"  # the dev cluster's apiserver audits its accounts
 
 
-def operator_kubeconfig(kube: KubeClient, kubectl: Kubectl, folder: Path) -> Path:
+def operator_token(kube: KubeClient, seconds: int = 6 * 3600,
+                   bound_to_secret: str | None = None) -> str:
+    """A token of the operator's ServiceAccount (TokenRequest); bound to a Secret in its
+    namespace, it is revoked when that Secret is deleted."""
+    spec: JsonObj = {"expirationSeconds": seconds}
+    if bound_to_secret is not None:
+        secret = kube.get("Secret", bound_to_secret, OPERATOR_NAMESPACE)
+        spec["boundObjectRef"] = {"kind": "Secret", "apiVersion": "v1", "name": bound_to_secret,
+                                  "uid": secret["metadata"]["uid"]}
+    review = kube.request(
+        "POST", f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts/{RBAC_NAME}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec})
+    token: str = review["status"]["token"]
+    return token
+
+
+def operator_kubeconfig(kube: KubeClient, kubectl: Kubectl, folder: Path,
+                        token_file: Path | None = None) -> Path:
     """A kubeconfig of the operator's own ServiceAccount, with exactly the RBAC
-    `kvfleet operator --print-rbac` prints: the e2e operator runs with what it is granted."""
+    `kvfleet operator --print-rbac` prints: the e2e operator runs with what it is granted.
+    With `token_file`, the token is read from that file (the caller writes and rotates it)."""
     if kube.get_or_none("Namespace", OPERATOR_NAMESPACE) is None:
         kube.create({"apiVersion": "v1", "kind": "Namespace",
                      "metadata": {"name": OPERATOR_NAMESPACE}})
     kubectl("apply", "-f", "-", input=yaml.safe_dump_all(build_rbac(OPERATOR_NAMESPACE)))
-    token = kube.request(
-        "POST", f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts/{RBAC_NAME}/token",
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-         "spec": {"expirationSeconds": 6 * 3600}})["status"]["token"]
-    config = kube.config
-    cluster_entry: dict[str, Any] = {"server": config.server}
-    if config.ca_file is not None:
-        cluster_entry["certificate-authority"] = str(config.ca_file)
-    if config.insecure:
+    user = {"tokenFile": str(token_file)} if token_file else {"token": operator_token(kube)}
+    tls = kube.credentials.tls
+    cluster_entry: dict[str, Any] = {"server": kube.credentials.server}
+    if tls.ca is not None:
+        cluster_entry["certificate-authority-data"] = base64.b64encode(tls.ca).decode()
+    if tls.insecure:
         cluster_entry["insecure-skip-tls-verify"] = True
     path = folder / "operator.kubeconfig"
     path.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "operator",
         "clusters": [{"name": "cluster", "cluster": cluster_entry}],
-        "users": [{"name": RBAC_NAME, "user": {"token": token}}],
+        "users": [{"name": RBAC_NAME, "user": user}],
         "contexts": [{"name": "operator", "context": {"cluster": "cluster",
                                                        "user": RBAC_NAME}}]}))
     path.chmod(0o600)

@@ -33,6 +33,7 @@ from kvfleet.engine.idempotency import IdempotencyCache, IdempotencyConflict
 from kvfleet.engine.metrics import EngineMetrics, EngineStats, FinishedRequestTimings
 from kvfleet.engine.request import FinishReason, Request, SamplingParams
 from kvfleet.engine.request_log import RequestLogRecord, log_finished_request
+from kvfleet.engine.stop import StopStrings
 from kvfleet.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("kvfleet.engine.async")
@@ -134,10 +135,8 @@ class _Tracked:
     request: Request
     stream: RequestStream
     detokenizer: IncrementalDetokenizer
-    stop: tuple[str, ...]
+    output: StopStrings  # the text so far, with the request's stop strings applied
     deadline: float | None
-    text: str = ""
-    num_sent_chars: int = 0
     num_sent_tokens: int = 0
     seq: int = 0
     forced_reason: str | None = None  # set when this layer ends the request itself
@@ -292,7 +291,7 @@ class AsyncEngine:
             request=request, stream=stream,
             detokenizer=IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids,
                                                spec.skip_special_tokens),
-            stop=spec.sampling.stop, deadline=request.deadline,
+            output=StopStrings(spec.sampling.stop), deadline=request.deadline,
         )
         self._in_flight[request_id] = stream
         self._per_tenant[spec.tenant] = self._per_tenant.get(spec.tenant, 0) + 1
@@ -489,32 +488,21 @@ class AsyncEngine:
         if (reason == "stop" and new_ids and (new_ids[-1] in request.sampling_params.stop_token_ids
                                               or new_ids[-1] == self.tokenizer.eos_token_id)):
             # Like vLLM: the token that stopped generation is counted, not shown.
-            tracked.text += tracked.detokenizer.add_tokens(new_ids[:-1])
+            piece = tracked.detokenizer.add_tokens(new_ids[:-1])
         else:
-            tracked.text += tracked.detokenizer.add_tokens(new_ids)
+            piece = tracked.detokenizer.add_tokens(new_ids)
         if reason is not None:
-            tracked.text += tracked.detokenizer.flush()
-        visible = len(tracked.text)
-        if tracked.stop:
-            cut = min((i for i in (tracked.text.find(s) for s in tracked.stop) if i >= 0),
-                      default=-1)
-            if cut >= 0:
-                visible = cut
-                tracked.text = tracked.text[:cut]
-                if reason is None:  # the core has not stopped on it (yet): stop it here
-                    reason = tracked.forced_reason = "stop"
-                    self.core.abort_request(request.request_id, FinishReason.STOP)
-                    self._needs_step = True
-                elif reason == "length":
-                    reason = "stop"
-            elif reason is None:
-                # Hold back a tail that may be the start of a stop string.
-                visible = max(tracked.num_sent_chars,
-                              len(tracked.text) - (max(map(len, tracked.stop)) - 1))
+            piece += tracked.detokenizer.flush()
+        delta = tracked.output.feed(piece, final=reason is not None)
+        if tracked.output.hit:
+            if reason is None:  # the core has not stopped on it (yet): stop it here
+                reason = tracked.forced_reason = "stop"
+                self.core.abort_request(request.request_id, FinishReason.STOP)
+                self._needs_step = True
+            elif reason == "length":
+                reason = "stop"
         if not new_ids and reason is None:
             return None
-        delta = tracked.text[tracked.num_sent_chars:visible]
-        tracked.num_sent_chars = max(tracked.num_sent_chars, visible)
         event = StreamEvent(
             seq=tracked.seq, text=delta, num_new_tokens=len(new_ids), finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -545,5 +533,5 @@ class AsyncEngine:
             timings=result, num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
             prompt=request.prompt if self._log_text else None,
-            output=tracked.text if self._log_text else None,
+            output=tracked.output.text if self._log_text else None,
         ))

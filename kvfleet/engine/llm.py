@@ -29,6 +29,8 @@ from kvfleet.engine.engine import EngineCore, build_engine_core
 from kvfleet.engine.errors import InvalidRequestError
 from kvfleet.engine.metrics import EngineStats
 from kvfleet.engine.request import FinishReason, Request, SamplingParams
+from kvfleet.engine.stop import StopStrings
+from kvfleet.engine.tokenizer import IncrementalDetokenizer
 
 ChatMessages = Sequence[Mapping[str, Any]]
 PromptInput = str | ChatMessages
@@ -168,18 +170,21 @@ class LLM:
         return list(sampling_params)
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        texts = {r.request_id: "" for r in requests}
+        stopping = {r.request_id: _StopText(self.tokenizer, r) for r in requests
+                    if r.sampling_params.stop}
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(requests), desc="generating", unit="req",
                   disable=not use_tqdm) as bar:
             try:
                 while self.core.has_unfinished_requests():
                     for request in self.core.step():
-                        if request.sampling_params.stop and not request.is_finished:
-                            self._check_stop_strings(request, texts)
+                        watch = stopping.get(request.request_id)
+                        if watch is not None and not request.is_finished and watch.advance():
+                            self.core.finish_request(request.request_id, FinishReason.STOP)
                     for request in requests:
                         if request.is_finished and request.request_id not in done:
-                            done[request.request_id] = self._output(request)
+                            done[request.request_id] = self._output(
+                                request, stopping.get(request.request_id))
                             bar.update(1)
             except BaseException:
                 # A failed step or Ctrl-C: end our requests so the engine stays usable. The
@@ -190,20 +195,15 @@ class LLM:
                 raise
         return [done[r.request_id] for r in requests]
 
-    def _check_stop_strings(self, request: Request, texts: dict[str, str]) -> None:
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        texts[request.request_id] = text
-        if _find_stop(text, request.sampling_params.stop) is not None:
-            self.core.finish_request(request.request_id, FinishReason.STOP)
-
-    def _output(self, request: Request) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+    def _output(self, request: Request, stopping: _StopText | None) -> RequestOutput:
         reason = request.finish_reason or FinishReason.ERROR
-        cut = _find_stop(text, request.sampling_params.stop)
-        if cut is not None:
-            text = text[:cut]
-            if reason is FinishReason.LENGTH:  # the stop string came with the last token
-                reason = FinishReason.STOP
+        if stopping is None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        else:
+            stopping.advance(final=True)
+            text = stopping.output.text
+            if stopping.output.hit and reason is FinishReason.LENGTH:
+                reason = FinishReason.STOP  # the stop string came with the last token
         timings = request.timings
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
@@ -213,9 +213,23 @@ class LLM:
             first_token_time=timings.first_token_time, finish_time=timings.finish_time)
 
 
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+class _StopText:
+    """One request's output decoded as it grows, with its stop strings applied
+    (kvfleet.engine.stop, as on the serving path): each step decodes only the new tokens."""
+
+    def __init__(self, tokenizer: TokenizerProtocol, request: Request) -> None:
+        self.request = request
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self.output = StopStrings(request.sampling_params.stop)
+        self.fed = 0
+
+    def advance(self, final: bool = False) -> bool:
+        """Feed the tokens generated since the last call; True once a stop string appeared."""
+        ids = self.request.output_token_ids[self.fed:]
+        self.fed += len(ids)
+        piece = self.detokenizer.add_tokens(ids)
+        self.output.feed(piece + self.detokenizer.flush() if final else piece, final)
+        return self.output.hit
 
 
 def _is_conversation(value: object) -> bool:

@@ -24,6 +24,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from kvfleet.engine.admission import ServingError
 from kvfleet.engine.async_engine import AsyncEngine, GenerationSpec, RequestStream, StreamEvent
@@ -356,8 +357,7 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
         stream = await engine.submit(spec)
         engine.attach(stream)
         if stream_mode:
-            return StreamingResponse(_sse(engine, stream, render), media_type="text/event-stream",
-                                     headers={"x-request-id": stream.request_id})
+            return _EngineStream(engine, stream, render)
         try:
             events = await _result_or_disconnect(request, stream)
         finally:
@@ -502,19 +502,35 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
     return app
 
 
-async def _sse(engine: AsyncEngine, stream: RequestStream,
+class _EngineStream(StreamingResponse):
+    """The SSE answer of one engine stream, which lets go of the stream however the response
+    ends: finished, the client gone mid-stream, or gone before the first byte. In the last
+    case the body generator never starts, so a `finally` inside it would never run and the
+    request would generate to max_tokens for nobody (tests/unit/test_server_api.py)."""
+
+    def __init__(self, engine: AsyncEngine, stream: RequestStream,
+                 render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]]) -> None:
+        super().__init__(_sse(stream, render), media_type="text/event-stream",
+                         headers={"x-request-id": stream.request_id})
+        self._engine, self._stream = engine, stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._engine.detach(self._stream)
+
+
+async def _sse(stream: RequestStream,
                render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]]
                ) -> AsyncIterator[str]:
     """SSE frames: `id:` is the sequence number; the JSON carries it too (`seq`)."""
-    try:
-        first = True
-        async for event in stream.follow():
-            payload = json.dumps(render(stream, event, first), separators=(",", ":"))
-            first = False
-            yield f"id: {event.seq}\ndata: {payload}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        engine.detach(stream)
+    first = True
+    async for event in stream.follow():
+        payload = json.dumps(render(stream, event, first), separators=(",", ":"))
+        first = False
+        yield f"id: {event.seq}\ndata: {payload}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 async def _result_or_disconnect(request: Request, stream: RequestStream

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
@@ -247,6 +248,10 @@ class Tokenizer:
         return cls(backend, bos_token_id=bos_id, eos_token_id=eos_id, add_bos_token=add_bos_token)
 
 
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
 class IncrementalDetokenizer:
     """Text of a growing list of generated token ids, delivered as deltas.
 
@@ -258,7 +263,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self, tokenizer: Decoder, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens

@@ -6,6 +6,7 @@ Budget: a few seconds (no model; the fake core steps in microseconds unless a te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class Served:
     engine: AsyncEngine
     core: FakeCore
     lifecycle: Lifecycle
+    app: Any  # the ASGI app, for tests that play the server's part themselves
 
 
 async def _serve(core: FakeCore | None = None, *, max_context: int = 256,
@@ -43,7 +45,7 @@ async def _serve(core: FakeCore | None = None, *, max_context: int = 256,
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://kvfleet") as client:
-            yield Served(client, engine, core, lifecycle)
+            yield Served(client, engine, core, lifecycle, app)
     finally:
         await engine.stop()
 
@@ -318,3 +320,46 @@ async def test_injected_faults_fail_requests_or_slow_every_step() -> None:
         started = loop.time()
         resp = await s.client.post("/v1/completions", json=body)
         assert resp.status_code == 200 and loop.time() - started >= 0.3  # three steps
+
+
+@pytest_asyncio.fixture
+async def slow() -> AsyncIterator[Served]:
+    """A core that takes 10 ms a step: 200 tokens take 2 s, long enough to tell a request that
+    was cancelled from one that ran out."""
+    async for s in _serve(FakeCore(step_seconds=0.01)):
+        yield s
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_a_stream_whose_client_left_before_its_first_byte_is_cancelled(
+        slow: Served, spec_version: str) -> None:
+    """The client is gone before the response starts: under ASGI 2.4 uvicorn's send raises
+    (its ClientDisconnected is an OSError); before 2.4 Starlette cancels the response when it
+    reads the disconnect. Either way the body generator may never start, and its `finally`
+    never runs: the request must still be cancelled, not generate to max_tokens."""
+    body = json.dumps({"prompt": "abc", "max_tokens": 200, "stream": True}).encode()
+    inbox: list[dict[str, Any]] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return inbox.pop(0) if inbox else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if spec_version == "2.4":
+            raise OSError("the client is gone")  # as uvicorn's send does then
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version},
+             "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 1), "server": ("kvfleet", 80),
+             "headers": [(b"host", b"kvfleet"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    with contextlib.suppress(Exception):  # 2.4: Starlette's ClientDisconnect
+        await slow.app(scope, receive, send)
+    (request,) = [r for r in slow.core.requests.values() if r.sampling_params.max_tokens == 200]
+    for _ in range(100):
+        if request.is_finished:
+            break
+        await asyncio.sleep(0.01)
+    assert request.finish_reason is not None and request.finish_reason.value == "cancelled"
+    assert request.num_output_tokens < 200 and slow.core.blocks_in_use() == 0
