@@ -150,32 +150,17 @@ def crds(kubectl: Kubectl) -> None:
 OPERATOR_NAMESPACE = "kvfleet-system"  # the dev cluster's apiserver audits its accounts
 
 
-def operator_token(kube: KubeClient, seconds: int = 6 * 3600,
-                   bound_to_secret: str | None = None) -> str:
-    """A token of the operator's ServiceAccount (TokenRequest); bound to a Secret in its
-    namespace, it is revoked when that Secret is deleted."""
-    spec: JsonObj = {"expirationSeconds": seconds}
-    if bound_to_secret is not None:
-        secret = kube.get("Secret", bound_to_secret, OPERATOR_NAMESPACE)
-        spec["boundObjectRef"] = {"kind": "Secret", "apiVersion": "v1", "name": bound_to_secret,
-                                  "uid": secret["metadata"]["uid"]}
-    review = kube.request(
-        "POST", f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts/{RBAC_NAME}/token",
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec})
-    token: str = review["status"]["token"]
-    return token
-
-
-def operator_kubeconfig(kube: KubeClient, kubectl: Kubectl, folder: Path,
-                        token_file: Path | None = None) -> Path:
+def operator_kubeconfig(kube: KubeClient, kubectl: Kubectl, folder: Path) -> Path:
     """A kubeconfig of the operator's own ServiceAccount, with exactly the RBAC
-    `kvfleet operator --print-rbac` prints: the e2e operator runs with what it is granted.
-    With `token_file`, the token is read from that file (the caller writes and rotates it)."""
+    `kvfleet operator --print-rbac` prints: the e2e operator runs with what it is granted."""
     if kube.get_or_none("Namespace", OPERATOR_NAMESPACE) is None:
         kube.create({"apiVersion": "v1", "kind": "Namespace",
                      "metadata": {"name": OPERATOR_NAMESPACE}})
     kubectl("apply", "-f", "-", input=yaml.safe_dump_all(build_rbac(OPERATOR_NAMESPACE)))
-    user = {"tokenFile": str(token_file)} if token_file else {"token": operator_token(kube)}
+    token = kube.request(
+        "POST", f"/api/v1/namespaces/{OPERATOR_NAMESPACE}/serviceaccounts/{RBAC_NAME}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+         "spec": {"expirationSeconds": 6 * 3600}})["status"]["token"]
     tls = kube.credentials.tls
     cluster_entry: dict[str, Any] = {"server": kube.credentials.server}
     if tls.ca is not None:
@@ -186,7 +171,7 @@ def operator_kubeconfig(kube: KubeClient, kubectl: Kubectl, folder: Path,
     path.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "operator",
         "clusters": [{"name": "cluster", "cluster": cluster_entry}],
-        "users": [{"name": RBAC_NAME, "user": user}],
+        "users": [{"name": RBAC_NAME, "user": {"token": token}}],
         "contexts": [{"name": "operator", "context": {"cluster": "cluster",
                                                        "user": RBAC_NAME}}]}))
     path.chmod(0o600)
