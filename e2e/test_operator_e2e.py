@@ -267,7 +267,7 @@ def test_examples_become_available_on_matching_gpu_nodes(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
     add_nodes: Callable[[list[JsonObj]], None], argo_health: ArgoHealth,
 ) -> None:  # fmt: skip
-    example_pool = yaml.safe_load((EXAMPLES / "servingpool-l4.yaml").read_text())
+    example_pool = yaml.safe_load((EXAMPLES / "02-servingpool-l4.yaml").read_text())
     region = example_pool["spec"]["region"]
     nodes = [
         fleet.build_node(f"gpu-l4-{region}-{namespace}-{i}", fleet.L4, 1, f"{region}a")
@@ -523,7 +523,7 @@ def test_real_engine_pod_serves_the_artifact_on_the_local_node(
 ) -> None:  # fmt: skip
     """One pool whose pod really runs `kvfleet serve` (the harness's local L4 node): the args,
     ConfigMap settings and readiness the operator builds are those the real engine accepts."""
-    kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "modelartifact-smollm2.yaml"))
+    kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "01-modelartifact-smollm2.yaml"))
     with _only_the_local_l4_node(kube, kubectl):
         _create(kube, _local_engine_pool("smol", "smollm2-135m-instruct", namespace))
         ready = _wait_pool(kube, operator, namespace, "smol", _available, "real pod Ready", 300)
@@ -574,7 +574,7 @@ def test_engine_refusing_weights_whose_sha256_differs_degrades_the_pool_with_its
     operator never reads weights), but the engine on the local node refuses the file and exits;
     its last log line becomes the container's termination message, which the pool shows. The
     drift timer does not tick meanwhile: the crash reaches the pool through the pod watch."""
-    artifact = yaml.safe_load((EXAMPLES / "modelartifact-smollm2.yaml").read_text())
+    artifact = yaml.safe_load((EXAMPLES / "01-modelartifact-smollm2.yaml").read_text())
     real_sha256 = artifact["spec"]["weights"]["files"][0]["sha256"]
     claimed = "0" * 64
     artifact["spec"]["weights"]["files"][0]["sha256"] = claimed

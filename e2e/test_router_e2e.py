@@ -75,7 +75,7 @@ class RouterProcess:
 @pytest.fixture
 def router_pool(kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess,  # noqa: F811
                 namespace: str, local_node: str, fake_nodes: list[str]) -> str:
-    kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "modelartifact-smollm2.yaml"))
+    kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "01-modelartifact-smollm2.yaml"))
     with _only_the_local_l4_node(kube, kubectl):
         _create(kube, _local_engine_pool("smol", "smollm2-135m-instruct", namespace))
         _wait_pool(kube, operator, namespace, "smol", _available, "real pod Ready", 300)

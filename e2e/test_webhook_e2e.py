@@ -29,19 +29,6 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-KIND_ORDER = ["ModelArtifact", "ServingPool", "TenantQuota", "Rollout"]
-
-
-def _good_examples() -> list[Path]:
-    """Every examples/*.yaml, ordered by the last kind in each: what others reference first."""
-
-    def rank(path: Path) -> tuple[int, str]:
-        kinds = [d["kind"] for d in yaml.safe_load_all(path.read_text()) if d]
-        return max(KIND_ORDER.index(k) for k in kinds), path.name
-
-    return sorted(EXAMPLES.glob("*.yaml"), key=rank)
-
-
 INVALID = sorted((EXAMPLES / "invalid").glob("*.yaml"))
 VWC_NAME = "kvfleet-e2e"
 Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -163,9 +150,9 @@ def webhook(
 
 
 def test_good_examples_are_admitted(webhook: Webhook, kubectl: Kubectl, namespace: str) -> None:
-    for path in _good_examples():
-        result = _apply(kubectl, namespace, path)
-        assert result.returncode == 0, (path.name, result.stderr)
+    # As a user would: the directory in one go, on the first try (files in name order).
+    result = _apply(kubectl, namespace, EXAMPLES)
+    assert result.returncode == 0, result.stderr
     listed = kubectl("get", "kvfleet", "-n", namespace, "-o", "name").stdout.split()
     assert "servingpool.kvfleet.io/qwen3-8b-chat" in listed
     assert "rollout.kvfleet.io/qwen3-8b-chat" in listed
@@ -192,12 +179,12 @@ def test_invalid_example_is_refused(
 def test_failure_policy_when_the_webhook_is_down(
     webhook: Webhook, kubectl: Kubectl, namespace: str
 ) -> None:
-    for name in ("modelartifact-qwen3-8b.yaml", "servingpool-l4.yaml"):
+    for name in ("01-modelartifact-qwen3-8b.yaml", "02-servingpool-l4.yaml"):
         assert _apply(kubectl, namespace, EXAMPLES / name).returncode == 0
     webhook.stop()
 
     # Fail: spec changes are refused while the webhook is unreachable ...
-    refused = _apply(kubectl, namespace, EXAMPLES / "tenantquota.yaml")
+    refused = _apply(kubectl, namespace, EXAMPLES / "02-tenantquota.yaml")
     assert refused.returncode != 0
     assert f'failed calling webhook "{WEBHOOK_NAME}"' in refused.stderr
     # ... but the operator can still write status: */status is not matched.

@@ -104,6 +104,7 @@ def _run_demo(cluster: Any, stop: threading.Event) -> None:
 
 
 def _serve(options: Any, body: Callable[[Any, threading.Event], None] | None) -> int:
+    from kvfleet.devcluster import toolchain
     from kvfleet.devcluster.cluster import DevCluster
     from kvfleet.devcluster.errors import DevClusterError
 
@@ -133,6 +134,9 @@ def _serve(options: Any, body: Callable[[Any, threading.Event], None] | None) ->
         state_path().write_text(json.dumps(state, indent=2))
         print(f"dev cluster up in {cluster.startup_seconds:.1f}s")
         print(f"  export KUBECONFIG={cluster.kubeconfig}")
+        # The kubectl built with the control plane (same version), and `kubectl kvfleet`.
+        kubectl = toolchain.locate()["kubectl"].parent
+        print(f"  export PATH={kubectl}:{Path(sys.executable).parent}:$PATH")
         if cluster.prometheus:
             print(f"  export KVFLEET_PROMETHEUS_URL={cluster.prometheus.url}")
         print("Ctrl-C or `kvfleet dev-cluster down` stops it.", flush=True)

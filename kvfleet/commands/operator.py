@@ -124,10 +124,10 @@ def run(args: argparse.Namespace) -> int:
     from kvfleet.compat import MatrixError, default_matrix, load_matrix
     from kvfleet.operator.builders import EngineOptions
     from kvfleet.operator.handlers import OperatorConfig, build_registry
-    from kvfleet.operator.rbac import build_rbac
+    from kvfleet.operator.rbac import install_rbac
 
     if args.print_rbac:
-        yaml.safe_dump_all(build_rbac(args.rbac_namespace), sys.stdout, sort_keys=False)
+        yaml.safe_dump_all(install_rbac(args.rbac_namespace), sys.stdout, sort_keys=False)
         return 0
     if args.drift_interval <= 0 or args.max_concurrent_reconciles < 1:
         print(
@@ -141,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
     except MatrixError as exc:
         print(f"kvfleet operator: {exc}", file=sys.stderr)
         return 2
-    kopf.configure(verbose=args.verbose, quiet=args.quiet)
+    # Every line about an object names it ([namespace/name]); handler ids name the kind and
+    # the cause (servingpool-update), not the closure (build_registry.<locals>.pool_changed).
+    kopf.configure(verbose=args.verbose, quiet=args.quiet, log_prefix=True)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_address)

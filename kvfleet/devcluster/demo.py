@@ -30,7 +30,7 @@ from kvfleet.devcluster.kube import JsonObj, KubeClient
 
 POOL = "smol"
 TENANT_KEY = "sk-demo-team-a-0123456789abcdef"
-SMOLLM2 = Path(__file__).resolve().parents[2] / "examples" / "modelartifact-smollm2.yaml"
+SMOLLM2 = Path(__file__).resolve().parents[2] / "examples" / "01-modelartifact-smollm2.yaml"
 
 
 def smollm2_revision(name: str, top_k: int, namespace: str) -> JsonObj:

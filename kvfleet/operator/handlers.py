@@ -287,18 +287,18 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     # -- ServingPool ----------------------------------------------------------------------
 
-    @kopf.on.create(GROUP, VERSION, "servingpools", registry=registry)
-    @kopf.on.update(GROUP, VERSION, "servingpools", registry=registry)
-    @kopf.on.resume(GROUP, VERSION, "servingpools", registry=registry)
+    @kopf.on.create(GROUP, VERSION, "servingpools", id="servingpool-create", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "servingpools", id="servingpool-update", registry=registry)
+    @kopf.on.resume(GROUP, VERSION, "servingpools", id="servingpool-resume", registry=registry)
     async def pool_changed(namespace: str | None, name: str, **_: Any) -> None:
         runtime = await state.synced()
         await _handled(runtime.pools.trigger, (namespace or "default", name))
 
     # -- ModelArtifact --------------------------------------------------------------------
 
-    @kopf.on.create(GROUP, VERSION, "modelartifacts", registry=registry)
-    @kopf.on.update(GROUP, VERSION, "modelartifacts", registry=registry)
-    @kopf.on.resume(GROUP, VERSION, "modelartifacts", registry=registry)
+    @kopf.on.create(GROUP, VERSION, "modelartifacts", id="modelartifact-create", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "modelartifacts", id="modelartifact-update", registry=registry)
+    @kopf.on.resume(GROUP, VERSION, "modelartifacts", id="modelartifact-resume", registry=registry)
     async def artifact_changed(namespace: str | None, name: str, reason: str, **_: Any) -> None:
         runtime = state.get()
         await _handled(runtime.artifacts.trigger, (namespace or "default", name))
@@ -306,7 +306,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             for key in runtime.pools_using(namespace or "default", name):
                 in_background(runtime.pools.trigger, key)
 
-    @kopf.on.delete(GROUP, VERSION, "modelartifacts", optional=True, registry=registry)
+    @kopf.on.delete(GROUP, VERSION, "modelartifacts", id="modelartifact-delete", optional=True,
+                    registry=registry)
     async def artifact_deleted(namespace: str | None, name: str, **_: Any) -> None:
         runtime = state.get()
         for key in runtime.pools_using(namespace or "default", name):
@@ -314,16 +315,17 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     # -- Rollout: its pool reconciles it (one writer of the pool's traffic table) ---------
 
-    @kopf.on.create(GROUP, VERSION, "rollouts", registry=registry)
-    @kopf.on.update(GROUP, VERSION, "rollouts", registry=registry)
-    @kopf.on.resume(GROUP, VERSION, "rollouts", registry=registry)
+    @kopf.on.create(GROUP, VERSION, "rollouts", id="rollout-create", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "rollouts", id="rollout-update", registry=registry)
+    @kopf.on.resume(GROUP, VERSION, "rollouts", id="rollout-resume", registry=registry)
     async def rollout_changed(namespace: str | None, spec: Any, **_: Any) -> None:
         runtime = await state.synced()
         pool = (spec.get("poolRef") or {}).get("name")
         if isinstance(pool, str):
             await _handled(runtime.pools.trigger, (namespace or "default", pool))
 
-    @kopf.on.delete(GROUP, VERSION, "rollouts", optional=True, registry=registry)
+    @kopf.on.delete(GROUP, VERSION, "rollouts", id="rollout-delete", optional=True,
+                    registry=registry)
     async def rollout_deleted(namespace: str | None, name: str | None, spec: Any,
                               **_: Any) -> None:
         runtime = state.get()

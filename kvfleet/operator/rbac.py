@@ -1,6 +1,7 @@
 """The operator's RBAC, as data: exactly the verbs its reconcilers and kopf's watches use.
 
-`deploy/operator/rbac.yaml` is generated from `build_rbac()` (`kvfleet operator --print-rbac`)
+`deploy/operator/rbac.yaml` is generated from `install_rbac()` (`kvfleet operator --print-rbac`:
+the namespace, then `build_rbac()`, so `kubectl apply -f` of the file works on a bare cluster)
 and a unit test fails when they differ, so the file is never edited by hand. The e2e tests run
 the operator as this ServiceAccount and compare the dev cluster's audit log with these rules:
 nothing used is missing, nothing granted goes unused (but for the reasons listed there).
@@ -121,3 +122,10 @@ def build_rbac(namespace: str = "kvfleet-system") -> list[dict[str, Any]]:
             "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": namespace}],
         },
     ]
+
+
+def install_rbac(namespace: str = "kvfleet-system") -> list[dict[str, Any]]:
+    """What `kubectl apply -f deploy/operator/rbac.yaml` needs on a bare cluster: the
+    namespace the ServiceAccount and its Role live in, then the RBAC."""
+    return [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+            *build_rbac(namespace)]

@@ -335,8 +335,11 @@ class Runtime:
             old: JsonObj = next(
                 (c for c in previous.get("conditions", []) if c["type"] == cond["type"]), {}
             )
-            if cond["status"] == "False" and old.get("reason") != cond["reason"]:
-                events.append(Event("Warning", cond["reason"], cond["message"]))
+            warning = Event("Warning", cond["reason"], cond["message"])
+            # Ready repeats the failing condition's reason and message: one event, not two.
+            if cond["status"] == "False" and old.get("reason") != cond["reason"] and \
+                    warning not in events:
+                events.append(warning)
         await asyncio.gather(
             self._write_status("ModelArtifact", raw, status),
             *(self._post_event(raw, event) for event in events),

@@ -35,7 +35,7 @@ def test_command_modules_are_registered_in_the_cli() -> None:
 
 
 def test_artifact_hash_prints_the_manifest_hash(capsys: pytest.CaptureFixture[str]) -> None:
-    path = EXAMPLES / "modelartifact-qwen3-8b.yaml"
+    path = EXAMPLES / "01-modelartifact-qwen3-8b.yaml"
     assert run("artifact", "hash", str(path)) == 0
     [artifact] = load_objects(path)
     assert capsys.readouterr().out == f"{manifest_hash(artifact.spec)}  {path}:qwen3-8b\n"
@@ -50,7 +50,7 @@ def test_artifact_base_hash_is_what_adapters_name(capsys: pytest.CaptureFixture[
 
 
 def test_artifact_hash_without_artifacts_fails(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run("artifact", "hash", str(EXAMPLES / "tenantquota.yaml")) == 1
+    assert run("artifact", "hash", str(EXAMPLES / "02-tenantquota.yaml")) == 1
     assert "no ModelArtifact" in capsys.readouterr().err
 
 
@@ -71,7 +71,7 @@ def test_from_gguf_reproduces_the_smollm2_example(tmp_path: Path) -> None:
         str(out),
     )
     assert code == 0
-    assert out.read_text() == (EXAMPLES / "modelartifact-smollm2.yaml").read_text()
+    assert out.read_text() == (EXAMPLES / "01-modelartifact-smollm2.yaml").read_text()
     spec = yaml.safe_load(out.read_text())["spec"]
     assert spec["architecture"]["numKVHeads"] == 3 and spec["architecture"]["numLayers"] == 30
     assert spec["weights"]["files"][0]["sizeBytes"] == 98_362_432
@@ -91,14 +91,14 @@ def test_check_good_examples_pass(capsys: pytest.CaptureFixture[str]) -> None:
 def test_check_refusal_exits_non_zero_and_names_field(capsys: pytest.CaptureFixture[str]) -> None:
     code = run(
         "check",
-        str(EXAMPLES / "modelartifact-qwen3-8b.yaml"),
+        str(EXAMPLES / "01-modelartifact-qwen3-8b.yaml"),
         str(EXAMPLES / "invalid" / "servingpool-t4-bf16.yaml"),
     )
     assert code == 1
     out = capsys.readouterr().out
     assert "ServingPool default/qwen3-8b-t4: spec.gpu.product: Tesla-T4" in out
     assert "[rule: compatibility]" in out
-    assert run("check", str(EXAMPLES / "servingpool-l4.yaml")) == 1
+    assert run("check", str(EXAMPLES / "02-servingpool-l4.yaml")) == 1
     assert "hint: pass the file that defines it too" in capsys.readouterr().out
 
 
@@ -164,7 +164,7 @@ def test_capacity_from_artifact_and_gpu_product(capsys: pytest.CaptureFixture[st
         run(
             "capacity",
             "--artifact",
-            str(EXAMPLES / "modelartifact-qwen3-8b.yaml"),
+            str(EXAMPLES / "01-modelartifact-qwen3-8b.yaml"),
             "--gpu",
             "L4",
             "--workspace",

@@ -399,3 +399,15 @@ async def test_a_rollouts_events_are_posted_only_once_its_status_landed(
     exposed = generate_latest().decode()
     assert 'rollout="chat"' not in exposed
     metrics.forget_rollout(NS, "chat")  # twice: nothing left to forget, no error
+
+
+@pytest.mark.asyncio
+async def test_an_incompatible_artifact_gets_one_warning_not_two(cluster: FakeCluster) -> None:
+    """Ready repeats the failing Compatible condition's reason and message; the artifact's
+    events say it once."""
+    runtime = _runtime(cluster)
+    cluster.store(make_artifact("fp8").set("spec.dtype", "fp8").data(), "ADDED")
+    cluster.deliver()
+    await runtime.reconcile_artifact((NS, "fp8"))
+    posted = [r for r in cluster.take() if r[0] == "POST"]
+    assert posted.count(("POST", "Event Incompatible")) == 1, posted

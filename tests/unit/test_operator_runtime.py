@@ -13,7 +13,7 @@ import yaml
 from kvfleet.cli import build_parser
 from kvfleet.operator.coalesce import Coalescer
 from kvfleet.operator.handlers import CHILD_KINDS, PODS
-from kvfleet.operator.rbac import build_rbac, permissions
+from kvfleet.operator.rbac import build_rbac, install_rbac, permissions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +96,7 @@ async def test_a_failed_run_fails_its_callers_and_the_next_trigger_runs_again() 
 
 def test_rbac_file_is_generated() -> None:
     on_disk = list(yaml.safe_load_all((ROOT / "deploy/operator/rbac.yaml").read_text()))
-    assert on_disk == build_rbac(), (
+    assert on_disk == install_rbac(), (
         "regenerate: kvfleet operator --print-rbac > deploy/operator/rbac.yaml"
     )
 
@@ -142,8 +142,10 @@ def test_print_rbac_runs_from_the_command_line() -> None:
         timeout=120,
     ).stdout
     docs = list(yaml.safe_load_all(out))
-    assert [d["kind"] for d in docs] == ["ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                                         "Role", "RoleBinding"]
+    # The namespace first: `kubectl apply -f` of the output works on a bare cluster.
+    assert [d["kind"] for d in docs] == ["Namespace", "ServiceAccount", "ClusterRole",
+                                         "ClusterRoleBinding", "Role", "RoleBinding"]
+    assert docs[0]["metadata"]["name"] == "ops"
     # The leader Lease is granted in the operator's namespace only.
     assert {d["metadata"]["namespace"] for d in docs if d["kind"].startswith("Role")} == {"ops"}
 

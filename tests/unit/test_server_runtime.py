@@ -96,9 +96,14 @@ def test_loading_ready_then_sigterm_drains_and_exits_zero() -> None:
                    'revision="sha256:fake"} 2.0' in metrics:
                     break
                 time.sleep(0.01)
+            else:
+                pytest.fail("the two streams were never both admitted")
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.05)
-            assert client.get("/ready").status_code == 503
+            # Draining: readiness fails while the admitted streams are still being served.
+            deadline = time.monotonic() + 5
+            while client.get("/ready").status_code != 503:
+                assert time.monotonic() < deadline, "/ready still answers 200 after SIGTERM"
+                time.sleep(0.01)
             for t in threads:
                 t.join(10)
         finals = {name: events[-1] for name, events in results.items()}
