@@ -253,17 +253,8 @@ class Serving:
     chat_template: ChatTemplate | None = None
 
 
-def create_app(serving: Serving, settings: ServerSettings | None = None) -> FastAPI:
-    cfg = settings or ServerSettings()
-    lifecycle = serving.lifecycle
-    app = FastAPI(title="kvfleet engine", version="v1",
-                  description="OpenAI-compatible API of one kvfleet engine instance.")
-
-    def loaded() -> AsyncEngine:
-        if serving.engine is None:
-            raise ApiError("not_ready", f"the engine is {lifecycle.state.value}; retry on "
-                           "another replica", retry_after=1)
-        return serving.engine
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in the OpenAI error shape, with the field it is about."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -298,43 +289,57 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
         return error_response("internal_error", f"internal error ({type(exc).__name__}); "
                               "see the engine log")
 
-    def from_router(request: Request) -> bool:
-        if cfg.router_token is None:
+
+class _Gate:
+    """What every generating route checks and builds before the engine sees a request: the
+    engine loaded and ready, the router's proof, the tenant, the model name, the spec."""
+
+    def __init__(self, serving: Serving, cfg: ServerSettings) -> None:
+        self.serving, self.cfg = serving, cfg
+
+    def loaded(self) -> AsyncEngine:
+        if self.serving.engine is None:
+            raise ApiError("not_ready", f"the engine is {self.serving.lifecycle.state.value}; "
+                           "retry on another replica", retry_after=1)
+        return self.serving.engine
+
+    def from_router(self, request: Request) -> bool:
+        if self.cfg.router_token is None:
             return False
         proof = request.headers.get(ROUTER_TOKEN_HEADER, "")
-        if not hmac.compare_digest(proof.encode(), cfg.router_token.encode()):
+        if not hmac.compare_digest(proof.encode(), self.cfg.router_token.encode()):
             raise ApiError("router_proof_required", "this engine serves only requests that come "
                            "through the kvfleet router (send them to the router's Service)",
                            ROUTER_TOKEN_HEADER)
         return True
 
-    def tenant_of(request: Request) -> str:
-        from_router(request)
-        tenant = request.headers.get(cfg.tenant_header, cfg.default_tenant)
+    def tenant_of(self, request: Request) -> str:
+        self.from_router(request)
+        tenant = request.headers.get(self.cfg.tenant_header, self.cfg.default_tenant)
         if not _TENANT_RE.match(tenant):
-            raise ApiError("invalid_tenant", f"header {cfg.tenant_header} must match "
-                           f"{_TENANT_RE.pattern}", cfg.tenant_header)
+            raise ApiError("invalid_tenant", f"header {self.cfg.tenant_header} must match "
+                           f"{_TENANT_RE.pattern}", self.cfg.tenant_header)
         return tenant
 
-    def check_model(body: SamplingFields) -> None:
-        model = loaded().model
+    def check_model(self, body: SamplingFields) -> None:
+        model = self.loaded().model
         if body.model not in (None, "", model.name):
             raise ApiError("model_not_found", f"model {body.model!r} is not served here; "
                            f"this engine serves {model.name!r}", "model")
 
-    def check_ready() -> AsyncEngine:
-        if lifecycle.state is not LifecycleState.READY:
-            raise ApiError("not_ready", f"the engine is {lifecycle.state.value}; retry on "
-                           "another replica", retry_after=1)
-        return loaded()
+    def check_ready(self) -> AsyncEngine:
+        if self.serving.lifecycle.state is not LifecycleState.READY:
+            raise ApiError("not_ready", f"the engine is {self.serving.lifecycle.state.value}; "
+                           "retry on another replica", retry_after=1)
+        return self.loaded()
 
-    def build_spec(request: Request, headers: RequestHeaders, body: SamplingFields,
+    def build_spec(self, request: Request, headers: RequestHeaders, body: SamplingFields,
                    prompt_ids: list[int], max_tokens: int, prompt_text: str | None
                    ) -> GenerationSpec:
-        tenant = tenant_of(request)
-        shared = tenant in cfg.shared_prefix_tenants or (
-            cfg.router_token is not None and request.headers.get(SHARED_PREFIX_HEADER) == "1")
-        scope = cfg.shared_prefix_scope if shared else tenant
+        tenant = self.tenant_of(request)
+        shared = tenant in self.cfg.shared_prefix_tenants or (
+            self.cfg.router_token is not None and request.headers.get(SHARED_PREFIX_HEADER) == "1")
+        scope = self.cfg.shared_prefix_scope if shared else tenant
         deadlines = [d for d in (headers.deadline_seconds, body.deadline_seconds) if d]
         return GenerationSpec(
             prompt_token_ids=tuple(prompt_ids), sampling=_sampling(body, max_tokens),
@@ -348,11 +353,11 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
             skip_special_tokens=body.skip_special_tokens, prompt_text=prompt_text,
         )
 
-    async def run(request: Request, spec: GenerationSpec, stream_mode: bool,
+    async def run(self, request: Request, spec: GenerationSpec, stream_mode: bool,
                   render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]],
                   finish: Callable[[RequestStream, list[StreamEvent]], Any]) -> Response:
-        engine = loaded()
-        if cfg.faults.fail_now():
+        engine = self.loaded()
+        if self.cfg.faults.fail_now():
             raise ApiError("internal_error", "injected fault ($KVFLEET_ENGINE_FAULTS)")
         stream = await engine.submit(spec)
         engine.attach(stream)
@@ -367,33 +372,38 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
         return JSONResponse(finish(stream, events).model_dump(mode="json"),
                             headers={"x-request-id": stream.request_id})
 
-    def usage(last: StreamEvent) -> Usage:
-        return Usage(prompt_tokens=last.num_prompt_tokens,
-                     completion_tokens=last.num_output_tokens,
-                     total_tokens=last.num_prompt_tokens + last.num_output_tokens,
-                     prompt_tokens_details={"cached_tokens": last.num_cached_tokens})
+
+def _usage(last: StreamEvent) -> Usage:
+    return Usage(prompt_tokens=last.num_prompt_tokens,
+                 completion_tokens=last.num_output_tokens,
+                 total_tokens=last.num_prompt_tokens + last.num_output_tokens,
+                 prompt_tokens_details={"cached_tokens": last.num_cached_tokens})
+
+
+def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
+    """/v1/completions and /v1/chat/completions: a prompt, a spec, a run on the engine."""
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request,
                           headers: Annotated[RequestHeaders, Depends(request_headers)]
                           ) -> Response:
-        engine = check_ready()
+        engine = gate.check_ready()
         model = engine.model
-        check_model(body)
+        gate.check_model(body)
         _check_supported(body)
         prompt_ids, prompt_text = _completion_prompt(body, engine)
         if not prompt_ids:
             raise ApiError("invalid_request_error", "prompt: is empty; send at least one "
                            "token", "prompt")
-        spec = build_spec(request, headers, body, prompt_ids, body.max_tokens or 16,
-                          prompt_text)
+        spec = gate.build_spec(request, headers, body, prompt_ids, body.max_tokens or 16,
+                               prompt_text)
 
         def render(stream: RequestStream, event: StreamEvent, _: bool) -> dict[str, Any]:
             return CompletionStreamChunk(
                 id=stream.request_id, created=stream.created, model=model.name,
                 system_fingerprint=model.revision, seq=event.seq,
                 choices=[CompletionChoice(text=event.text, finish_reason=event.finish_reason)],
-                usage=usage(event) if event.finish_reason else None,
+                usage=_usage(event) if event.finish_reason else None,
             ).model_dump(mode="json", exclude_none=True)
 
         def finish(stream: RequestStream, events: list[StreamEvent]) -> CompletionResponse:
@@ -402,20 +412,20 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
                 system_fingerprint=model.revision,
                 choices=[CompletionChoice(text="".join(e.text for e in events),
                                           finish_reason=events[-1].finish_reason)],
-                usage=usage(events[-1]))
+                usage=_usage(events[-1]))
 
-        return await run(request, spec, body.stream, render, finish)
+        return await gate.run(request, spec, body.stream, render, finish)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                headers: Annotated[RequestHeaders, Depends(request_headers)]
                                ) -> Response:
-        engine = check_ready()
+        engine = gate.check_ready()
         model = engine.model
-        check_model(body)
+        gate.check_model(body)
         _check_supported(body)
-        chat_template = serving.chat_template
+        chat_template = gate.serving.chat_template
         if chat_template is None:
             raise ApiError("invalid_request_error", "this model has no chat template; use "
                            "/v1/completions", "messages")
@@ -426,9 +436,9 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
             raise ApiError("invalid_request_error", "messages: render to an empty prompt",
                            "messages")
         requested = body.max_completion_tokens or body.max_tokens
-        max_tokens = requested or max(1, min(cfg.default_max_tokens,
+        max_tokens = requested or max(1, min(gate.cfg.default_max_tokens,
                                              model.max_context - len(prompt_ids)))
-        spec = build_spec(request, headers, body, prompt_ids, max_tokens, text)
+        spec = gate.build_spec(request, headers, body, prompt_ids, max_tokens, text)
 
         def render(stream: RequestStream, event: StreamEvent, first: bool) -> dict[str, Any]:
             delta = ChatDelta(role="assistant" if first else None, content=event.text)
@@ -436,7 +446,7 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
                 id=stream.request_id, created=stream.created, model=model.name,
                 system_fingerprint=model.revision, seq=event.seq,
                 choices=[ChatStreamChoice(delta=delta, finish_reason=event.finish_reason)],
-                usage=usage(event) if event.finish_reason else None,
+                usage=_usage(event) if event.finish_reason else None,
             ).model_dump(mode="json", exclude_none=True)
 
         def finish(stream: RequestStream, events: list[StreamEvent]) -> ChatCompletionResponse:
@@ -445,14 +455,18 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
                 id=stream.request_id, created=stream.created, model=model.name,
                 system_fingerprint=model.revision,
                 choices=[ChatChoice(message=message, finish_reason=events[-1].finish_reason)],
-                usage=usage(events[-1]))
+                usage=_usage(events[-1]))
 
-        return await run(request, spec, body.stream, render, finish)
+        return await gate.run(request, spec, body.stream, render, finish)
+
+
+def _add_status_routes(app: FastAPI, gate: _Gate) -> None:
+    """The model list, the tokenizer, liveness, readiness and metrics."""
 
     @app.get("/v1/models", response_model=ModelList, responses={503: {"model": ErrorResponse}})
     async def models() -> ModelList:
-        model = loaded().model
-        return ModelList(data=[ModelCard(id=model.name, created=int(lifecycle.since),
+        model = gate.loaded().model
+        return ModelList(data=[ModelCard(id=model.name, created=int(gate.serving.lifecycle.since),
                                          root=model.name, max_model_len=model.max_context,
                                          revision=model.revision)])
 
@@ -460,12 +474,12 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
     async def tokenizer_json() -> Response:
         """The model's tokenizer (HF tokenizer.json): the router counts prompt tokens with the
         same pipeline before admitting a request to a TenantQuota's token budget."""
-        engine = loaded()
+        engine = gate.loaded()
         return Response(engine.tokenizer.to_json(), media_type="application/json",
                         headers={"x-kvfleet-revision": engine.model.revision})
 
     def engine_problem() -> str | None:
-        return serving.engine.check() if serving.engine is not None else None
+        return gate.serving.engine.check() if gate.serving.engine is not None else None
 
     @app.get("/health", response_model=HealthResponse,
              responses={503: {"model": HealthResponse}})
@@ -474,21 +488,31 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
         # kubelet restarts the process; loading and draining are alive.
         problem = engine_problem()
         body = HealthResponse(status="ok" if problem is None else "failed",
-                              state=lifecycle.state.value, reason=problem)
+                              state=gate.serving.lifecycle.state.value, reason=problem)
         return JSONResponse(body.model_dump(exclude_none=True),
                             status_code=200 if problem is None else 503)
 
     @app.get("/ready", response_model=ReadyResponse, responses={503: {"model": ReadyResponse}})
     async def ready() -> JSONResponse:
         problem = engine_problem()
-        body = ReadyResponse(ready=lifecycle.is_ready and problem is None,
-                             state=lifecycle.state.value, reason=problem)
+        body = ReadyResponse(ready=gate.serving.lifecycle.is_ready and problem is None,
+                             state=gate.serving.lifecycle.state.value, reason=problem)
         return JSONResponse(body.model_dump(exclude_none=True),
                             status_code=200 if body.ready else 503)
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        return Response(loaded().metrics.exposition(), media_type=CONTENT_TYPE)
+        return Response(gate.loaded().metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+def create_app(serving: Serving, settings: ServerSettings | None = None) -> FastAPI:
+    cfg = settings or ServerSettings()
+    app = FastAPI(title="kvfleet engine", version="v1",
+                  description="OpenAI-compatible API of one kvfleet engine instance.")
+    _add_error_handlers(app)
+    gate = _Gate(serving, cfg)
+    _add_generation_routes(app, gate)
+    _add_status_routes(app, gate)
 
     default_openapi = app.openapi
 

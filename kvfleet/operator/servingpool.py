@@ -17,7 +17,7 @@ a new revision but never delete what is already serving.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -28,7 +28,7 @@ from kvfleet.operator import builders, naming
 from kvfleet.operator.conditions import Cond, merge_conditions
 from kvfleet.operator.drift import has_drifted
 from kvfleet.operator.events import Event
-from kvfleet.operator.placement import diagnose
+from kvfleet.operator.placement import Diagnosis, diagnose
 from kvfleet.operator.rollout import ACTIVE
 from kvfleet.operator.rollout import Decision as RolloutDecision
 
@@ -247,6 +247,30 @@ def _replace_in_place(pool: ServingPool, diagnosis: Any, previous: dict[str, Any
     return was or (diagnosis is not None and diagnosis.reason == "Unschedulable")
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """What a reconcile of one pool decides from: computed once, read by each step."""
+
+    pool: ServingPool
+    previous: dict[str, Any]  # the pool's status as last written
+    revision: str | None  # the manifest hash of spec.artifactRef's artifact
+    serving: str | None  # the revision that serves (servingRevision, or a promoted canary)
+    governed: bool  # a Rollout moves a canary of `revision` in beside `serving`
+    rollout: RolloutDecision | None
+    blocker: _Blocker | None
+    diagnosis: Diagnosis | None  # what is wrong with the revision's pods, if anything
+    rollover: _Rollover | None
+    replacing_in_place: bool = False
+
+
+@dataclass
+class _Children:
+    apply: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    target: dict[str, Any] | None = None  # the revision's Deployment as observed
+    replacing_in_place: bool = False
+
+
 def reconcile(
     pool: ServingPool,
     artifact: ModelArtifact | None,
@@ -262,7 +286,6 @@ def reconcile(
     caller: this function stays pure); an existing token is kept. `rollout`: the decision of
     the Rollout that governs the pool, if one does."""
     previous = pool.status.to_wire() if pool.status is not None else {}
-    generation = pool.metadata.generation
     plan, capacity = (None, None) if artifact is None else _capacity(pool, artifact, matrix)
     blocker = _blocker(pool, artifact, matrix, capacity)
     revision = manifest_hash(artifact.spec) if artifact is not None else None
@@ -278,103 +301,110 @@ def reconcile(
             pool, observed, revision, serving,
             ready_replicas(revision_deployment(observed, revision)),
             diagnosis is not None and diagnosis.reason == "Unschedulable", previous)
-
-    apply: list[dict[str, Any]] = []
-    events: list[Event] = []
-    target: dict[str, Any] | None = None
-    replacing_in_place = False
+    facts = _Facts(pool, previous, revision, serving, governed, rollout, blocker, diagnosis,
+                   rollover)
     # (artifact is None implies a blocker; the explicit checks narrow the types.)
-    if (
-        blocker is None
-        and artifact is not None
-        and revision is not None
-        and plan is not None
-    ):
-        created: list[str] = []
+    children = _Children()
+    if blocker is None and artifact is not None and revision is not None and plan is not None:
         token = builders.router_token_of(observed.router_secret) or new_router_token
-        for desired in _desired(pool, artifact, revision, plan, options, token):
-            if desired["kind"] == "Deployment" and governed:
-                assert rollout is not None
-                if rollout.canary_replicas is None:
-                    continue
-                desired["spec"]["replicas"] = rollout.canary_replicas
-            elif desired["kind"] == "Deployment" and rollover is not None:
-                desired["spec"]["replicas"] = rollover.new_replicas
-            elif desired["kind"] == "Deployment" and _replace_in_place(
-                    pool, diagnosis, previous, _observed_for(desired, observed)):
-                # A settings change rolls within the revision: with no GPU for a surge pod and
-                # no reserve, the Deployment gives up replicas within the disruption budget.
-                desired["spec"]["strategy"]["rollingUpdate"] = {
-                    "maxSurge": 0, "maxUnavailable": max(1, pool.spec.reserves.failover)}
-                replacing_in_place = True
-            current = _observed_for(desired, observed)
-            name = f"{desired['kind']} {desired['metadata']['name']}"
-            if current is None:
-                apply.append(desired)
-                created.append(name)
-            elif (where := has_drifted(desired, current)) is not None:
-                apply.append(desired)
-                events.append(Event("Normal", "Restored", f"{name} drifted at {where}; restored"))
-            if desired["kind"] == "Deployment" and not governed:
-                target = current
-        if created:
-            # One event for the lot: events are apiserver writes too.
-            events.insert(
-                0,
-                Event(
-                    "Normal",
-                    "Created",
-                    f"{', '.join(created)} for revision {naming.short_revision(revision)}",
-                ),
-            )
+        children = _children(facts, _desired(pool, artifact, revision, plan, options, token),
+                             observed)
+    facts = replace(facts, replacing_in_place=children.replacing_in_place)
+    delete, scale, events = _retire(facts, observed, children)
+    status, warnings = _status(facts, observed, children, plan, capacity, now)
+    return Plan(apply=tuple(children.apply), delete=tuple(delete), status=status,
+                events=(*children.events, *events, *warnings), scale=tuple(scale))
 
-    # Old revisions shrink as the new one grows (`_rollover`) and go once it serves every
-    # replica.
+
+def _children(facts: _Facts, desired_objects: list[dict[str, Any]],
+              observed: Observed) -> _Children:
+    """The owned objects to apply: missing ones, drifted ones; the revision's Deployment
+    sized by the Rollout (governed), the rollover, or rolled in place."""
+    pool, rollout, out = facts.pool, facts.rollout, _Children()
+    created: list[str] = []
+    for desired in desired_objects:
+        if desired["kind"] == "Deployment" and facts.governed:
+            assert rollout is not None
+            if rollout.canary_replicas is None:
+                continue
+            desired["spec"]["replicas"] = rollout.canary_replicas
+        elif desired["kind"] == "Deployment" and facts.rollover is not None:
+            desired["spec"]["replicas"] = facts.rollover.new_replicas
+        elif desired["kind"] == "Deployment" and _replace_in_place(
+                pool, facts.diagnosis, facts.previous, _observed_for(desired, observed)):
+            # A settings change rolls within the revision: with no GPU for a surge pod and
+            # no reserve, the Deployment gives up replicas within the disruption budget.
+            desired["spec"]["strategy"]["rollingUpdate"] = {
+                "maxSurge": 0, "maxUnavailable": max(1, pool.spec.reserves.failover)}
+            out.replacing_in_place = True
+        current = _observed_for(desired, observed)
+        name = f"{desired['kind']} {desired['metadata']['name']}"
+        if current is None:
+            out.apply.append(desired)
+            created.append(name)
+        elif (where := has_drifted(desired, current)) is not None:
+            out.apply.append(desired)
+            out.events.append(Event("Normal", "Restored", f"{name} drifted at {where}; restored"))
+        if desired["kind"] == "Deployment" and not facts.governed:
+            out.target = current
+    if created:
+        # One event for the lot: events are apiserver writes too.
+        out.events.insert(0, Event(
+            "Normal", "Created",
+            f"{', '.join(created)} for revision {naming.short_revision(facts.revision or '')}"))
+    return out
+
+
+def _retire(facts: _Facts, observed: Observed, children: _Children
+            ) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], int]], list[Event]]:
+    """Old revisions shrink as the new one grows (`_rollover`) and go once it serves every
+    replica; a governed pool keeps only the serving revision and the Rollout's canary."""
     delete: list[dict[str, Any]] = []
-    if governed:
-        assert rollout is not None
-        keep = {serving, revision if rollout.canary_replicas is not None else None}
+    events: list[Event] = []
+    target, revision = children.target, facts.revision
+    if facts.governed:
+        assert facts.rollout is not None
+        keep = {facts.serving, revision if facts.rollout.canary_replicas is not None else None}
         for old in observed.deployments:
             if _revision_of(old) not in keep:
                 delete.append(old)
                 events.append(Event("Normal", "CanaryRemoved",
                                     f"Deployment {old['metadata']['name']} deleted: the rollout "
                                     "no longer runs its revision"))
-    elif target is not None and deployment_ready(target) and not apply and \
-            int(target.get("spec", {}).get("replicas", 0)) == pool.spec.replicas:
+    elif target is not None and deployment_ready(target) and not children.apply and \
+            int(target.get("spec", {}).get("replicas", 0)) == facts.pool.spec.replicas:
         for old in observed.deployments:
             if _revision_of(old) != revision:
                 delete.append(old)
-                events.append(
-                    Event(
-                        "Normal",
-                        "RevisionRetired",
-                        f"Deployment {old['metadata']['name']} (revision "
-                        f"{naming.short_revision(_revision_of(old) or '?')}) deleted: "
-                        f"revision {naming.short_revision(revision or '')} is ready",
-                    )
-                )
-
+                events.append(Event(
+                    "Normal", "RevisionRetired",
+                    f"Deployment {old['metadata']['name']} (revision "
+                    f"{naming.short_revision(_revision_of(old) or '?')}) deleted: "
+                    f"revision {naming.short_revision(revision or '')} is ready"))
     scale: list[tuple[dict[str, Any], int]] = []
-    if rollover is not None and not delete:
-        for old, size in rollover.old_replicas:
+    if facts.rollover is not None and not delete:
+        for old, size in facts.rollover.old_replicas:
             if int(old.get("spec", {}).get("replicas", 0)) != size:
                 scale.append((old, size))
                 events.append(Event("Normal", "ScaledDown", f"Deployment "
-                                    f"{old['metadata']['name']} to {size}: {rollover.mode}"))
+                                    f"{old['metadata']['name']} to {size}: "
+                                    f"{facts.rollover.mode}"))
+    return delete, scale, events
 
+
+def _status(facts: _Facts, observed: Observed, children: _Children, plan: MemoryPlan | None,
+            capacity: Cond | None, now: datetime) -> tuple[dict[str, Any], list[Event]]:
+    """The pool's status (replicas, servingRevision, conditions, traffic) and the Warning
+    for a Degraded condition that is new."""
+    pool, target, revision, serving = facts.pool, children.target, facts.revision, facts.serving
     # Available follows the Deployment that serves: the target revision's, or while a new
     # revision is blocked or left to a Rollout, the one already serving.
     # (A governed canary being applied says nothing about the revision that serves.)
-    target_drifted = not governed and any(a["kind"] == "Deployment" for a in apply)
-    serving_deployment = (
-        target
-        if target is not None
-        else next(
-            (d for d in observed.deployments if serving is not None and _revision_of(d) == serving),
-            None,
-        )
-    )
+    target_drifted = not facts.governed and any(a["kind"] == "Deployment"
+                                                for a in children.apply)
+    serving_deployment = target if target is not None else next(
+        (d for d in observed.deployments if serving is not None and _revision_of(d) == serving),
+        None)
     ready = (
         serving_deployment is not None
         and deployment_ready(serving_deployment)
@@ -386,24 +416,54 @@ def reconcile(
         serving = revision
     elif serving is not None and not any(_revision_of(d) == serving for d in observed.deployments):
         serving = None
-
-    num_replicas = sum(
-        int((d.get("status") or {}).get("replicas", 0)) for d in observed.deployments
-    )
-    num_ready = sum(
-        int((d.get("status") or {}).get("readyReplicas", 0)) for d in observed.deployments
-    )
+    num_replicas = sum(int((d.get("status") or {}).get("replicas", 0))
+                       for d in observed.deployments)
+    num_ready = sum(int((d.get("status") or {}).get("readyReplicas", 0))
+                    for d in observed.deployments)
     want = pool.spec.replicas
     # Available: serving at least the minimum the disruption budget allows (whichever
     # revisions serve it); `ready` (the new revision serves the whole pool) moves
     # servingRevision.
     minimum = 0 if want == 0 else max(1, want - max(1, pool.spec.reserves.failover))
     serving_now = ready or (serving is not None and num_ready >= minimum)
-    if diagnosis is not None and diagnosis.reason == "Unschedulable" and (
-            replacing_in_place or (rollover is not None and rollover.replacing)):
-        diagnosis = None  # being handled: old replicas make room for the new ones
+    available, progressing, degraded = _conditions(facts, ready, serving_now, serving,
+                                                   num_ready)
+    decided = [available, progressing, *([capacity] if capacity is not None else []), degraded,
+               Cond("Ready", available.status, available.reason, available.message)]
+    old: dict[str, Any] = next((c for c in facts.previous.get("conditions", [])
+                                if c.get("type") == "Degraded"), {})
+    warnings = [Event("Warning", degraded.reason, degraded.message)] if degraded.status and (
+        old.get("reason") != degraded.reason or old.get("status") != "True") else []
+    generation = pool.metadata.generation
+    status: dict[str, Any] = {
+        "replicas": num_replicas,
+        "readyReplicas": num_ready,
+        "conditions": merge_conditions(facts.previous.get("conditions", []), decided,
+                                       generation, now),
+    }
+    if plan is not None:
+        status["capacity"] = plan.to_status().to_wire()
+    if serving is not None:
+        status["servingRevision"] = serving
+        serving_artifact = pool.spec.artifact_ref.name if serving == revision else \
+            facts.previous.get("servingArtifact")
+        if serving_artifact:
+            status["servingArtifact"] = serving_artifact
+    if facts.governed and facts.rollout is not None and facts.rollout.traffic:
+        status["traffic"] = [t.to_wire() for t in facts.rollout.traffic]
+    if generation is not None:
+        status["observedGeneration"] = generation
+    return status, warnings
 
-    decided: list[Cond] = []
+
+def _conditions(facts: _Facts, ready: bool, serving_now: bool, serving: str | None,
+                num_ready: int) -> tuple[Cond, Cond, Cond]:
+    """Available, Progressing and Degraded."""
+    want, rollover, blocker = facts.pool.spec.replicas, facts.rollover, facts.blocker
+    replacing = facts.replacing_in_place or (rollover is not None and rollover.replacing)
+    diagnosis = facts.diagnosis
+    if diagnosis is not None and diagnosis.reason == "Unschedulable" and replacing:
+        diagnosis = None  # being handled: old replicas make room for the new ones
     if blocker is not None:
         degraded = Cond("Degraded", True, blocker.reason, blocker.message)
     elif diagnosis is not None:
@@ -412,68 +472,31 @@ def reconcile(
         degraded = Cond("Degraded", False, "AsExpected", "")
     if serving_now:
         available = Cond(
-            "Available",
-            True,
-            "ScaledToZero" if want == 0 else "ReplicasReady",
-            f"{num_ready}/{want} replicas ready, revision {naming.short_revision(serving or '')}",
-        )
+            "Available", True, "ScaledToZero" if want == 0 else "ReplicasReady",
+            f"{num_ready}/{want} replicas ready, revision {naming.short_revision(serving or '')}")
     else:
         available = Cond(
-            "Available",
-            False,
-            degraded.reason if degraded.status else "ReplicasNotReady",
+            "Available", False, degraded.reason if degraded.status else "ReplicasNotReady",
             f"{num_ready}/{want} replicas ready"
-            + (f": {degraded.message}" if degraded.status else ""),
-        )
+            + (f": {degraded.message}" if degraded.status else ""))
     if blocker is not None:
         progressing = Cond("Progressing", False, "Blocked", blocker.message)
-    elif governed:
-        assert rollout is not None
-        phase = rollout.status.phase
+    elif facts.governed:
+        assert facts.rollout is not None
+        phase = facts.rollout.status.phase
         progressing = Cond("Progressing", phase in ACTIVE and phase.value != "Paused",
-                           f"Rollout{phase.value}", rollout.status.message)
+                           f"Rollout{phase.value}", facts.rollout.status.message)
     elif ready:
         progressing = Cond("Progressing", False, "Complete", "")
     else:
         progressing = Cond(
-            "Progressing",
-            True,
-            REPLACING if replacing_in_place or (rollover is not None and rollover.replacing)
-            else "RollingOut",
-            f"revision {naming.short_revision(revision or '')}: {num_ready}/{want} replicas ready"
+            "Progressing", True, REPLACING if replacing else "RollingOut",
+            f"revision {naming.short_revision(facts.revision or '')}: {num_ready}/{want} "
+            "replicas ready"
             + (f"; {rollover.mode}" if rollover is not None else
                "; replacing replicas within the disruption budget (no free GPU and no "
-               "reserves.deployment)" if replacing_in_place else ""),
-        )
-    decided += [available, progressing]
-    if capacity is not None:
-        decided.append(capacity)
-    decided += [degraded, Cond("Ready", available.status, available.reason, available.message)]
-
-    for cond in (degraded,):
-        old = next((c for c in previous.get("conditions", []) if c.get("type") == "Degraded"), {})
-        if cond.status and (old.get("reason") != cond.reason or old.get("status") != "True"):
-            events.append(Event("Warning", cond.reason, cond.message))
-
-    status: dict[str, Any] = {
-        "replicas": num_replicas,
-        "readyReplicas": num_ready,
-        "conditions": merge_conditions(previous.get("conditions", []), decided, generation, now),
-    }
-    if plan is not None:
-        status["capacity"] = plan.to_status().to_wire()
-    if serving is not None:
-        status["servingRevision"] = serving
-        serving_artifact = pool.spec.artifact_ref.name if serving == revision else \
-            previous.get("servingArtifact")
-        if serving_artifact:
-            status["servingArtifact"] = serving_artifact
-    if governed and rollout is not None and rollout.traffic:
-        status["traffic"] = [t.to_wire() for t in rollout.traffic]
-    if generation is not None:
-        status["observedGeneration"] = generation
-    return Plan(apply=tuple(apply), delete=tuple(delete), status=status, events=tuple(events),
-                scale=tuple(scale))
+               "reserves.deployment)" if facts.replacing_in_place else ""))
+    return available, progressing, degraded
 
 
 def with_apply_failure(status: dict[str, Any], message: str, *, now: datetime) -> dict[str, Any]:
