@@ -472,9 +472,22 @@ def test_operator_restart_converges_without_duplicates(
             )
         kube.delete("Service", "p0", namespace)
     finally:
+        # One reconcile at a time, so there is a moment with some pools' children made and
+        # others' not: the kill lands there, as soon as the first new Deployment appears.
+        operator.extra_args = ("--max-concurrent-reconciles", "1")
         operator.start()
-    time.sleep(1.5)  # let it begin creating, then kill it mid-way
+
+    def made() -> list[str]:
+        return sorted(d["metadata"]["labels"][naming.POOL_LABEL]
+                      for d in kube.list("Deployment", namespace)
+                      if d["metadata"]["labels"][naming.POOL_LABEL] != "p0")
+
+    kube.wait_for("the restarted operator's first new Deployment", lambda: made() or None, 90,
+                  interval=0.005)
     operator.stop(signal.SIGKILL)
+    operator.extra_args = ()
+    at_kill = made()
+    assert 1 <= len(at_kill) < 3, f"not killed mid-way: {at_kill} existed"
     operator.start()
     for i in range(4):
         _wait_pool(kube, operator, namespace, f"p{i}", _available, f"p{i} Available")
