@@ -157,7 +157,8 @@ def http_pod(name: str, node: str, marker: Path, port: int = 8080, delay: float 
 
 
 def test_local_pod_really_runs_is_probed_scraped_and_terminated(
-    kube: KubeClient, namespace: str, local_node: str, prometheus: PrometheusClient, tmp_path: Path
+    kube: KubeClient, kubectl: Kubectl, namespace: str, local_node: str,
+    prometheus: PrometheusClient, tmp_path: Path,
 ) -> None:
     marker = tmp_path / "sigterm"
     pod_obj = http_pod("web", local_node, marker)
@@ -185,6 +186,10 @@ def test_local_pod_really_runs_is_probed_scraped_and_terminated(
         30,
     )
     assert httpx.get(f"http://{pod_ip}:8080/metrics", timeout=5).text == "kvfleet_smoke_up 1\n"
+    # `kubectl logs` reaches the process's output through the apiserver, as on a real node.
+    kube.wait_for("the request in `kubectl logs`", lambda: True if '"GET /metrics HTTP/1.1" 200'
+                  in kubectl("logs", "-n", namespace, "web").stdout else None, 10)
+    assert kubectl("logs", "-n", namespace, "web", "--tail=1").stdout.count("\n") == 1
 
     def scraped() -> list[JsonObj] | None:
         result = prometheus.query(f'kvfleet_smoke_up{{namespace="{namespace}",pod="web"}}')

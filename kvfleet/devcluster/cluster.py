@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import logging
 import os
 import shutil
 import socket
@@ -52,10 +53,31 @@ DEFAULT_NODE_LEASE_SECONDS = 40
 NODE_GRACE_PER_LEASE = 50 / 40
 
 
+log = logging.getLogger(__name__)
+
 WORKDIR_PREFIX = "kvfleet-devcluster-"
 # Whose requests the apiserver's audit log keeps: the service accounts kvfleet runs as.
 AUDITED_GROUP = "system:serviceaccounts:kvfleet-system"
 OWNER_FILE = "owner.pid"
+# Local pods' logs outlive the cluster (the workdir goes at teardown): the last few runs'.
+KEPT_LOGS = Path(os.environ.get("KVFLEET_DEV_LOGS", "~/.cache/kvfleet/dev-cluster-logs"))
+KEPT_RUNS = 3
+
+
+def keep_pod_logs(pods: Path, into: Path | None = None, runs: int = KEPT_RUNS) -> Path | None:
+    """Copy the local pods' logs (`<namespace>_<pod>/<container>.log`) out of a workdir that
+    is about to go, into a folder of their own; only the last `runs` such folders are kept."""
+    logs = sorted(pods.glob("*/*.log"))
+    if not logs:
+        return None
+    root = (into or KEPT_LOGS).expanduser()
+    target = root / time.strftime("%Y%m%dT%H%M%S") / pods.parent.name
+    for log_file in logs:
+        (target / log_file.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log_file, target / log_file.parent.name / log_file.name)
+    for old in sorted(p for p in root.iterdir() if p.is_dir())[:-runs]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
 
 
 def remove_orphaned_workdirs() -> None:
@@ -249,6 +271,9 @@ class DevCluster:
                 "--allow-privileged=true",
                 # The `kubernetes` Service endpoint would be 127.0.0.1, which Endpoints reject.
                 "--endpoint-reconciler-type=none",
+                # Local nodes' "kubelet" (kubectl logs) is on 127.0.0.1; the node name does not
+                # resolve.
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 f"--audit-policy-file={self._audit_policy()}",
                 f"--audit-log-path={self.audit_log}",
                 "--audit-log-format=json",
@@ -386,6 +411,9 @@ class DevCluster:
             proc.stop(grace=10)
         if self._api is not None:
             self._api.close()
+        kept = keep_pod_logs(self.workdir / "pods")
+        if kept is not None:
+            log.info("local pods' logs kept in %s", kept)
         shutil.rmtree(self.workdir, ignore_errors=True)
         atexit.unregister(self.stop)
 

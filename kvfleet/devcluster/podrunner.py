@@ -11,8 +11,10 @@ A container that fails under `terminationMessagePolicy: FallbackToLogsOnError` g
 its output as `state.terminated.message` (and `lastState` once restarted), as a kubelet does.
 
 What a real kubelet does that this one does not: images, volumes, resource isolation,
-startup probes, `kubectl logs/exec` (container output goes to files under the pod's folder),
-termination-message files (`terminationMessagePath`: there is no per-container filesystem).
+startup probes, `kubectl exec`, termination-message files (`terminationMessagePath`: there is
+no per-container filesystem). Container output goes to files under the pod's folder;
+`kubectl logs` reads them through kvfleet.devcluster.kubeletlogs, and the cluster keeps them
+after teardown (DevCluster.stop).
 Init containers run in order before the containers, as in Kubernetes.
 
 The loop and process handling live here; the pure status (`podstate`), the process environment
@@ -36,6 +38,7 @@ import httpx
 
 from kvfleet.devcluster.errors import DevClusterError, KubeApiError
 from kvfleet.devcluster.kube import JsonObj, KubeClient
+from kvfleet.devcluster.kubeletlogs import KubeletLogServer
 from kvfleet.devcluster.podenv import container_env, resolve_program
 from kvfleet.devcluster.podstate import (
     TERMINATION_LOG_BYTES,
@@ -158,9 +161,12 @@ class LocalPodRunner:
         self._next_heartbeat = 0.0
         self._since = now_iso()  # the nodes' conditions have held since the runner started
         self._http = httpx.Client(timeout=1.0)
+        # `kubectl logs` reaches container output through this, as through a kubelet.
+        self.logs = KubeletLogServer(workdir / ".kubelet", self.log_path, self._has_pod)
 
     # lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
+        self.logs.start()
         self.heartbeat()
         self._thread = threading.Thread(target=self._loop, name="local-pod-runner", daemon=True)
         self._thread.start()
@@ -182,6 +188,7 @@ class LocalPodRunner:
         for proc in processes:
             proc.stop(grace=max(0.0, deadline - time.monotonic()))
         self.pods.clear()
+        self.logs.stop()
         self._http.close()
         self.ips.close()
         self.api.close()
@@ -192,6 +199,9 @@ class LocalPodRunner:
                 self.sync_once()
             except Exception:  # one bad round must not kill the kubelet
                 log.exception("local pod runner sync failed")
+
+    def _has_pod(self, namespace: str, name: str) -> bool:
+        return any(p.namespace == namespace and p.name == name for p in list(self.pods.values()))
 
     def log_path(self, namespace: str, pod: str, container: str) -> Path:
         return self.workdir / f"{namespace}_{pod}" / f"{container}.log"
@@ -219,7 +229,8 @@ class LocalPodRunner:
                     }
                 )
             self.api.merge_patch(
-                "Node", node, {"status": node_status(node, now, self._since)}, subresource="status"
+                "Node", node, {"status": node_status(node, now, self._since, self.logs.port)},
+                subresource="status"
             )
         self._next_heartbeat = time.monotonic() + HEARTBEAT_S
 

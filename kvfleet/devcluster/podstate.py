@@ -184,7 +184,7 @@ def pod_status(pod: LocalPod, current: JsonObj) -> JsonObj:
     return status
 
 
-def node_status(node: str, now: str, since: str) -> dict[str, Any]:
+def node_status(node: str, now: str, since: str, kubelet_port: int) -> dict[str, Any]:
     def cond(kind: str, value: str, reason: str) -> JsonObj:
         return {
             "type": kind,
@@ -206,6 +206,8 @@ def node_status(node: str, now: str, since: str) -> dict[str, Any]:
             {"type": "InternalIP", "address": "127.0.0.1"},
             {"type": "Hostname", "address": node},
         ],
+        # Where the apiserver finds this node's kubelet (kvfleet.devcluster.kubeletlogs).
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
         "nodeInfo": {
             "kubeletVersion": "v1.34.4-kvfleet-local",
             "operatingSystem": "linux",
