@@ -60,10 +60,9 @@ class KubeClient:
                 self._http.close()
                 self._http = self._connect()
             generation = self.credentials.generation
-            authorization = self.credentials.authorization()
-            sent = {**(headers or {}), **({"Authorization": authorization} if authorization
-                                          else {})}
-            resp = self._http.request(method, path, headers=sent, **kwargs)
+            resp = self._http.request(method, path,
+                                      headers={**(headers or {}), **self.credentials.headers()},
+                                      **kwargs)
             if resp.status_code != 401 or attempt == 2:
                 break
             self.credentials.reload(generation)

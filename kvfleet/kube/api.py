@@ -117,10 +117,7 @@ class KubeApi:
         token) and the request is sent once more."""
         for attempt in (1, 2):
             generation = self.credentials.generation
-            sent = dict(headers or {})
-            authorization = self.credentials.authorization()
-            if authorization:
-                sent["Authorization"] = authorization
+            sent = {**(headers or {}), **self.credentials.headers()}
             extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
             response = await self._client().request(
                 method, path, params=params, data=data, headers=sent, **extra)

@@ -174,6 +174,11 @@ class Credentials:
             value: str | None = self._config.get_api_key_with_prefix("BearerToken")
         return value or None
 
+    def headers(self) -> dict[str, str]:
+        """`{"Authorization": ...}` to send with a request, or nothing (a certificate only)."""
+        authorization = self.authorization()
+        return {"Authorization": authorization} if authorization else {}
+
     def reload(self, generation: int | None = None) -> None:
         """Read the credentials again (after a 401 on those of `generation`; None: now)."""
         with self._lock:

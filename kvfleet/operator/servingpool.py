@@ -17,7 +17,7 @@ a new revision but never delete what is already serving.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -260,7 +260,6 @@ class _Facts:
     blocker: _Blocker | None
     diagnosis: Diagnosis | None  # what is wrong with the revision's pods, if anything
     rollover: _Rollover | None
-    replacing_in_place: bool = False
 
 
 @dataclass
@@ -309,7 +308,6 @@ def reconcile(
         token = builders.router_token_of(observed.router_secret) or new_router_token
         children = _children(facts, _desired(pool, artifact, revision, plan, options, token),
                              observed)
-    facts = replace(facts, replacing_in_place=children.replacing_in_place)
     delete, scale, events = _retire(facts, observed, children)
     status, warnings = _status(facts, observed, children, plan, capacity, now)
     return Plan(apply=tuple(children.apply), delete=tuple(delete), status=status,
@@ -427,7 +425,7 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     minimum = 0 if want == 0 else max(1, want - max(1, pool.spec.reserves.failover))
     serving_now = ready or (serving is not None and num_ready >= minimum)
     available, progressing, degraded = _conditions(facts, ready, serving_now, serving,
-                                                   num_ready)
+                                                   num_ready, children.replacing_in_place)
     decided = [available, progressing, *([capacity] if capacity is not None else []), degraded,
                Cond("Ready", available.status, available.reason, available.message)]
     old: dict[str, Any] = next((c for c in facts.previous.get("conditions", [])
@@ -457,10 +455,11 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
 
 
 def _conditions(facts: _Facts, ready: bool, serving_now: bool, serving: str | None,
-                num_ready: int) -> tuple[Cond, Cond, Cond]:
-    """Available, Progressing and Degraded."""
+                num_ready: int, replacing_in_place: bool) -> tuple[Cond, Cond, Cond]:
+    """Available, Progressing and Degraded (`replacing_in_place`: the revision's Deployment
+    rolls within its disruption budget, no surge)."""
     want, rollover, blocker = facts.pool.spec.replicas, facts.rollover, facts.blocker
-    replacing = facts.replacing_in_place or (rollover is not None and rollover.replacing)
+    replacing = replacing_in_place or (rollover is not None and rollover.replacing)
     diagnosis = facts.diagnosis
     if diagnosis is not None and diagnosis.reason == "Unschedulable" and replacing:
         diagnosis = None  # being handled: old replicas make room for the new ones
@@ -495,7 +494,7 @@ def _conditions(facts: _Facts, ready: bool, serving_now: bool, serving: str | No
             "replicas ready"
             + (f"; {rollover.mode}" if rollover is not None else
                "; replacing replicas within the disruption budget (no free GPU and no "
-               "reserves.deployment)" if facts.replacing_in_place else ""))
+               "reserves.deployment)" if replacing_in_place else ""))
     return available, progressing, degraded
 
 

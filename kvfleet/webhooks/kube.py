@@ -36,9 +36,7 @@ class ObjectReader:
                 await self._client.aclose()
                 self._client = self._connect()
             generation = self.credentials.generation
-            authorization = self.credentials.authorization()
-            headers = {"Authorization": authorization} if authorization else {}
-            response = await self._client.get(url, headers=headers)
+            response = await self._client.get(url, headers=self.credentials.headers())
             if response.status_code != 401 or attempt == 2:
                 break
             await asyncio.to_thread(self.credentials.reload, generation)  # a rotated token
