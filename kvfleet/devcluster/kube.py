@@ -2,7 +2,9 @@
 runner and the e2e tests, without the weight of a generated client.
 
 Credentials and the kind -> path table are the control plane's own (kvfleet.kube.credentials,
-kvfleet.kube.resources): any kubeconfig kubectl reads works here, exec plugins included.
+kvfleet.kube.resources): any kubeconfig kubectl reads works here, exec plugins included. The
+processes kvfleet ships (operator, router, webhook) share the async `kvfleet.kube.api.KubeApi`;
+this one exists because the harness and the tests are synchronous.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import httpx
 import pytest
+from aiohttp import web
 from kubeconfig_fakes import write_kubeconfig
 
 import kvfleet.compat
@@ -32,27 +32,34 @@ def test_unreachable_apiserver_is_a_fetch_error(tmp_path: Path) -> None:
 
 
 def test_not_found_is_none_and_errors_raise(tmp_path: Path) -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def handle(request: web.Request) -> web.StreamResponse:
         assert request.headers["Authorization"] == "Bearer x"
-        if request.url.path.endswith("/servingpools/missing"):
-            return httpx.Response(404, json={})
-        if request.url.path.endswith("/servingpools/forbidden"):
-            return httpx.Response(403, text="forbidden")
-        return httpx.Response(200, json={"kind": "ServingPool"})
+        if request.path.endswith("/servingpools/missing"):
+            return web.json_response({"kind": "Status", "code": 404}, status=404)
+        if request.path.endswith("/servingpools/forbidden"):
+            return web.json_response({"kind": "Status", "message": "forbidden"}, status=403)
+        return web.json_response({"kind": "ServingPool"})
 
     async def scenario() -> tuple[object, object]:
-        reader = ObjectReader(Credentials(write_kubeconfig(tmp_path / "kc", {}, {"token": "x"})))
-        await reader.close()
-        reader._client = httpx.AsyncClient(
-            base_url="https://api", transport=httpx.MockTransport(handler))
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        reader = ObjectReader(Credentials(write_kubeconfig(
+            tmp_path / "kc", {}, {"token": "x"}, server=f"http://127.0.0.1:{port}")))
         try:
             missing = await reader.get("ServingPool", "ns", "missing")
             found = await reader.get("ServingPool", "ns", "there")
-            with pytest.raises(kvfleet.webhooks.FetchError, match="HTTP 403 forbidden"):
+            with pytest.raises(kvfleet.webhooks.FetchError,
+                               match=r"reading ServingPool ns/forbidden: .*HTTP 403: forbidden"):
                 await reader.get("ServingPool", "ns", "forbidden")
             return missing, found
         finally:
             await reader.close()
+            await runner.cleanup()
 
     assert asyncio.run(scenario()) == (None, {"kind": "ServingPool"})
 
