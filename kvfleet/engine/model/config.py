@@ -1,8 +1,15 @@
-"""`ModelConfig`: the hyperparameters of a Llama-family model, whatever file they came from."""
+"""`ModelConfig`: the hyperparameters of a Llama-family model, whatever file they came from.
+
+The family: Llama, Mistral, Qwen2 and Qwen3 are one decoder (RMSNorm, rotate-half RoPE, GQA,
+SwiGLU) with three switches: biases on the Q/K/V projections (Qwen2), an RMSNorm over each
+query and key head before RoPE (Qwen3), and a sliding attention window (Mistral v0.1).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +35,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     name: str = ""
     quantization: str = "none"
+    attention_bias: bool = False  # the q/k/v projections carry a bias (Qwen2)
+    output_bias: bool = False  # the attention output projection carries one
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -50,6 +60,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"ModelConfig.architecture {self.architecture!r} is not one of "
+                             f"{', '.join(ARCHITECTURES)}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("ModelConfig.rope_theta and rms_norm_eps must be > 0")
 
@@ -67,8 +80,12 @@ class ModelConfig:
             self.hidden_size * (self.num_heads * self.head_dim) * 2
             + self.hidden_size * self.kv_dim * 2
         )
+        if self.attention_bias:
+            attn += self.num_heads * self.head_dim + 2 * self.kv_dim
+        if self.output_bias:
+            attn += self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
-        norms = 2 * self.hidden_size
+        norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * (attn + mlp + norms) + embed + head + self.hidden_size

@@ -1,8 +1,16 @@
-"""Read an HF-layout Llama checkpoint directory (config.json + *.safetensors + tokenizer files)."""
+"""Read an HF-layout checkpoint directory (config.json + *.safetensors + tokenizer files) of the
+Llama family: `model_type` llama, mistral, qwen2 or qwen3 (see `ModelConfig` for what differs).
+
+Refused with UnsupportedModelError rather than served wrong: RoPE scaling other than the
+default, MLP biases, activations other than SiLU, and a sliding window on only some layers.
+A sliding window on every layer (Mistral v0.1) caps the context at the window: a sequence
+that never outgrows the window attends exactly as full attention does.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,17 +21,27 @@ from kvfleet.engine.errors import ModelLoadError, UnsupportedModelError
 from kvfleet.engine.model.config import ModelConfig
 from kvfleet.engine.model.gguf_file import ProgressCallback
 
+log = logging.getLogger(__name__)
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _PREFIX = "model."
+# HF tensor name (after `model.layers.N.`) -> the engine's name (after `layers.N.`).
 _LAYER_RENAMES = {
-    "self_attn.q_proj": "q_proj",
-    "self_attn.k_proj": "k_proj",
-    "self_attn.v_proj": "v_proj",
-    "self_attn.o_proj": "o_proj",
-    "mlp.gate_proj": "gate_proj",
-    "mlp.up_proj": "up_proj",
-    "mlp.down_proj": "down_proj",
-    "input_layernorm": "input_layernorm",
-    "post_attention_layernorm": "post_attention_layernorm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.bias": "o_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
 }
 
 
@@ -52,22 +70,60 @@ def _read_json(path: Path, directory: Path) -> dict[str, Any]:
     return data
 
 
+def _unsupported(directory: Path, what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(directory / "config.json", what,
+                                 "Serve a checkpoint without it, or file an issue naming the model")
+
+
+def _rope_theta(raw: dict[str, Any], directory: Path) -> float:
+    # transformers >= 5 writes `rope_parameters` ({rope_type, rope_theta}); older versions
+    # write `rope_theta` and `rope_scaling` (null unless the model scales RoPE).
+    parameters = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    kind = parameters.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if kind not in (None, "default"):
+        raise _unsupported(directory, f"RoPE scaling {kind!r} is not implemented")
+    return float(raw.get("rope_theta") or parameters.get("rope_theta") or 10000.0)
+
+
+def _sliding_window(raw: dict[str, Any], arch: str, directory: Path) -> int | None:
+    """The window every layer uses, or None for full attention everywhere."""
+    window = raw.get("sliding_window")
+    if arch in ("qwen2", "qwen3"):  # these carry a window that only applies when switched on
+        layer_types = raw.get("layer_types") or []
+        if raw.get("use_sliding_window") and (
+                not layer_types or "full_attention" not in layer_types):
+            return int(window) if window else None
+        if "sliding_attention" in layer_types or raw.get("use_sliding_window"):
+            raise _unsupported(directory, "a sliding window on some layers only")
+        return None
+    return int(window) if window else None
+
+
 def _config(raw: dict[str, Any], directory: Path) -> ModelConfig:
     arch = raw.get("model_type")
-    if arch != "llama":
+    if arch not in MODEL_TYPES:
         raise UnsupportedModelError(
             directory,
             f"config.json model_type is {arch!r}",
-            "Use a Llama-family checkpoint (model_type 'llama')",
+            f"Use a checkpoint of model_type {', '.join(MODEL_TYPES)}",
         )
-    rope_theta = raw.get(
-        "rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    )
+    if raw.get("mlp_bias"):
+        raise _unsupported(directory, "mlp_bias (biases on the MLP projections)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise _unsupported(directory, f"hidden_act {raw['hidden_act']!r} (SwiGLU needs silu)")
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
+        max_context = int(raw.get("max_position_embeddings", 2048))
+        window = _sliding_window(raw, arch, directory)
+        if window is not None and window < max_context:
+            log.warning("%s: every layer attends over a sliding window of %d tokens; the "
+                        "context is capped at %d (max_position_embeddings %d)", directory.name,
+                        window, window, max_context)
+            max_context = window
         return ModelConfig(
-            architecture="llama",
+            architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
@@ -75,12 +131,17 @@ def _config(raw: dict[str, Any], directory: Path) -> ModelConfig:
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
-            rope_theta=float(rope_theta),
+            rope_theta=_rope_theta(raw, directory),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_context=int(raw.get("max_position_embeddings", 2048)),
+            max_context=max_context,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             name=str(raw.get("_name_or_path", directory.name)),
             quantization=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            # Qwen2's attention always has q/k/v biases and never an output one (its config has
+            # no switch); elsewhere `attention_bias` puts a bias on all four projections.
+            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            output_bias=arch != "qwen2" and bool(raw.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
         )
     except KeyError as exc:
         raise ModelLoadError(
@@ -95,14 +156,11 @@ def _config(raw: dict[str, Any], directory: Path) -> ModelConfig:
 
 
 def _internal_name(hf_name: str) -> str | None:
-    if not hf_name.endswith(".weight"):
-        return None
-    name = hf_name.removesuffix(".weight")
-    if name == "lm_head":
+    if hf_name == "lm_head.weight":
         return "lm_head"
-    name = name.removeprefix(_PREFIX)
-    if name in ("embed_tokens", "norm"):
-        return name
+    name = hf_name.removeprefix(_PREFIX)
+    if name in ("embed_tokens.weight", "norm.weight"):
+        return name.removesuffix(".weight")
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "layers" and parts[2] in _LAYER_RENAMES:
         return f"layers.{int(parts[1])}.{_LAYER_RENAMES[parts[2]]}"

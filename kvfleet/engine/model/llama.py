@@ -1,5 +1,8 @@
 """The Llama-family decoder (RMSNorm, rotate-half RoPE, GQA, SwiGLU) over a flat token batch.
 
+Llama, Mistral, Qwen2 and Qwen3 (see `ModelConfig`): optional biases on the attention
+projections, optional per-head RMSNorm of q and k before RoPE.
+
 The model knows nothing about paging or requests: `forward` takes the concatenated tokens of
 every sequence in a step, their positions, and an `Attention` object that stores this step's
 K/V and attends over each sequence's context. The model runner supplies a paged one; tests
@@ -87,6 +90,14 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 f"layers.{i}.down_proj": (h, config.intermediate_size),
             }
         )
+        if config.attention_bias:
+            shapes.update({f"layers.{i}.q_bias": (q,), f"layers.{i}.k_bias": (kv,),
+                           f"layers.{i}.v_bias": (kv,)})
+        if config.output_bias:
+            shapes[f"layers.{i}.o_bias"] = (h,)
+        if config.qk_norm:
+            shapes.update({f"layers.{i}.q_norm": (config.head_dim,),
+                           f"layers.{i}.k_norm": (config.head_dim,)})
     return shapes
 
 
@@ -192,6 +203,12 @@ class LlamaModel(nn.Module):
         self.down_t = nn.ParameterList()
         self.input_layernorm = nn.ParameterList()
         self.post_attention_layernorm = nn.ParameterList()
+        # Per layer, empty when the architecture has none: the fused q/k/v bias, the output
+        # projection's bias, and the q and k head norms.
+        self.qkv_bias = nn.ParameterList()
+        self.o_bias = nn.ParameterList()
+        self.q_norm = nn.ParameterList()
+        self.k_norm = nn.ParameterList()
         for i in range(config.num_layers):
 
             def w(name: str, layer: int = i) -> torch.Tensor:
@@ -208,6 +225,14 @@ class LlamaModel(nn.Module):
             self.post_attention_layernorm.append(
                 nn.Parameter(w("post_attention_layernorm"), requires_grad=False)
             )
+            if config.attention_bias:
+                self.qkv_bias.append(nn.Parameter(
+                    torch.cat([w("q_bias"), w("k_bias"), w("v_bias")]), requires_grad=False))
+            if config.output_bias:
+                self.o_bias.append(nn.Parameter(w("o_bias"), requires_grad=False))
+            if config.qk_norm:
+                self.q_norm.append(nn.Parameter(w("q_norm"), requires_grad=False))
+                self.k_norm.append(nn.Parameter(w("k_norm"), requires_grad=False))
         self._inv_freq = 1.0 / (
             config.rope_theta
             ** (torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim)
@@ -374,7 +399,7 @@ class LlamaModel(nn.Module):
         half = cfg.head_dim // 2
         for layer in range(cfg.num_layers):
             x = _rms_norm(hidden, self.input_layernorm[layer], cfg.rms_norm_eps)
-            qkv = self.weight_matmul(layer, QKV, x, batch_invariant)
+            qkv = self._qkv(layer, x, batch_invariant)
             # RoPE on Q and K together: [T, heads + kv_heads, head_dim].
             qk = qkv[:, : q_size + cfg.kv_dim].view(num_tokens, -1, cfg.head_dim)
             qk = qk * cos + qk.roll(half, -1) * sin
@@ -384,7 +409,7 @@ class LlamaModel(nn.Module):
             if output_rows is not None and layer == cfg.num_layers - 1:
                 hidden = hidden.index_select(0, output_rows)
                 attn = attn.index_select(0, output_rows)
-            hidden = hidden + self.weight_matmul(layer, O_PROJ, attn, batch_invariant)
+            hidden = hidden + self._output(layer, attn, batch_invariant)
             x = _rms_norm(hidden, self.post_attention_layernorm[layer], cfg.rms_norm_eps)
             gate, up = self.weight_matmul(layer, GATE_UP, x, batch_invariant).chunk(2, dim=-1)
             hidden = hidden + self.weight_matmul(layer, DOWN, F.silu(gate) * up, batch_invariant)
@@ -401,7 +426,7 @@ class LlamaModel(nn.Module):
         eps = cfg.rms_norm_eps
         x = ops.rms_norm(hidden, self.input_layernorm[0], eps)
         for layer in range(cfg.num_layers):
-            qkv = self.weight_matmul(layer, QKV, x, batch_invariant)
+            qkv = self._qkv(layer, x, batch_invariant)
             ops.rope_(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + cfg.kv_dim].view(num_tokens, cfg.num_kv_heads,
@@ -411,7 +436,7 @@ class LlamaModel(nn.Module):
             if output_rows is not None and layer == cfg.num_layers - 1:
                 hidden = hidden.index_select(0, output_rows)
                 attn = attn.index_select(0, output_rows)
-            x = ops.add_rms_norm_(hidden, self.weight_matmul(layer, O_PROJ, attn, batch_invariant),
+            x = ops.add_rms_norm_(hidden, self._output(layer, attn, batch_invariant),
                                   self.post_attention_layernorm[layer], eps)
             gate_up = self.weight_matmul(layer, GATE_UP, x, batch_invariant)
             down = self.weight_matmul(layer, DOWN, ops.silu_mul(gate_up), batch_invariant)
@@ -420,6 +445,27 @@ class LlamaModel(nn.Module):
             else:
                 hidden += down
         return hidden
+
+    def _qkv(self, layer: int, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        """[T, q + 2 kv] for the layer's input: the fused projection, its bias (Qwen2) and
+        the q and k head norms (Qwen3, which HF applies before RoPE), RoPE not yet applied."""
+        qkv = self.weight_matmul(layer, QKV, x, batch_invariant)
+        if self.qkv_bias:
+            qkv += self.qkv_bias[layer]  # the matmul's result is ours to change
+        if self.q_norm:
+            cfg = self.config
+            q_size = cfg.num_heads * cfg.head_dim
+            for start, end, weight in ((0, q_size, self.q_norm[layer]),
+                                       (q_size, q_size + cfg.kv_dim, self.k_norm[layer])):
+                heads = qkv[:, start:end].view(qkv.shape[0], -1, cfg.head_dim)
+                heads.copy_(_rms_norm(heads, weight, cfg.rms_norm_eps))
+        return qkv
+
+    def _output(self, layer: int, attn: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        out = self.weight_matmul(layer, O_PROJ, attn, batch_invariant)
+        if self.o_bias:
+            out += self.o_bias[layer]
+        return out
 
     def weight_matmul(self, layer: int, index: int, x: torch.Tensor,
                       batch_invariant: bool = False) -> torch.Tensor:

@@ -148,7 +148,10 @@ def load_model(
                 eos_token=eos,
                 add_bos_token=bool(cfg.get("add_bos_token", False)),
             )
-            template_source = cfg.get("chat_template")
+            # transformers >= 4.43 saves the template beside tokenizer_config.json.
+            template_file = model_path / "chat_template.jinja"
+            template_source = cfg.get("chat_template") or (
+                template_file.read_text(encoding="utf-8") if template_file.is_file() else None)
             model = LlamaModel(checkpoint.config, checkpoint.weights, model_path)
         else:
             contents = read_gguf(model_path, progress)
