@@ -1,5 +1,12 @@
 """The environment of a local pod's process: the pod's env (values, downward API fields,
-ConfigMap and Secret keys, $(VAR) expansion) and in-cluster credentials for its service account.
+ConfigMap and Secret keys, $(VAR) expansion), in-cluster credentials for its service account,
+and its volumes.
+
+Volumes: an `emptyDir` is a folder of the pod's (`<pod folder>/volumes/<name>`, shared by its
+containers, removed with the pod). A local process has no mount namespace, so a container sees
+a volume through its paths instead: an env value or argument that is a volumeMount's
+`mountPath` (or lies under it) is rewritten to the volume's folder. Other volume types are not
+emulated; their mounts are left as written.
 """
 
 from __future__ import annotations
@@ -27,6 +34,30 @@ def resolve_program(program: str, project_root: Path) -> str:
             return str(candidate)
         return sys.executable if program != "kvfleet" else str(venv_bin / "kvfleet")
     return shutil.which(program) or program
+
+
+def volume_folder(pod: LocalPod, volume: str) -> Path:
+    return pod.folder / "volumes" / volume
+
+
+def mounts(pod: LocalPod, obj: JsonObj, spec: JsonObj) -> dict[str, Path]:
+    """The container's mountPath -> folder, for its emptyDir volumes (the folders exist)."""
+    empty_dirs = {v["name"] for v in obj["spec"].get("volumes") or [] if "emptyDir" in v}
+    found: dict[str, Path] = {}
+    for mount in spec.get("volumeMounts") or []:
+        if mount["name"] in empty_dirs:
+            folder = volume_folder(pod, mount["name"])
+            folder.mkdir(parents=True, exist_ok=True)
+            found[mount["mountPath"].rstrip("/")] = folder
+    return found
+
+
+def mounted(value: str, where: dict[str, Path]) -> str:
+    """`value` with a mount path (itself, or a path under it) replaced by its folder."""
+    for path, folder in where.items():
+        if value == path or value.startswith(path + "/"):
+            return str(folder) + value[len(path):]
+    return value
 
 
 def container_env(
@@ -66,6 +97,9 @@ def container_env(
         elif ref := item.get("valueFrom", {}).get("secretKeyRef"):
             secret = api.get("Secret", ref["name"], pod.namespace)
             env[name] = base64.b64decode(secret.get("data", {}).get(ref["key"], "")).decode()
+    where = mounts(pod, obj, spec)
+    for item in spec.get("env", []):
+        env[item["name"]] = mounted(env[item["name"]], where)
     return env
 
 

@@ -10,9 +10,10 @@ SIGTERM, waits the grace period, then removes the pod object.
 A container that fails under `terminationMessagePolicy: FallbackToLogsOnError` gets the tail of
 its output as `state.terminated.message` (and `lastState` once restarted), as a kubelet does.
 
-What a real kubelet does that this one does not: images, volumes, resource isolation,
-startup probes, `kubectl exec`, termination-message files (`terminationMessagePath`: there is
-no per-container filesystem). Container output goes to files under the pod's folder;
+What a real kubelet does that this one does not: images, volumes other than emptyDir (see
+`podenv`: a mount is seen through rewritten paths; its sizeLimit is not enforced), resource
+isolation, startup probes, `kubectl exec`, termination-message files (`terminationMessagePath`:
+there is no per-container filesystem). Container output goes to files under the pod's folder;
 `kubectl logs` reads them through kvfleet.devcluster.kubeletlogs, and the cluster keeps them
 after teardown (DevCluster.stop).
 Init containers run in order before the containers, as in Kubernetes.
@@ -27,6 +28,7 @@ import datetime as dt
 import fcntl
 import ipaddress
 import logging
+import shutil
 import signal
 import tempfile
 import threading
@@ -39,7 +41,13 @@ import httpx
 from kvfleet.devcluster.errors import DevClusterError, KubeApiError
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.kubeletlogs import KubeletLogServer
-from kvfleet.devcluster.podenv import container_env, resolve_program
+from kvfleet.devcluster.podenv import (
+    container_env,
+    mounted,
+    mounts,
+    resolve_program,
+    volume_folder,
+)
 from kvfleet.devcluster.podstate import (
     TERMINATION_LOG_BYTES,
     Container,
@@ -315,7 +323,9 @@ class LocalPodRunner:
 
     def _start(self, pod: LocalPod, obj: JsonObj, c: Container) -> None:
         env = container_env(self.api, pod, obj, c.spec, self.project_root, self.extra_env)
-        argv = [expand(a, env) for a in [*c.spec.get("command", []), *c.spec.get("args", [])]]
+        where = mounts(pod, obj, c.spec)
+        argv = [mounted(expand(a, env), where)
+                for a in [*c.spec.get("command", []), *c.spec.get("args", [])]]
         if not argv:
             raise DevClusterError(
                 f"pod {pod.namespace}/{pod.name} container {c.name}: no command; the local "
@@ -394,6 +404,7 @@ class LocalPodRunner:
                 c.exit_code = container_exit_code(c.process.stop(grace=grace))
                 c.process = None
         self.ips.give_back(pod.ip)
+        shutil.rmtree(volume_folder(pod, ""), ignore_errors=True)  # emptyDirs go with the pod
 
     # status ----------------------------------------------------------------------------------
     def _report(self, pod: LocalPod, obj: JsonObj) -> None:

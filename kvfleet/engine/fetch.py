@@ -96,8 +96,8 @@ class _Meter:
         self._last = now
         rate = done / max(now - self._start, 1e-6) / 2**20
         print(f"fetch {name}: {done / 2**20:.1f}/{total / 2**20:.1f} MiB "
-              f"({100 * done / max(total, 1):.0f}%) {rate:.1f} MiB/s", file=self.stream or sys.stderr,
-              flush=True)
+              f"({100 * done / max(total, 1):.0f}%) {rate:.1f} MiB/s",
+              file=self.stream or sys.stderr, flush=True)
 
 
 class Cache:

@@ -15,6 +15,7 @@ from kvfleet.engine.admission import AdmissionLimits, ServedModel
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import MIB, CacheConfig, SchedulerConfig
 from kvfleet.engine.engine import build_engine_core
+from kvfleet.engine.fetch import cache_from_env, fetch, files_from_env
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.model.loader import default_model_path, load_model
 from kvfleet.engine.model.verify import verify_weights
@@ -25,11 +26,29 @@ logger = logging.getLogger("kvfleet.engine.load")
 WARMUP_PROMPT = "Hello"
 
 
+def _quarter(done: int, total: int) -> bool:
+    """Roughly every quarter: progress as JSON log lines (a bar would corrupt the stream)."""
+    return bool(total) and (done == total or done * 4 // total != (done - 1) * 4 // total)
+
+
 def _log_progress(done: int, total: int) -> None:
-    # Roughly every quarter, as JSON log lines (a tqdm bar would corrupt the JSON stream).
-    if total and (done == total or done * 4 // total != (done - 1) * 4 // total):
+    if _quarter(done, total):
         logger.info("loading weights %d/%d", done, total,
                     extra={"fields": {"event": "loading", "done": done, "total": total}})
+
+
+def _fetch_log() -> Callable[[str, int, int], None]:
+    """A fetch's progress per file at 0, 25, 50, 75 and 100 % (the chunks are MiBs)."""
+    logged: dict[str, int] = {}
+
+    def log_fetch(name: str, done: int, total: int) -> None:
+        quarter = 4 * done // max(total, 1)
+        if logged.get(name) != quarter:
+            logged[name] = quarter
+            logger.info("fetching %s %d/%d bytes", name, done, total, extra={"fields": {
+                "event": "fetching", "file": name, "done": done, "total": total}})
+
+    return log_fetch
 
 
 def build_loader(args: argparse.Namespace, limits: AdmissionLimits
@@ -46,10 +65,18 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
         priority_aging_seconds=args.priority_aging_seconds)
 
     def load() -> LoadedEngine:
+        path = args.model
+        files = files_from_env() if path is None else None
+        if files:
+            # The files the operator named ($KVFLEET_WEIGHT_FILES): the pod's init step has
+            # fetched them into the cache already, so this only finds them (and fetches what
+            # it did not, e.g. outside Kubernetes), with the server up and not yet ready.
+            path = fetch(files, cache_from_env(), progress=_fetch_log())
+            logger.info("model files in %s", path,
+                        extra={"fields": {"event": "fetched", "path": str(path)}})
         # Verify before loading: a pod must never serve weights the manifest did not name.
-        verify_weights(Path(args.model) if args.model else default_model_path(),
-                       args.expected_sha256)
-        model = load_model(args.model, progress=_log_progress)
+        verify_weights(Path(path) if path else default_model_path(), args.expected_sha256)
+        model = load_model(path, progress=_log_progress)
         core = build_engine_core(model, cache_config, scheduler_config,
                                  batch_invariant=args.batch_invariant)
         max_context = model.config.max_context

@@ -21,7 +21,7 @@ from kvfleet.operator.placement import node_affinity, node_selector, tolerations
 
 ENGINE_PORT = labels.ENGINE_PORT
 # The engine reads its pool's router token from this variable (a secretKeyRef): an env entry
-# works on every pod runtime, including the dev cluster's local runner, which has no volumes.
+# works on every pod runtime, including the dev cluster's runner, which has no Secret volumes.
 ROUTER_TOKEN_ENV = "KVFLEET_ROUTER_TOKEN"
 ROUTER_TOKEN_KEY = labels.ROUTER_TOKEN_KEY
 ENGINE_PORT_NAME = "http"
@@ -34,8 +34,16 @@ TERMINATION_GRACE_SECONDS = PRE_STOP_SECONDS + DRAIN_SECONDS + 15
 # Env names the engine reads (see the operator report: the serving engine implements the
 # sha256 check against KVFLEET_EXPECTED_SHA256).
 EXPECTED_SHA256_ENV = "KVFLEET_EXPECTED_SHA256"
-WEIGHT_URIS_ENV = "KVFLEET_WEIGHT_URIS"
 MANIFEST_HASH_ENV = "KVFLEET_MANIFEST_HASH"
+# The model's files and the cache they are fetched into (kvfleet.engine.fetch reads these; a
+# unit test holds the names equal): the pod's init container fetches and verifies every file,
+# the engine then finds them there.
+WEIGHT_FILES_ENV = "KVFLEET_WEIGHT_FILES"
+MODEL_CACHE_ENV = "KVFLEET_MODEL_CACHE"
+MODEL_CACHE_LIMIT_ENV = "KVFLEET_MODEL_CACHE_LIMIT_BYTES"
+MODEL_CACHE_VOLUME = "model-cache"
+MODEL_CACHE_PATH = "/var/cache/kvfleet/models"
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -95,12 +103,38 @@ def build_config_map(pool: ServingPool) -> dict[str, Any]:
     }
 
 
-def _model_args(artifact: ModelArtifact) -> list[str]:
-    """`--model PATH` for a single local file; other URIs are fetched by the engine from env."""
-    files = artifact.spec.weights.files
-    if len(files) == 1 and files[0].uri.startswith("file://"):
-        return [f"--model={files[0].uri.removeprefix('file://')}"]
-    return []
+def model_cache_bytes(artifact: ModelArtifact) -> int:
+    """The model-cache volume's size limit: the artifact's files plus a tenth, whole MiB (a
+    file is downloaded in place and renamed, so nothing is held twice)."""
+    total = sum(f.size_bytes for f in artifact.spec.weights.files)
+    return -(-(total + total // 10) // MIB) * MIB
+
+
+def _model_env(artifact: ModelArtifact) -> list[dict[str, Any]]:
+    files = [{"uri": f.uri, "sha256": f.sha256, "sizeBytes": f.size_bytes}
+             for f in artifact.spec.weights.files]
+    return [
+        {"name": WEIGHT_FILES_ENV, "value": json.dumps(files, separators=(",", ":"))},
+        {"name": MODEL_CACHE_ENV, "value": MODEL_CACHE_PATH},
+        {"name": MODEL_CACHE_LIMIT_ENV, "value": str(model_cache_bytes(artifact))},
+    ]
+
+
+_CACHE_MOUNT = {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_PATH}
+
+
+def _fetch_container(artifact: ModelArtifact, options: EngineOptions) -> dict[str, Any]:
+    """The init step: every file of the manifest into the cache, verified, before the engine
+    starts; a bad digest or an unreachable source fails here, named in the pod's status."""
+    return {
+        "name": "fetch-model",
+        "image": options.image,
+        "imagePullPolicy": options.image_pull_policy,
+        "command": ["kvfleet", "artifact", "fetch", "--from-env"],
+        "env": _model_env(artifact),
+        "volumeMounts": [_CACHE_MOUNT],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
 
 
 def _container(
@@ -115,7 +149,7 @@ def _container(
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": MANIFEST_HASH_ENV, "value": manifest_hash},
-        {"name": WEIGHT_URIS_ENV, "value": ",".join(f.uri for f in artifact.spec.weights.files)},
+        *_model_env(artifact),
         {
             "name": EXPECTED_SHA256_ENV,
             "value": ",".join(f.sha256 for f in artifact.spec.weights.files),
@@ -130,7 +164,6 @@ def _container(
     args = [
         "--host=$(POD_IP)",
         f"--port={ENGINE_PORT}",
-        *_model_args(artifact),
         f"--served-model-name={artifact.metadata.name}",
         f"--revision={naming.short_revision(manifest_hash)}",
         "--block-size=$(KVFLEET_BLOCK_SIZE)",
@@ -171,6 +204,7 @@ def _container(
             "periodSeconds": 10,
             "failureThreshold": 6,
         },
+        "volumeMounts": [_CACHE_MOUNT],
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         # The engine's last log lines (e.g. a sha256 mismatch at load) become the container's
         # termination message, which the operator surfaces on the pool.
@@ -193,7 +227,10 @@ def build_deployment(
     meta = _meta(naming.deployment_name(name, manifest_hash), pool, labels)
     meta["annotations"] = {naming.MANIFEST_HASH_ANNOTATION: manifest_hash}
     pod_spec: dict[str, Any] = {
+        "initContainers": [_fetch_container(artifact, options)],
         "containers": [_container(pool, artifact, manifest_hash, settings, plan, options)],
+        "volumes": [{"name": MODEL_CACHE_VOLUME,
+                     "emptyDir": {"sizeLimit": f"{model_cache_bytes(artifact) // MIB}Mi"}}],
         "nodeSelector": node_selector(pool.spec),
         "tolerations": tolerations(),
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,

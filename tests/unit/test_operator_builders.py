@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from typing import Any
 
@@ -170,3 +171,29 @@ def test_each_revision_carries_its_own_kv_plan() -> None:
     assert "KVFLEET_NUM_KV_BLOCKS" not in builders.build_config_map(p)["data"]
     args = _container(builders.build_deployment(p, a, manifest_hash(a.spec), plan))["args"]
     assert f"--num-kv-blocks={plan.kv_blocks_per_rank}" in args
+
+
+def test_an_init_container_fetches_the_manifest_into_the_model_cache() -> None:
+    """Every pod fetches and verifies the artifact's files before the engine starts (the
+    init step), into an emptyDir sized from the files; both containers mount it and read the
+    same files, cache and limit from env, under the names the engine reads."""
+    from kvfleet.engine import fetch
+
+    a = artifact()
+    spec = _deployment()["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    assert init["command"] == ["kvfleet", "artifact", "fetch", "--from-env"]
+    (volume,) = spec["volumes"]
+    total = sum(f.size_bytes for f in a.spec.weights.files)
+    limit = builders.model_cache_bytes(a)
+    assert total < limit <= total * 1.1 + 2**20 and limit % 2**20 == 0
+    assert volume == {"name": "model-cache", "emptyDir": {"sizeLimit": f"{limit // 2**20}Mi"}}
+    for container in (init, spec["containers"][0]):
+        assert container["volumeMounts"] == [{"name": "model-cache",
+                                              "mountPath": builders.MODEL_CACHE_PATH}]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert fetch.files_from_json(json.loads(env[fetch.FILES_ENV])) == [
+            fetch.FileSpec(f.uri, f.sha256, f.size_bytes) for f in a.spec.weights.files]
+        assert env[fetch.CACHE_ENV] == builders.MODEL_CACHE_PATH
+        assert env[fetch.CACHE_LIMIT_ENV] == str(limit)
+    assert "--model" not in " ".join(spec["containers"][0]["args"])  # found from env
