@@ -554,21 +554,23 @@ def test_real_engine_pod_serves_the_artifact_on_the_local_node(
 
 def _says_sha256_differs(pool: JsonObj) -> bool:
     degraded = _cond(pool, "Degraded")
-    return degraded.get("status") == "True" and "does not match the manifest" in degraded.get(
-        "message", ""
-    )
+    message = degraded.get("message", "")
+    return degraded.get("status") == "True" and "the manifest says" in message
 
 
 def _keeps_saying_through_a_restart(
     kube: KubeClient, ns: str, name: str, check: Callable[[JsonObj], bool]
 ) -> None:
-    """`check` holds for the pool at every look while its pod runs again and fails again
-    (two more failures: at least one whole run and back-off lie between them)."""
+    """`check` holds for the pool at every look while its pod's failing container (the init
+    step's, else the engine's) runs again and fails again (two more failures: at least one
+    whole run and back-off lie between them)."""
     selector = f"{naming.POOL_LABEL}={name}"
 
     def restarts() -> int:
         (pod,) = kube.list("Pod", ns, label_selector=selector)
-        return int(pod["status"]["containerStatuses"][0]["restartCount"])
+        status = pod["status"]
+        states = status.get("initContainerStatuses") or status["containerStatuses"]
+        return int(states[0]["restartCount"])
 
     first = restarts()
     deadline = time.monotonic() + 120
@@ -584,9 +586,10 @@ def test_engine_refusing_weights_whose_sha256_differs_degrades_the_pool_with_its
     local_node: str, fake_nodes: list[str], argo_health: ArgoHealth,
 ) -> None:  # fmt: skip
     """An artifact that pins a sha256 the real file does not have is admitted and Verified (the
-    operator never reads weights), but the engine on the local node refuses the file and exits;
-    its last log line becomes the container's termination message, which the pool shows. The
-    drift timer does not tick meanwhile: the crash reaches the pool through the pod watch."""
+    operator never reads weights), but the pod's init step (`kvfleet artifact fetch`) refuses
+    the file and exits, so the engine never starts; its last log line becomes the init
+    container's termination message, which the pool shows. The drift timer does not tick
+    meanwhile: the crash reaches the pool through the pod watch."""
     artifact = yaml.safe_load((EXAMPLES / "01-modelartifact-smollm2.yaml").read_text())
     real_sha256 = artifact["spec"]["weights"]["files"][0]["sha256"]
     claimed = "0" * 64
@@ -604,20 +607,23 @@ def test_engine_refusing_weights_whose_sha256_differs_degrades_the_pool_with_its
     condition = _cond(degraded, "Degraded")
     assert condition["status"] == "True" and condition["reason"] == "CrashLoopBackOff"
     argo_health.expect(degraded, "Degraded", "crash-loop")
-    # The engine's own words, both digests, nothing of the log lines before them.
+    # The fetch's own words, the file and both digests, nothing of the log lines before them.
     message = condition["message"]
-    assert f"sha256 {real_sha256} does not match the manifest's {claimed}" in message
-    assert "(last exit code 1): engine failed to start: cannot load model" in message
-    assert "Uvicorn" not in message
+    assert f"sha256 is {real_sha256}, the manifest says {claimed}" in message
+    assert ("init container fetch-model CrashLoopBackOff (last exit code 1): error: "
+            "SmolLM2-135M-Instruct.Q4_1.gguf: ") in message
+    assert "fetch SmolLM2" not in message  # the progress lines before it
     assert not _available(degraded)
     (pod,) = kube.list("Pod", namespace, label_selector=f"{naming.POOL_LABEL}=tampered")
     assert pod["spec"]["nodeName"] == local_node
-    (state,) = pod["status"]["containerStatuses"]
+    (state,) = pod["status"]["initContainerStatuses"]
     assert state["restartCount"] >= 1 and not state["ready"]
+    (engine,) = pod["status"]["containerStatuses"]
+    assert "running" not in engine["state"] and engine["restartCount"] == 0  # never started
     # The local kubelet's termination message: the log's tail, whose last line is the reason.
     last = state["lastState"]["terminated"]
     assert last["exitCode"] == 1
-    assert "does not match the manifest" in last["message"].rstrip().splitlines()[-1]
+    assert "the manifest says" in last["message"].rstrip().splitlines()[-1]
 
 
 def test_engine_settings_and_replicas_roll_the_deployment(

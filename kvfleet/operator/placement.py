@@ -123,22 +123,34 @@ def _restarted_after_failure(state: dict[str, Any]) -> bool:
     )
 
 
+def _init_failed(state: dict[str, Any]) -> bool:
+    """An init container that exited non-zero and has not completed since (it is retried with
+    back-off: terminated, waiting or running again); the pod never gets to its containers."""
+    now = (state.get("state") or {}).get("terminated") or {}
+    return now.get("exitCode") not in (None, 0) or _restarted_after_failure(state)
+
+
 def _container_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
-    for state in pod.get("status", {}).get("containerStatuses") or []:
-        waiting = (state.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in STUCK_WAITING:
-            reason = str(waiting["reason"])
-        elif _restarted_after_failure(state):
-            reason = "CrashLoopBackOff"
-        else:
-            continue
-        last = (state.get("lastState") or {}).get("terminated") or {}
-        detail = reason_line(last.get("message") or waiting.get("message") or "")
-        exit_code = last.get("exitCode")
-        text = f"container {state.get('name')} {reason}"
-        if exit_code is not None:
-            text += f" (last exit code {exit_code})"
-        return reason, f"{text}: {detail}" if detail else text
+    status = pod.get("status", {})
+    for kind, states in (("init container", status.get("initContainerStatuses") or []),
+                         ("container", status.get("containerStatuses") or [])):
+        for state in states:
+            waiting = (state.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_WAITING:
+                reason = str(waiting["reason"])
+            elif _restarted_after_failure(state) or (kind == "init container"
+                                                     and _init_failed(state)):
+                reason = "CrashLoopBackOff"
+            else:
+                continue
+            last = ((state.get("state") or {}).get("terminated")
+                    or (state.get("lastState") or {}).get("terminated") or {})
+            detail = reason_line(last.get("message") or waiting.get("message") or "")
+            exit_code = last.get("exitCode")
+            text = f"{kind} {state.get('name')} {reason}"
+            if exit_code is not None:
+                text += f" (last exit code {exit_code})"
+            return reason, f"{text}: {detail}" if detail else text
     return None
 
 

@@ -52,3 +52,21 @@ def test_a_crash_loop_is_reported_between_back_offs_too() -> None:
     assert pod_problem(_engine(running, ready=True, restarts=2, exit_code=1)) is None
     assert pod_problem(_engine(running, ready=False, restarts=0, exit_code=None)) is None
     assert pod_problem(_engine(running, ready=False, restarts=1, exit_code=0)) is None
+
+
+def test_a_failing_init_container_is_the_pods_problem() -> None:
+    """The model fetch (the init step) failing keeps the engine from ever starting: its exit,
+    whether just terminated, backing off or running again, is what the pool shows."""
+    failed = {"terminated": {"exitCode": 1, "message": "error: m.gguf: sha256 is 1, not 2"}}
+    fetch = {"name": "fetch-model", "state": failed, "ready": False, "restartCount": 0,
+             "lastState": {}}
+    engine = {"name": "engine", "state": {"waiting": {"reason": "PodInitializing"}},
+              "ready": False, "restartCount": 0, "lastState": {}}
+    pod = {"metadata": {"name": "p"},
+           "status": {"initContainerStatuses": [fetch], "containerStatuses": [engine]}}
+    assert pod_problem(pod) == ("CrashLoopBackOff", "init container fetch-model CrashLoopBackOff "
+                                "(last exit code 1): error: m.gguf: sha256 is 1, not 2")
+    fetch.update(state={"running": {}}, restartCount=1, lastState=failed)
+    assert pod_problem(pod) is not None
+    fetch.update(state={"terminated": {"exitCode": 0}})  # fetched at last
+    assert pod_problem(pod) is None
