@@ -74,6 +74,14 @@ def register(subparsers: Any) -> None:
                    help="comma-separated sha256 of the weight files (default: "
                         "$KVFLEET_EXPECTED_SHA256, set by the operator from the ModelArtifact); "
                         "the server refuses to start on any difference")
+    p.add_argument("--expected-tokenizer-sha256",
+                   default=os.environ.get("KVFLEET_EXPECTED_TOKENIZER_SHA256") or None,
+                   help="the tokenizer's sha256 as the ModelArtifact records it (default: "
+                        "$KVFLEET_EXPECTED_TOKENIZER_SHA256, set by the operator)")
+    p.add_argument("--expected-chat-template-sha256",
+                   default=os.environ.get("KVFLEET_EXPECTED_CHAT_TEMPLATE_SHA256") or None,
+                   help="the chat template's sha256 (default: "
+                        "$KVFLEET_EXPECTED_CHAT_TEMPLATE_SHA256, set by the operator)")
     tenancy = p.add_argument_group("tenancy")
     tenancy.add_argument("--tenant-header", default="x-kvfleet-tenant",
                          help="trusted header carrying the tenant (set by the kvfleet router)")

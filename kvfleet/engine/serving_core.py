@@ -18,7 +18,7 @@ from kvfleet.engine.engine import build_engine_core
 from kvfleet.engine.fetch import cache_from_env, fetch, files_from_env
 from kvfleet.engine.metrics import EngineMetrics
 from kvfleet.engine.model.loader import default_model_path, load_model
-from kvfleet.engine.model.verify import verify_weights
+from kvfleet.engine.model.verify import verify_manifest, verify_weights
 from kvfleet.engine.runtime import LoadedEngine
 
 logger = logging.getLogger("kvfleet.engine.load")
@@ -77,6 +77,8 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
         # Verify before loading: a pod must never serve weights the manifest did not name.
         verify_weights(Path(path) if path else default_model_path(), args.expected_sha256)
         model = load_model(path, progress=_log_progress)
+        verify_manifest(model, tokenizer_sha256=args.expected_tokenizer_sha256,
+                        chat_template_sha256=args.expected_chat_template_sha256)
         core = build_engine_core(model, cache_config, scheduler_config,
                                  batch_invariant=args.batch_invariant)
         max_context = model.config.max_context

@@ -35,6 +35,8 @@ TERMINATION_GRACE_SECONDS = PRE_STOP_SECONDS + DRAIN_SECONDS + 15
 # sha256 check against KVFLEET_EXPECTED_SHA256).
 EXPECTED_SHA256_ENV = "KVFLEET_EXPECTED_SHA256"
 MANIFEST_HASH_ENV = "KVFLEET_MANIFEST_HASH"
+EXPECTED_TOKENIZER_ENV = "KVFLEET_EXPECTED_TOKENIZER_SHA256"
+EXPECTED_TEMPLATE_ENV = "KVFLEET_EXPECTED_CHAT_TEMPLATE_SHA256"
 # The model's files and the cache they are fetched into (kvfleet.engine.fetch reads these; a
 # unit test holds the names equal): the pod's init container fetches and verifies every file,
 # the engine then finds them there.
@@ -150,6 +152,9 @@ def _container(
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": MANIFEST_HASH_ENV, "value": manifest_hash},
         *_model_env(artifact),
+        {"name": EXPECTED_TOKENIZER_ENV, "value": artifact.spec.tokenizer.sha256},
+        {"name": EXPECTED_TEMPLATE_ENV,
+         "value": artifact.spec.chat_template.sha256 if artifact.spec.chat_template else ""},
         {
             "name": EXPECTED_SHA256_ENV,
             "value": ",".join(f.sha256 for f in artifact.spec.weights.files),

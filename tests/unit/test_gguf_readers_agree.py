@@ -61,3 +61,16 @@ def test_they_agree_on_every_value_type(tmp_path: Path) -> None:
     assert control == engine
     assert parameters == elements == 15
     assert engine["t.u64"] == 2**63 + 5 and engine["t.strs"] == ["a", "", "ü"]
+
+
+def test_the_engine_hashes_tokenizer_and_template_as_the_manifest_does() -> None:
+    """What `kvfleet artifact from-gguf` records is what the engine finds at load."""
+    from kvfleet.api.gguf_artifact import artifact_from_gguf
+    from kvfleet.engine.model.loader import load_model
+
+    path = embedded_gguf_path()
+    artifact = artifact_from_gguf(path, name="smol")
+    loaded = load_model(path, show_progress=False)
+    assert loaded.tokenizer_sha256 == artifact.spec.tokenizer.sha256
+    assert artifact.spec.chat_template is not None
+    assert loaded.chat_template_sha256 == artifact.spec.chat_template.sha256

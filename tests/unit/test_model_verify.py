@@ -39,9 +39,9 @@ def test_a_file_with_another_digest_is_refused_naming_file_and_both_digests(
 def test_a_directory_must_hold_exactly_the_manifest_files(tmp_path: Path) -> None:
     a = _write(tmp_path / "a.safetensors", b"a")
     b = _write(tmp_path / "b.safetensors", b"b")
-    (tmp_path / "config.json").write_text("{}")  # not a weight file: not hashed
+    (tmp_path / "config.json").write_text("{}")  # not a weight file: need not be listed
     verify_weights(tmp_path, (b, a))  # order-free
-    with pytest.raises(ModelVerificationError, match="no weight file has"):
+    with pytest.raises(ModelVerificationError, match="no file has"):
         verify_weights(tmp_path, (a, b, hashlib.sha256(b"c").hexdigest()))
     with pytest.raises(ModelVerificationError, match=r"b\.safetensors has sha256"):
         verify_weights(tmp_path, (a,))
@@ -53,3 +53,33 @@ def test_the_cli_flag_takes_comma_separated_hex_digests() -> None:
     assert _sha256_list("") == ()
     with pytest.raises(argparse.ArgumentTypeError, match="64 hex"):
         _sha256_list("not-a-digest")
+
+
+def test_a_listed_config_file_is_checked_too(tmp_path: Path) -> None:
+    a = _write(tmp_path / "a.safetensors", b"a")
+    config = _write(tmp_path / "config.json", b"{}")
+    verify_weights(tmp_path, (a, config))
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 1}')
+    with pytest.raises(ModelVerificationError, match=f"no file has the manifest's sha256 {config}"):
+        verify_weights(tmp_path, (a, config))
+
+
+def test_a_tokenizer_or_template_other_than_the_manifests_is_refused(tmp_path: Path) -> None:
+    from tiny_llama import random_weights, tiny_config, write_gguf
+
+    from kvfleet.engine.model.loader import load_model
+    from kvfleet.engine.model.verify import verify_manifest
+
+    config = tiny_config()
+    loaded = load_model(write_gguf(tmp_path / "t.gguf", config, random_weights(config)),
+                        show_progress=False)
+    assert loaded.tokenizer_sha256 is not None and loaded.chat_template_sha256 is not None
+    verify_manifest(loaded, tokenizer_sha256=loaded.tokenizer_sha256,
+                    chat_template_sha256=loaded.chat_template_sha256)
+    verify_manifest(loaded, tokenizer_sha256=None, chat_template_sha256=None)
+    other = "9" * 64
+    with pytest.raises(ModelVerificationError, match=f"tokenizer sha256 {loaded.tokenizer_sha256} "
+                                                     f"does not match the manifest's {other}"):
+        verify_manifest(loaded, tokenizer_sha256=other, chat_template_sha256=None)
+    with pytest.raises(ModelVerificationError, match=r"chat template sha256 .* does not match"):
+        verify_manifest(loaded, tokenizer_sha256=None, chat_template_sha256=other)

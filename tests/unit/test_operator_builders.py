@@ -87,6 +87,9 @@ def test_labels_owner_and_expected_sha256() -> None:
     env = {e["name"]: e.get("value") for e in _container(d)["env"]}
     assert env[builders.EXPECTED_SHA256_ENV] == ",".join(f.sha256 for f in a.spec.weights.files)
     assert env[builders.MANIFEST_HASH_ENV] == digest
+    assert env[builders.EXPECTED_TOKENIZER_ENV] == a.spec.tokenizer.sha256
+    assert a.spec.chat_template is not None
+    assert env[builders.EXPECTED_TEMPLATE_ENV] == a.spec.chat_template.sha256
 
 
 def test_every_args_variable_comes_from_the_config_map() -> None:

