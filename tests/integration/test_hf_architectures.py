@@ -179,3 +179,53 @@ def test_hf_files_layout(checkpoint: tuple[str, Any, LoadedModel]) -> None:
     directory = Path(loaded.path)
     assert (directory / "chat_template.jinja").is_file() or "chat_template" in (
         directory / "tokenizer_config.json").read_text()
+
+
+def test_bring_your_own_checkpoint_describe_fetch_verify_and_serve(
+        checkpoint: tuple[str, Any, LoadedModel], tmp_path: Path) -> None:
+    """`kvfleet artifact from-hf` describes the saved folder (every file the engine reads,
+    its digests, shapes as the engine sees them), the compatibility matrix accepts it, `fetch`
+    brings the files into a cache folder, and that folder loads and passes the engine's own
+    checks against the manifest: weights, tokenizer and chat template."""
+    from kvfleet.api.hf_artifact import artifact_from_hf
+    from kvfleet.compat import check
+    from kvfleet.engine.fetch import Cache, FileSpec, fetch
+    from kvfleet.engine.model.verify import verify_manifest, verify_weights
+
+    arch, reference, loaded = checkpoint
+    directory = Path(loaded.path)
+    artifact = artifact_from_hf(directory, name=f"tiny-{arch}", uri_base="s3://models/tiny")
+    spec = artifact.spec
+    names = sorted(f.uri.rsplit("/", 1)[1] for f in spec.weights.files)
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "model.safetensors"} <= set(names)
+    assert all(f.uri.startswith("s3://models/tiny/") for f in spec.weights.files)
+    config = loaded.config
+    assert (spec.architecture.name, spec.architecture.head_dim,
+            spec.architecture.max_context_length) == (arch, config.head_dim, config.max_context)
+    assert spec.architecture.num_parameters == sum(p.numel() for p in reference.parameters())
+    assert spec.tokenizer.sha256 == loaded.tokenizer_sha256
+    assert spec.chat_template is not None
+    assert spec.chat_template.sha256 == loaded.chat_template_sha256
+    assert spec.special_tokens.eos_token_id == loaded.tokenizer.eos_token_id
+    assert check(spec) == []
+
+    local = artifact_from_hf(directory, name=f"tiny-{arch}")  # file:// URIs
+    files = [FileSpec(f.uri, f.sha256, f.size_bytes) for f in local.spec.weights.files]
+    folder = fetch(files, Cache(tmp_path / "cache"), progress=lambda *_: None)
+    verify_weights(folder, [f.sha256 for f in files])
+    fetched = load_model(folder, show_progress=False)
+    verify_manifest(fetched, tokenizer_sha256=spec.tokenizer.sha256,
+                    chat_template_sha256=spec.chat_template.sha256)
+    assert torch.equal(fetched.model.embed_tokens, loaded.model.embed_tokens)
+
+    # The command line writes the same object.
+    from kvfleet.api import ModelArtifact, load_objects, manifest_hash
+    from kvfleet.cli import main
+
+    out = tmp_path / "artifact.yaml"
+    assert main(["artifact", "from-hf", str(directory), "--name", f"tiny-{arch}",
+                 "--uri-base", "s3://models/tiny", "-o", str(out)]) == 0
+    (written,) = load_objects(out)
+    assert isinstance(written, ModelArtifact)
+    assert manifest_hash(written.spec) == manifest_hash(spec)
