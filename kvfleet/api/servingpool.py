@@ -21,6 +21,7 @@ from kvfleet.api.meta import (
     conditions_field,
     ready_column,
 )
+from kvfleet.api.podsettings import PodSettings
 
 
 class ArtifactRef(KubeModel):
@@ -170,6 +171,12 @@ class ServingPoolSpec(KubeModel):
     )
     data_class: DataClass = Field(
         default=DataClass.INTERNAL, description="Most sensitive data the pool may process."
+    )
+    pod: PodSettings = Field(
+        default_factory=PodSettings,
+        description="Engine pod settings: node selection, tolerations, priority, resources, "
+        "model cache, image, env.",
+        json_schema_extra={"default": {}},
     )
 
 

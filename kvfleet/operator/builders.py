@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.api import API_VERSION, ModelArtifact, ServingPool, labels
+from kvfleet.api.quantity import parse_bytes
 from kvfleet.capacity import MemoryPlan
 from kvfleet.operator import naming
-from kvfleet.operator.placement import node_affinity, node_selector, tolerations
+from kvfleet.operator.placement import GPU_RESOURCE, node_affinity, node_selector, tolerations
 
 ENGINE_PORT = labels.ENGINE_PORT
 # The engine reads its pool's router token from this variable (a secretKeyRef): an env entry
@@ -112,31 +113,87 @@ def model_cache_bytes(artifact: ModelArtifact) -> int:
     return -(-(total + total // 10) // MIB) * MIB
 
 
-def _model_env(artifact: ModelArtifact) -> list[dict[str, Any]]:
+def _cache_limit(pool: ServingPool, artifact: ModelArtifact) -> int | None:
+    """What the cache may hold: the emptyDir's size limit (the pool's, else sized from the
+    files); none for a shared claim, whose size is its provisioner's business."""
+    cache = pool.spec.pod.model_cache
+    if cache is not None and cache.persistent_volume_claim is not None:
+        return None
+    if cache is not None and cache.empty_dir is not None and cache.empty_dir.size_limit:
+        return parse_bytes(cache.empty_dir.size_limit)
+    return model_cache_bytes(artifact)
+
+
+def _cache_volume(pool: ServingPool, artifact: ModelArtifact) -> dict[str, Any]:
+    cache = pool.spec.pod.model_cache
+    if cache is not None and cache.persistent_volume_claim is not None:
+        claim = cache.persistent_volume_claim.claim_name
+        return {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": claim}}
+    empty_dir: dict[str, Any] = (cache.empty_dir.to_wire() if cache is not None
+                                 and cache.empty_dir is not None else {})
+    empty_dir.setdefault("sizeLimit", f"{model_cache_bytes(artifact) // MIB}Mi")
+    return {"name": MODEL_CACHE_VOLUME, "emptyDir": empty_dir}
+
+
+def _model_env(pool: ServingPool, artifact: ModelArtifact) -> list[dict[str, Any]]:
     files = [{"uri": f.uri, "sha256": f.sha256, "sizeBytes": f.size_bytes}
              for f in artifact.spec.weights.files]
-    return [
+    env = [
         {"name": WEIGHT_FILES_ENV, "value": json.dumps(files, separators=(",", ":"))},
         {"name": MODEL_CACHE_ENV, "value": MODEL_CACHE_PATH},
-        {"name": MODEL_CACHE_LIMIT_ENV, "value": str(model_cache_bytes(artifact))},
     ]
+    limit = _cache_limit(pool, artifact)
+    if limit is not None:
+        env.append({"name": MODEL_CACHE_LIMIT_ENV, "value": str(limit)})
+    return env
+
+
+def _pool_env(pool: ServingPool) -> list[dict[str, Any]]:
+    """spec.pod.env, after the operator's own (which it may not override: the API refuses
+    the reserved names)."""
+    return [e.to_wire() for e in pool.spec.pod.env]
+
+
+def _image(pool: ServingPool, options: EngineOptions) -> dict[str, str]:
+    return {"image": pool.spec.pod.image or options.image,
+            "imagePullPolicy": pool.spec.pod.image_pull_policy or options.image_pull_policy}
 
 
 _CACHE_MOUNT = {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_PATH}
 
 
-def _fetch_container(artifact: ModelArtifact, options: EngineOptions) -> dict[str, Any]:
+def _fetch_container(pool: ServingPool, artifact: ModelArtifact,
+                     options: EngineOptions) -> dict[str, Any]:
     """The init step: every file of the manifest into the cache, verified, before the engine
     starts; a bad digest or an unreachable source fails here, named in the pod's status."""
     return {
         "name": "fetch-model",
-        "image": options.image,
-        "imagePullPolicy": options.image_pull_policy,
+        **_image(pool, options),
         "command": ["kvfleet", "artifact", "fetch", "--from-env"],
-        "env": _model_env(artifact),
+        "env": _model_env(pool, artifact) + _pool_env(pool),
         "volumeMounts": [_CACHE_MOUNT],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+
+
+def _resources(pool: ServingPool, plan: MemoryPlan | None) -> dict[str, Any]:
+    """GPUs from spec.gpu (extended resources need requests == limits); CPU and memory from
+    spec.pod.resources, the memory request defaulting to the ledger's weights plus 1 GiB
+    (the engine holds the weights in host memory while it loads them)."""
+    gpus = str(pool.spec.gpu.count)
+    settings = pool.spec.pod.resources
+    requests: dict[str, str] = {GPU_RESOURCE: gpus}
+    limits: dict[str, str] = {GPU_RESOURCE: gpus}
+    if settings is not None and settings.requests is not None:
+        requests.update(settings.requests.to_wire())
+    if settings is not None and settings.limits is not None:
+        limits.update(settings.limits.to_wire())
+    if "memory" not in requests and plan is not None and plan.weight_bytes is not None:
+        request = -(-(plan.weight_bytes + 1024 * MIB) // MIB)
+        if "memory" in limits:  # never above the pool's own cap
+            request = min(request, parse_bytes(limits["memory"]) // MIB)
+        requests["memory"] = f"{request}Mi"
+    return {"requests": requests, "limits": limits}
 
 
 def _container(
@@ -151,7 +208,7 @@ def _container(
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": MANIFEST_HASH_ENV, "value": manifest_hash},
-        *_model_env(artifact),
+        *_model_env(pool, artifact),
         {"name": EXPECTED_TOKENIZER_ENV, "value": artifact.spec.tokenizer.sha256},
         {"name": EXPECTED_TEMPLATE_ENV,
          "value": artifact.spec.chat_template.sha256 if artifact.spec.chat_template else ""},
@@ -184,18 +241,15 @@ def _container(
         # The KV plan depends on the artifact, so it is the revision's own (the ConfigMap is
         # the pool's, shared by the stable and canary revisions of a rollout).
         args.append(f"--num-kv-blocks={plan.kv_blocks_per_rank}")
-    gpus = str(pool.spec.gpu.count)
+    env += _pool_env(pool)
     return {
         "name": "engine",
-        "image": options.image,
-        "imagePullPolicy": options.image_pull_policy,
+        **_image(pool, options),
         "command": ["kvfleet", "serve"],
         "args": args,
         "env": env,
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        # Extended resources must have requests == limits; CPU and memory are left to the
-        # namespace's LimitRange because they depend on the node shape, not on the model.
-        "resources": {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}},
+        "resources": _resources(pool, plan),
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": ENGINE_PORT_NAME},
             "periodSeconds": 5,
@@ -232,18 +286,24 @@ def build_deployment(
     meta = _meta(naming.deployment_name(name, manifest_hash), pool, labels)
     meta["annotations"] = {naming.MANIFEST_HASH_ANNOTATION: manifest_hash}
     pod_spec: dict[str, Any] = {
-        "initContainers": [_fetch_container(artifact, options)],
+        "initContainers": [_fetch_container(pool, artifact, options)],
         "containers": [_container(pool, artifact, manifest_hash, settings, plan, options)],
-        "volumes": [{"name": MODEL_CACHE_VOLUME,
-                     "emptyDir": {"sizeLimit": f"{model_cache_bytes(artifact) // MIB}Mi"}}],
+        "volumes": [_cache_volume(pool, artifact)],
         "nodeSelector": node_selector(pool.spec),
-        "tolerations": tolerations(),
+        "tolerations": tolerations(pool.spec),
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "enableServiceLinks": False,
     }
     affinity = node_affinity(pool.spec)
     if affinity is not None:
         pod_spec["affinity"] = affinity
+    pod = pool.spec.pod
+    if pod.priority_class_name:
+        pod_spec["priorityClassName"] = pod.priority_class_name
+    if pod.service_account_name:
+        pod_spec["serviceAccountName"] = pod.service_account_name
+    if pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in pod.image_pull_secrets]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -258,8 +318,11 @@ def build_deployment(
             },
             "template": {
                 "metadata": {
-                    "labels": labels,
+                    # The pool's own labels and annotations first: the operator's win (the
+                    # API refuses its label prefixes anyway).
+                    "labels": {**pod.labels, **labels},
                     "annotations": {
+                        **pod.annotations,
                         naming.MANIFEST_HASH_ANNOTATION: manifest_hash,
                         naming.ENGINE_CONFIG_HASH_ANNOTATION: config_digest(settings),
                         "prometheus.io/scrape": "true",

@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.api import ServingPoolSpec
+from kvfleet.api.podsettings import MEMORY_LABEL, PRODUCT_LABEL, REGION_LABEL
 from kvfleet.api.quantity import parse_bytes
 
 GPU_RESOURCE = "nvidia.com/gpu"
-PRODUCT_LABEL = "nvidia.com/gpu.product"
-MEMORY_LABEL = "nvidia.com/gpu.memory"
-REGION_LABEL = "topology.kubernetes.io/region"
 MIB = 1024 * 1024
 
 # Container waiting reasons that will not resolve by waiting.
@@ -36,7 +34,8 @@ STUCK_WAITING = frozenset(
 
 
 def node_selector(spec: ServingPoolSpec) -> dict[str, str]:
-    selector = {PRODUCT_LABEL: spec.gpu.product}
+    """The pool's own node labels (spec.pod.nodeSelector) and the GPU product and region."""
+    selector = {**spec.pod.node_selector, PRODUCT_LABEL: spec.gpu.product}
     if spec.region is not None:
         selector[REGION_LABEL] = spec.region
     return selector
@@ -47,21 +46,39 @@ def min_memory_mib(spec: ServingPoolSpec) -> int | None:
 
 
 def node_affinity(spec: ServingPoolSpec) -> dict[str, Any] | None:
-    """Required node affinity on GPU memory (`Gt` is strict, hence the - 1)."""
+    """spec.pod.affinity with the GPU memory bound (`Gt` is strict, hence the - 1) added to
+    every required term: terms are alternatives, so each must carry it."""
+    user = spec.pod.affinity.node_affinity if spec.pod.affinity is not None else None
     mib = min_memory_mib(spec)
-    if mib is None:
-        return None
-    term = {"matchExpressions": [{"key": MEMORY_LABEL, "operator": "Gt", "values": [str(mib - 1)]}]}
-    return {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
-        }
-    }
+    bound = ([{"key": MEMORY_LABEL, "operator": "Gt", "values": [str(mib - 1)]}]
+             if mib is not None else [])
+    affinity: dict[str, Any] = {}
+    required = user.required_during_scheduling_ignored_during_execution if user else None
+    if required is not None:
+        terms = [{"matchExpressions": [e.to_wire() for e in t.match_expressions] + bound}
+                 for t in required.node_selector_terms]
+    else:
+        terms = [{"matchExpressions": bound}] if bound else []
+    if terms:
+        affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": terms}
+    if user is not None and user.preferred_during_scheduling_ignored_during_execution:
+        affinity["preferredDuringSchedulingIgnoredDuringExecution"] = [
+            t.to_wire() for t in user.preferred_during_scheduling_ignored_during_execution]
+    return {"nodeAffinity": affinity} if affinity else None
 
 
-def tolerations() -> list[dict[str, Any]]:
-    """GPU nodes are commonly tainted so that only GPU workloads land there."""
-    return [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+
+
+def tolerations(spec: ServingPoolSpec | None = None) -> list[dict[str, Any]]:
+    """GPU nodes are commonly tainted so that only GPU workloads land there; the pool adds
+    its own (spec.pod.tolerations), e.g. a team's dedicated nodes."""
+    found = [dict(GPU_TOLERATION)]
+    for toleration in spec.pod.tolerations if spec is not None else []:
+        wire = toleration.to_wire()
+        if wire not in found:
+            found.append(wire)
+    return found
 
 
 def placement_text(spec: ServingPoolSpec) -> str:
