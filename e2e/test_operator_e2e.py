@@ -386,6 +386,67 @@ def _unschedulable_until_a_node_appears(
     assert _cond(pool, "Degraded")["status"] == "False"
 
 
+def test_pod_settings_place_pods_on_a_teams_tainted_gpu_nodes(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
+    add_nodes: Callable[[list[JsonObj]], None],
+) -> None:  # fmt: skip
+    """A team's GPU nodes as real clusters have them: tainted for GPUs and for the team,
+    labelled with its partition. The pool selects the partition (the dev fleet's untainted
+    A100s are not the team's) and stays Unschedulable, with the scheduler's taint verdict,
+    until it tolerates the team's taint; then it runs there, at the team's priority (the
+    apiserver resolved the PriorityClass), with the pool's resources, env and labels."""
+    partition = {"kvfleet.test/partition": f"team-{namespace}"}
+    team_taint = {"key": "dedicated", "value": f"team-{namespace}", "effect": "NoSchedule"}
+    node = fleet.build_node(f"gpu-a100-team-{namespace}", fleet.A100_40GB, 8, "zone-a",
+                            taints=[fleet.GPU_TAINT, team_taint])
+    node["metadata"]["labels"].update(partition)
+    add_nodes([node])
+    priority = {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                "metadata": {"name": f"e2e-{namespace}"}, "value": 100000,
+                "description": "kvfleet e2e: a team's serving priority"}
+    kube.create(priority)
+    try:
+        _create(kube, make_artifact("qwen3-8b", namespace).data())
+        pod_settings = {
+            "nodeSelector": partition, "priorityClassName": f"e2e-{namespace}",
+            "resources": {"requests": {"cpu": "4", "memory": "48Gi"},
+                          "limits": {"memory": "64Gi"}},
+            "env": [{"name": "AWS_ENDPOINT_URL", "value": "http://minio.storage:9000"}],
+            "labels": {"team": "a"},
+        }
+        _create(kube, make_pool("team", "qwen3-8b", namespace)
+                .set("spec.gpu.product", fleet.A100_40GB.product)
+                .set("spec.pod", pod_settings).data())
+        pool = _wait_pool(
+            kube, operator, namespace, "team",
+            lambda p: "untolerated taint" in _cond(p, "Available").get("message", ""),
+            "Unschedulable with the scheduler's taint verdict", timeout=90,
+        )  # fmt: skip
+        assert _cond(pool, "Available")["reason"] == "Unschedulable"
+        tolerated = [{"key": "dedicated", "operator": "Equal", "value": f"team-{namespace}",
+                      "effect": "NoSchedule"}]
+        kube.merge_patch("ServingPool", "team", {"spec": {"pod": {"tolerations": tolerated}}},
+                         namespace)
+        _wait_pool(kube, operator, namespace, "team", _available, "Available", timeout=120)
+        (pod,) = [p for p in kube.list("Pod", namespace,
+                                       label_selector=f"{naming.POOL_LABEL}=team")
+                  if not p["metadata"].get("deletionTimestamp")]
+        spec = pod["spec"]
+        assert spec["nodeName"] == node["metadata"]["name"]
+        assert (spec["priorityClassName"], spec["priority"]) == (f"e2e-{namespace}", 100000)
+        (engine,) = spec["containers"]
+        assert engine["resources"]["requests"]["memory"] == "48Gi"
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        for container in (engine, spec["initContainers"][0]):
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["AWS_ENDPOINT_URL"] == "http://minio.storage:9000"
+        assert pod["metadata"]["labels"]["team"] == "a"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists",
+                "effect": "NoSchedule"} in spec["tolerations"]
+    finally:
+        kube.delete("PriorityClass", f"e2e-{namespace}")
+
+
 def test_drift_is_restored_and_deleted_service_recreated(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str
 ) -> None:

@@ -80,9 +80,11 @@ def gpu_labels(product: GpuProduct, gpus: int, zone: str) -> dict[str, str]:
 
 
 def build_node(
-    name: str, product: GpuProduct, gpus: int, zone: str, *, fake: bool = True
+    name: str, product: GpuProduct, gpus: int, zone: str, *, fake: bool = True,
+    taints: Iterable[dict[str, str]] = (),
 ) -> dict[str, Any]:
-    """A Node with GPU labels and capacity; `fake` ones carry KWOK's management annotation."""
+    """A Node with GPU labels and capacity; `fake` ones carry KWOK's management annotation.
+    `taints` as real GPU node pools have them (e.g. GPU_TAINT, a team's dedicated taint)."""
     labels = {
         "kubernetes.io/hostname": name,
         "kubernetes.io/os": "linux",
@@ -106,11 +108,15 @@ def build_node(
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": name, "labels": labels, "annotations": annotations},
-        "spec": {},
+        "spec": {"taints": list(taints)} if taints else {},
         # KWOK's node-initialize stage keeps capacity/allocatable that are already set; the
         # local runner reports these itself.
         "status": {"capacity": capacity, "allocatable": dict(capacity)},
     }
+
+
+# What the NVIDIA GPU operator's node setup (or a cloud's GPU node pool) puts on GPU nodes.
+GPU_TAINT = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
 
 
 def build_fleet(groups: Iterable[NodeGroup], prefix: str = "gpu") -> list[dict[str, Any]]:

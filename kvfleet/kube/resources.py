@@ -29,6 +29,8 @@ RESOURCES: dict[str, Resource] = {
     "Deployment": Resource("/apis/apps/v1", "deployments"),
     "ReplicaSet": Resource("/apis/apps/v1", "replicasets"),
     "StatefulSet": Resource("/apis/apps/v1", "statefulsets"),
+    "PriorityClass": Resource("/apis/scheduling.k8s.io/v1", "priorityclasses", False),
+    "PersistentVolumeClaim": Resource("/api/v1", "persistentvolumeclaims"),
     "Lease": Resource("/apis/coordination.k8s.io/v1", "leases"),
     "PodDisruptionBudget": Resource("/apis/policy/v1", "poddisruptionbudgets"),
     "EndpointSlice": Resource("/apis/discovery.k8s.io/v1", "endpointslices"),
