@@ -1,8 +1,10 @@
 """`ModelRunner`: owns the paged KV cache and runs one `SchedulerOutput` as one forward pass.
 
-The KV cache is one float32 tensor `[num_layers, 2 (K, V), num_blocks, block_size,
-num_kv_heads, head_dim]`; position p of a request lives in block `block_ids[p // block_size]`,
-slot `p % block_size` (see `scheduler_output.py`).
+The KV cache is one tensor `[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads,
+head_dim]` on the model's device, float32 by default or 16-bit (`kv_dtype`: bfloat16 or
+float16 halve its memory and the bytes a decode step reads; K/V are converted to the compute
+dtype as attention reads them); position p of a request lives in block
+`block_ids[p // block_size]`, slot `p % block_size` (see `scheduler_output.py`).
 
 A step concatenates the tokens of all its chunks into one flat batch, so every projection and
 MLP is one matmul over all tokens. Attention is the only per-sequence part:
@@ -14,15 +16,19 @@ MLP is one matmul over all tokens. Attention is the only per-sequence part:
 Grouped-query attention is folded into the query length ([kv_heads, group * L, head_dim]) so
 K/V are never repeated per query head.
 
-By default attention instead runs the compiled kernels of `paged_attention.py`, reading K/V
-straight from the blocks (no gather, no padding, no groups): one decode call per layer for
-every decode row, one prefill call per layer and chunk. Batch-invariant mode keeps SDPA for
-both: a request recomputed after preemption redoes its decoded positions as prefill, and only
-the SDPA padding rule below makes the two paths agree bit for bit.
+By default attention instead runs kernels that read K/V straight from the blocks (no gather,
+no padding, no groups): one decode call per layer for every decode row, one prefill call per
+layer and chunk. On the CPU they are the compiled ones of `paged_attention.py` (float32 K/V);
+on a CUDA device the Triton ones of `triton_attention.py` (`KVFLEET_ATTENTION=triton` runs
+those on the CPU too, under Triton's interpreter: how the tests check them). Batch-invariant
+mode keeps SDPA for both: a request recomputed after preemption redoes its decoded positions
+as prefill, and only the SDPA padding rule below makes the two paths agree bit for bit.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,17 +42,42 @@ from kvfleet.engine.paged_attention import Kernel, load_kernel
 from kvfleet.engine.sampler import StepLogits
 from kvfleet.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
+logger = logging.getLogger(__name__)
+
 KV_DTYPE = torch.float32
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int) -> int:
+def kv_bytes_per_block(config: ModelConfig, block_size: int,
+                       dtype: torch.dtype = KV_DTYPE) -> int:
     """Bytes of KV cache one block of `block_size` tokens takes across all layers."""
-    return config.num_layers * 2 * block_size * config.kv_dim * KV_DTYPE.itemsize
+    return config.num_layers * 2 * block_size * config.kv_dim * dtype.itemsize
 
 
-def num_blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: int) -> int:
+def num_blocks_for_budget(config: ModelConfig, block_size: int, budget_bytes: int,
+                          dtype: torch.dtype = KV_DTYPE) -> int:
     """How many KV blocks fit in `budget_bytes` (at least 1 is not guaranteed: may return 0)."""
-    return max(0, budget_bytes // kv_bytes_per_block(config, block_size))
+    return max(0, budget_bytes // kv_bytes_per_block(config, block_size, dtype))
+
+
+def choose_kernel(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> Kernel | None:
+    """The attention kernel for a cache on `device` in `kv_dtype`, or None for SDPA."""
+    from kvfleet.engine import triton_attention
+    from kvfleet.engine.paged_attention import ENV_SWITCH
+
+    choice = os.environ.get(ENV_SWITCH, "kernel").lower()
+    if choice == "sdpa":
+        return None
+    if device.type == "cuda" or choice == "triton":
+        if triton_attention.available():
+            return triton_attention.TritonKernel()
+        logger.warning("Triton is not installed: attention on %s uses SDPA", device)
+        return None
+    # The C++ kernel vectorizes over 16-float lanes of a head, keeps a head in registers and
+    # reads float32 K/V.
+    if kv_dtype != torch.float32 or head_dim % 16 or head_dim > 256:
+        return None
+    return load_kernel()
 
 
 # See `padded_context_len`: SDPA's CPU kernel reduces K/V in splits of 512 positions, and a
@@ -177,8 +208,10 @@ class _PagedAttention:
         else:
             # index_copy_/index_select, not `t[idx] = x` / `t[idx]`: advanced indexing on CPU
             # is 10-100x slower for these shapes (measured), and it runs 60 times per step.
-            k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, self._slots, k)
-            v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, self._slots, v)
+            k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(
+                0, self._slots, k.to(k_cache.dtype))
+            v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(
+                0, self._slots, v.to(v_cache.dtype))
         if isinstance(self._decode, _KernelDecode) and self._decode.whole_step:
             return self._kernel_decode(q, k_cache, v_cache).view(q.shape[0], -1)
         out = q.new_empty(q.shape[0], cfg.num_heads * cfg.head_dim)
@@ -190,8 +223,8 @@ class _PagedAttention:
             for d in self._decode:
                 batch = d.token_index.shape[0]
                 qd = q.index_select(0, d.token_index).view(batch, cfg.num_kv_heads, group, -1)
-                kd = _gather(k_cache, d.block_table).transpose(1, 2)
-                vd = _gather(v_cache, d.block_table).transpose(1, 2)
+                kd = _gather(k_cache, d.block_table).transpose(1, 2).to(q.dtype)
+                vd = _gather(v_cache, d.block_table).transpose(1, 2).to(q.dtype)
                 od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask)
                 out.index_copy_(0, d.token_index, od.reshape(batch, -1))
         for p in self._prefills:
@@ -207,8 +240,8 @@ class _PagedAttention:
                 .permute(1, 2, 0, 3)
                 .reshape(cfg.num_kv_heads, group * p.num_tokens, cfg.head_dim)
             )
-            kp = _gather(k_cache, p.block_table).transpose(0, 1)
-            vp = _gather(v_cache, p.block_table).transpose(0, 1)
+            kp = _gather(k_cache, p.block_table).transpose(0, 1).to(q.dtype)
+            vp = _gather(v_cache, p.block_table).transpose(0, 1).to(q.dtype)
             if p.new_mask is not None:
                 op = _split_attention(qp, kp, vp, p.start, p.num_tokens, p.new_mask)
             else:
@@ -232,7 +265,8 @@ class ModelRunner:
     """Runs scheduled chunks over the paged KV cache and returns next-token logits."""
 
     def __init__(self, model: LoadedModel | LlamaModel, num_blocks: int, block_size: int,
-                 batch_invariant: bool = False, attention_kernel: bool = True) -> None:
+                 batch_invariant: bool = False, attention_kernel: bool = True,
+                 kv_dtype: torch.dtype = KV_DTYPE) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         if block_size <= 0:
@@ -243,19 +277,14 @@ class ModelRunner:
         self.block_size = block_size
         self.batch_invariant = batch_invariant
         cfg = self.config
-        # The kernel vectorizes over 16-float lanes of a head and keeps a head in registers.
-        use_kernel = (attention_kernel and not batch_invariant and cfg.head_dim % 16 == 0
-                      and cfg.head_dim <= 256)
-        self.kernel: Kernel | None = load_kernel() if use_kernel else None
-        self.kv_cache = hugepages.zeros(
-            cfg.num_layers,
-            2,
-            num_blocks,
-            block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=KV_DTYPE,
-        )
+        self.device = self.model.embed_tokens.device
+        self.kv_dtype = kv_dtype
+        self.kernel: Kernel | None = (
+            choose_kernel(self.device, kv_dtype, cfg.head_dim)
+            if attention_kernel and not batch_invariant else None)
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = (hugepages.zeros(*shape, dtype=kv_dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=kv_dtype, device=self.device))
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -281,8 +310,8 @@ class ModelRunner:
     def _apply_block_copies(self, copies: tuple[tuple[int, int], ...]) -> None:
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long)
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
         # Gather first, then scatter: a block may be both a source and a destination.
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
@@ -293,7 +322,7 @@ class ModelRunner:
         table = torch.zeros(padded_blocks, dtype=torch.long)
         used = chunk.block_ids[: -(-context_len // self.block_size)]
         table[: len(used)] = torch.tensor(used, dtype=torch.long)
-        return table
+        return table.to(self.device)
 
     def _plan_prefill(self, chunk: ScheduledChunk, first_row: int) -> _PrefillChunk:
         bs, n, start = self.block_size, len(chunk.token_ids), chunk.start_position
@@ -302,17 +331,19 @@ class ModelRunner:
         if self.kernel is not None:  # reads the table itself, masks by position
             return _PrefillChunk(first_row, n, table, start, None, None)
         group = self.config.num_queries_per_kv
-        if start > 0 and not self.batch_invariant and _FLASH_CPU is not None:
+        if (start > 0 and not self.batch_invariant and _FLASH_CPU is not None
+                and self.device.type == "cpu"):
             # Query row (g, i) of the GQA-folded chunk is token i: it sees new tokens <= i.
             own = torch.arange(n).repeat(group)
             new_mask = torch.zeros(group * n, n).masked_fill_(
                 torch.arange(n)[None, :] > own[:, None], float("-inf"))
-            return _PrefillChunk(first_row, n, table, start, None, new_mask)
+            return _PrefillChunk(first_row, n, table, start, None,
+                                 new_mask.to(self.model.embed_tokens.dtype))
         # Batch-invariant mode keeps one SDPA call over the padded context (see
         # `padded_context_len`): the split's summation order would depend on the chunking.
         query_pos = torch.arange(start, start + n).repeat(group)
         mask = torch.arange(padded_blocks * bs)[None, :] <= query_pos[:, None]
-        return _PrefillChunk(first_row, n, table, start, mask, None)
+        return _PrefillChunk(first_row, n, table, start, mask.to(self.device), None)
 
     def _plan_decode(self, chunks: list[ScheduledChunk], rows: list[int]) -> list[_DecodeBatch]:
         """Decode chunks grouped by context length, one attention batch per group.
@@ -337,8 +368,10 @@ class ModelRunner:
         for i, (c, n) in enumerate(zip(chunks, context, strict=True)):
             used = c.block_ids[: -(-n // self.block_size)]
             table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-        return _KernelDecode(torch.tensor(rows, dtype=torch.long), table,
-                             torch.tensor(context, dtype=torch.long), whole_step)
+        return _KernelDecode(torch.tensor(rows, dtype=torch.long, device=self.device),
+                             table.to(self.device),
+                             torch.tensor(context, dtype=torch.long, device=self.device),
+                             whole_step)
 
     def _decode_batch(self, chunks: list[ScheduledChunk], rows: list[int]) -> _DecodeBatch:
         bs = self.block_size
@@ -349,9 +382,9 @@ class ModelRunner:
         )
         mask = torch.arange(padded_blocks * bs)[None, :] < torch.tensor(context)[:, None]
         return _DecodeBatch(
-            token_index=torch.tensor(rows, dtype=torch.long),
+            token_index=torch.tensor(rows, dtype=torch.long, device=self.device),
             block_table=table,
-            mask=mask[:, None, None, :],
+            mask=mask[:, None, None, :].to(self.device),
         )
 
     def _plan(
@@ -386,10 +419,12 @@ class ModelRunner:
                                               whole_step=not prefills)
         elif decode_chunks:
             decode = self._plan_decode(decode_chunks, decode_rows)
-        attention = _PagedAttention(self, torch.tensor(slots, dtype=torch.long), decode, prefills)
+        dev = self.device
+        attention = _PagedAttention(self, torch.tensor(slots, dtype=torch.long, device=dev),
+                                    decode, prefills)
         return (
-            torch.tensor(token_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
+            torch.tensor(token_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
             attention,
             last_rows,
         )
@@ -401,7 +436,7 @@ class ModelRunner:
         if out.is_empty:
             return StepLogits.empty()
         token_ids, positions, attention, last_rows = self._plan(out.chunks)
-        rows = torch.tensor(last_rows, dtype=torch.long)
+        rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         if self.batch_invariant or len(last_rows) == len(token_ids):
             # Batch-invariant mode keeps every matmul's row count what it was (see llama.py).
             hidden = self.model(token_ids, positions, attention, self.batch_invariant)
@@ -411,4 +446,7 @@ class ModelRunner:
         sampled = [c.request_id for c in out.chunks if c.sample]
         if not sampled:
             return StepLogits.empty()
-        return StepLogits(sampled, self.model.compute_logits(last, self.batch_invariant))
+        logits = self.model.compute_logits(last, self.batch_invariant)
+        # The sampler runs on the CPU (its generators, the requests' token lists): one copy
+        # of [sampled, vocab] float32 a step.
+        return StepLogits(sampled, logits if logits.device.type == "cpu" else logits.cpu())

@@ -161,9 +161,13 @@ _FIXED_ORDER = ShapeChoice((2**62,), ("quant",))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same op order as HF's LlamaRMSNorm, so the two agree bit for bit on the same input.
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    # Same op order as HF's LlamaRMSNorm, so the two agree bit for bit on the same input: in
+    # float32 (a no-op for float32 input), the result back in the input's dtype.
+    if x.dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
 
 
 # A layer's weights, in the order `LlamaModel.weight_matmul` and `pack_weights` use, and the
@@ -373,7 +377,11 @@ class LlamaModel(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             half = self.config.head_dim // 2
             sin = emb.sin()
-            self._cos, self._sin_signed = emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), 1)
+            # On the model's device, in its dtype (as HF casts cos/sin to the activations').
+            device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
+            self._cos = emb.cos().to(device=device, dtype=dtype)
+            self._sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), 1).to(
+                device=device, dtype=dtype)
             self._rope_cache_len = length
         return (self._cos.index_select(0, positions),
                 self._sin_signed.index_select(0, positions))
@@ -486,4 +494,14 @@ class LlamaModel(nn.Module):
              else self._fused.rms_norm(hidden, self.norm, self.config.rms_norm_eps))
         if self._lm_head_packed is not None and not batch_invariant:
             return self._lm_head_packed.matmul(x)
-        return (invariant_linear if batch_invariant else F.linear)(x, self.lm_head)
+        return (invariant_linear if batch_invariant else F.linear)(x, self.lm_head).float()
+
+    def to_device(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move the weights to `device` in `dtype` (e.g. bfloat16 on a GPU). Only before
+        `pack_weights` (packing is the CPU's) and fused ops (CPU kernels)."""
+        if self._packed is not None or self._fused is not None:
+            raise RuntimeError("to_device: packed weights and fused ops are the CPU's; move "
+                               "the model before building an engine on it")
+        self.to(device=device, dtype=dtype)  # in place: a tied head stays the embedding's
+        self._rope_cache_len = 0  # rebuilt on the device, in the dtype, at the next step
+        self._quant_blocks.clear()  # raw GGUF blocks feed the CPU's 4-bit kernel only
