@@ -105,7 +105,21 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--block-size", type=_positive_int, default=16)
     engine.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                         help="KV pool size in blocks (default: from --kv-cache-memory-mib)")
-    engine.add_argument("--kv-cache-memory-mib", type=_positive_int, default=512)
+    engine.add_argument("--kv-cache-memory-mib", type=_positive_int, default=None,
+                        help="KV pool size in MiB (default: what the device has left after "
+                             "the weights: free GPU memory, or the cgroup memory limit on "
+                             "the CPU; 512 without a limit)")
+    engine.add_argument("--device", default=os.environ.get("KVFLEET_DEVICE", "auto"),
+                        help="auto (the first GPU when one is visible), cpu, cuda or cuda:N")
+    engine.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations (auto: float32 on the CPU, the "
+                             "checkpoint's 16-bit dtype or bfloat16 on a GPU)")
+    engine.add_argument("--kv-cache-dtype", default=os.environ.get("KVFLEET_KV_CACHE_DTYPE",
+                                                                    "auto"),
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the KV cache (auto: the weights' dtype; 16 bits halve the KV "
+                             "memory and the bytes a decode step reads)")
     engine.add_argument("--max-model-len", type=_positive_int, default=None,
                         help="serve at most this context (default: the model's)")
     engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)

@@ -40,6 +40,8 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
     enable_prefix_caching: bool = True
+    # float32, bfloat16 or float16 (see kvfleet.engine.device: "auto" is resolved there).
+    kv_cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _require(
@@ -55,6 +57,9 @@ class CacheConfig:
             self.kv_cache_memory_bytes > 0,
             f"cache.kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}",
         )
+        _require(self.kv_cache_dtype in ("float32", "bfloat16", "float16"),
+                 f"cache.kv_cache_dtype must be float32, bfloat16 or float16, got "
+                 f"{self.kv_cache_dtype!r}")
 
     def resolve_num_blocks(self, kv_bytes_per_token: int) -> int:
         """The pool size: explicit `num_blocks`, else as many blocks as the budget holds."""

@@ -96,22 +96,29 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     loaded model cannot serve a batch-invariant engine."""
     from kvfleet.engine.fused_ops import load_fused_ops
     from kvfleet.engine.matmul_plan import plan_for
-    from kvfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
+    from kvfleet.engine.model_runner import KV_DTYPES, ModelRunner, kv_bytes_per_block
     from kvfleet.engine.packed_matmul import load_packer, load_quant_kernel
 
     cache_config = cache_config or CacheConfig()
     scheduler_config = scheduler_config or SchedulerConfig()
-    num_blocks = cache_config.resolve_num_blocks(kv_bytes_per_block(model.config, 1))
+    kv_dtype = KV_DTYPES[cache_config.kv_cache_dtype]
+    num_blocks = cache_config.resolve_num_blocks(kv_bytes_per_block(model.config, 1, kv_dtype))
     eos_ids = [] if model.tokenizer.eos_token_id is None else [model.tokenizer.eos_token_id]
     scheduler = Scheduler(scheduler_config, cache_config, num_blocks=num_blocks,
                           max_model_len=model.config.max_context, eos_token_ids=eos_ids)
-    if not batch_invariant and not model.model.is_packed:
+    weights = model.model.embed_tokens
+    # The packed matmuls and fused ops are CPU kernels over float32 weights; on a GPU (or in
+    # 16 bits) the torch ops serve.
+    cpu_float32 = weights.device.type == "cpu" and weights.dtype == torch.float32
+    if cpu_float32 and not batch_invariant and not model.model.is_packed:
         packer, quant = load_packer(), load_quant_kernel()
         if packer is not None or quant is not None:
             plan = plan_for(model.model.weight_samples(), packer, quant)
             model.model.pack_weights(packer, quant, plan)
-    model.model.use_fused_ops(load_fused_ops())
-    runner = ModelRunner(model, num_blocks, cache_config.block_size, batch_invariant)
+    if cpu_float32:
+        model.model.use_fused_ops(load_fused_ops())
+    runner = ModelRunner(model, num_blocks, cache_config.block_size, batch_invariant,
+                         kv_dtype=kv_dtype)
     native.return_freed_memory()
     template = model.chat_template
     return EngineCore(runner, scheduler, Sampler(eos_ids), model_hash=model.revision,

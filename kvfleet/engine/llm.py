@@ -76,17 +76,28 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_running: int = 64, long_prefill_token_threshold: int = 512,
                  policy: str = "fcfs", batch_invariant: bool = False,
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True, device: str = "auto", dtype: str = "auto",
+                 kv_cache_dtype: str = "auto") -> None:
+        """`device` auto|cpu|cuda[:N], `dtype` and `kv_cache_dtype` auto|float32|bfloat16|
+        float16, as for `kvfleet serve` (see kvfleet.engine.device)."""
+        import torch
+
+        from kvfleet.engine import device as placement
         from kvfleet.engine.model.loader import load_model
 
+        self.model = load_model(model, show_progress=show_progress)
+        where = placement.resolve_device(device)
+        weights = placement.resolve_dtype(dtype, where, self.model.config.quantization)
+        if where.type != "cpu" or weights != torch.float32:
+            self.model.model.to_device(where, weights)
+        kv = placement.dtype_name(placement.resolve_kv_dtype(kv_cache_dtype, weights))
         cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                             kv_cache_memory_bytes=kv_cache_memory_bytes,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv)
         scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                     max_num_running=max_num_running,
                                     long_prefill_token_threshold=long_prefill_token_threshold,
                                     policy=SchedulingPolicy(policy))
-        self.model = load_model(model, show_progress=show_progress)
         self.core = build_engine_core(self.model, cache, scheduler,
                                       batch_invariant=batch_invariant)
         self.tokenizer: TokenizerProtocol = self.model.tokenizer

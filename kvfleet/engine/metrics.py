@@ -78,6 +78,11 @@ class EngineMetrics:
                              LABELS, registry=reg)
         self.waiting = Gauge(PREFIX + "requests_waiting", "Requests waiting to be scheduled.",
                              LABELS, registry=reg)
+        # What this engine really allocated (the operator compares it with its plan).
+        self.cache_config = Gauge(
+            PREFIX + "cache_config_info", "The KV cache allocated at start: 1, with its "
+            "shape as labels.", (*LABELS, "block_size", "num_blocks", "kv_dtype", "device"),
+            registry=reg)
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_ratio",
                               "Fraction of KV cache blocks in use (0..1).", LABELS, registry=reg)
         # The same three under the model-server names the Gateway API Inference Extension's
@@ -112,6 +117,12 @@ class EngineMetrics:
         for reason in FINISH_REASONS:
             self.requests.labels(**self._labels, finish_reason=reason)
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0)
+
+    def record_cache_config(self, block_size: int, num_blocks: int, kv_dtype: str,
+                            device: str) -> None:
+        self.cache_config.labels(**self._labels, block_size=str(block_size),
+                                 num_blocks=str(num_blocks), kv_dtype=kv_dtype,
+                                 device=device).set(1)
 
     def observe_stats(self, stats: EngineStats) -> None:
         """Record a snapshot: gauges are set, cumulative counters advance by the difference."""

@@ -11,14 +11,31 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from kvfleet.engine.admission import AdmissionLimits, ServedModel
 from kvfleet.engine.async_engine import AsyncEngine
-from kvfleet.engine.config import MIB, CacheConfig, SchedulerConfig
+from kvfleet.engine.config import (
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    MIB,
+    CacheConfig,
+    SchedulerConfig,
+)
+from kvfleet.engine.device import (
+    KVBudgetError,
+    check_pinned,
+    dtype_name,
+    measure,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
 from kvfleet.engine.engine import build_engine_core
 from kvfleet.engine.fetch import cache_from_env, fetch, files_from_env
 from kvfleet.engine.metrics import EngineMetrics
-from kvfleet.engine.model.loader import default_model_path, load_model
+from kvfleet.engine.model.loader import LoadedModel, default_model_path, load_model
 from kvfleet.engine.model.verify import verify_manifest, verify_weights
+from kvfleet.engine.model_runner import kv_bytes_per_block
 from kvfleet.engine.runtime import LoadedEngine
 
 logger = logging.getLogger("kvfleet.engine.load")
@@ -51,13 +68,39 @@ def _fetch_log() -> Callable[[str, int, int], None]:
     return log_fetch
 
 
+def _cache_config(args: argparse.Namespace, model: LoadedModel, device: torch.device,
+                  weights: torch.dtype) -> CacheConfig:
+    """The KV cache: the pinned block count if it fits (KVBudgetError with the ledger if
+    not), else --kv-cache-memory-mib, else what the device has left after the weights."""
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, weights)
+    kv_name = dtype_name(kv_dtype)
+    per_block = kv_bytes_per_block(model.config, args.block_size, kv_dtype)
+    ledger = measure(device, model.config, args.max_num_batched_tokens, args.max_num_seqs)
+    if ledger is not None:
+        logger.info("memory ledger: %s", ledger.text(),
+                    extra={"fields": {"event": "kv_ledger", "budget_bytes": ledger.budget}})
+    if args.num_kv_blocks is not None:
+        check_pinned(args.num_kv_blocks, per_block, ledger)
+        memory = args.num_kv_blocks * per_block
+    elif args.kv_cache_memory_mib is not None:
+        memory = args.kv_cache_memory_mib * MIB
+    elif ledger is not None:
+        if ledger.budget < per_block:
+            raise KVBudgetError(f"no room for one KV block ({per_block / MIB:.2f} MiB): "
+                                f"{ledger.text()}. Give the pod more memory or use a smaller "
+                                "--max-num-batched-tokens")
+        memory = ledger.budget
+    else:
+        memory = DEFAULT_KV_CACHE_MEMORY_BYTES
+    return CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                       kv_cache_memory_bytes=memory,
+                       enable_prefix_caching=args.enable_prefix_caching,
+                       kv_cache_dtype=kv_name)
+
+
 def build_loader(args: argparse.Namespace, limits: AdmissionLimits
                  ) -> Callable[[], LoadedEngine]:
     """A function that loads the model named by the `kvfleet serve` flags (run in a thread)."""
-    cache_config = CacheConfig(
-        block_size=args.block_size, num_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_mib * MIB,
-        enable_prefix_caching=args.enable_prefix_caching)
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_running=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -76,9 +119,14 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
                         extra={"fields": {"event": "fetched", "path": str(path)}})
         # Verify before loading: a pod must never serve weights the manifest did not name.
         verify_weights(Path(path) if path else default_model_path(), args.expected_sha256)
+        device = resolve_device(args.device)
         model = load_model(path, progress=_log_progress)
         verify_manifest(model, tokenizer_sha256=args.expected_tokenizer_sha256,
                         chat_template_sha256=args.expected_chat_template_sha256)
+        weights_dtype = resolve_dtype(args.dtype, device, model.config.quantization)
+        if device.type != "cpu" or weights_dtype != torch.float32:
+            model.model.to_device(device, weights_dtype)
+        cache_config = _cache_config(args, model, device, weights_dtype)
         core = build_engine_core(model, cache_config, scheduler_config,
                                  batch_invariant=args.batch_invariant)
         max_context = model.config.max_context
@@ -89,8 +137,10 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
             revision=args.revision or f"sha256:{model.revision}",
             max_context=max_context, block_size=cache_config.block_size,
             num_kv_blocks=core.scheduler.kv.num_blocks)
-        engine = AsyncEngine(core, served, model.tokenizer,
-                             EngineMetrics(served.name, served.revision),
+        metrics = EngineMetrics(served.name, served.revision)
+        metrics.record_cache_config(cache_config.block_size, served.num_kv_blocks,
+                                    cache_config.kv_cache_dtype, str(device))
+        engine = AsyncEngine(core, served, model.tokenizer, metrics,
                              limits=limits, log_text=args.log_text)
         logger.info("model loaded", extra={"fields": {
             "event": "loaded", "model": served.name, "revision": served.revision,

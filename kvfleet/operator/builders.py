@@ -233,6 +233,7 @@ def _container(
         "--max-num-seqs=$(KVFLEET_MAX_NUM_SEQS)",
         "--long-prefill-token-threshold=$(KVFLEET_LONG_PREFILL_TOKEN_THRESHOLD)",
         "$(KVFLEET_PREFIX_CACHING)",
+        "--kv-cache-dtype=$(KVFLEET_KV_CACHE_DTYPE)",
         "--drain-grace-seconds=$(KVFLEET_DRAIN_GRACE_SECONDS)",
     ]
     if "KVFLEET_MAX_MODEL_LEN" in settings:

@@ -86,3 +86,23 @@ def test_the_compiled_cpu_kernel_is_not_used_for_a_16_bit_cache(
     """It reads float32 K/V: a 16-bit cache on the CPU runs SDPA over converted blocks."""
     monkeypatch.delenv("KVFLEET_ATTENTION", raising=False)
     assert ModelRunner(model, 8, BLOCK_SIZE, kv_dtype=torch.bfloat16).kernel is None
+
+
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_16_bit_weights_as_on_a_gpu(model: LlamaModel, monkeypatch: pytest.MonkeyPatch,
+                                    attention: str) -> None:
+    """The GPU's path on this CPU: weights and activations in bfloat16 (moved with
+    `to_device`, so not packed and without the CPU's fused ops), norms and softmax in float32,
+    float32 logits out, close to the float32 model's."""
+    monkeypatch.setenv("KVFLEET_ATTENTION", attention)
+    config = model.config
+    half = LlamaModel(config, random_weights(config, seed=3)).eval()
+    half.to_device(torch.device("cpu"), torch.bfloat16)
+    assert half.embed_tokens.dtype == torch.bfloat16 and half.lm_head is half.embed_tokens
+    runner = ModelRunner(half, num_blocks=8, block_size=BLOCK_SIZE, kv_dtype=torch.bfloat16)
+    got, want = run_steps(runner, config.vocab_size), expected(model, config.vocab_size)
+    scale = max(t.abs().max().item() for w in want.values() for t in w)
+    for request_id in ("a", "b"):
+        for ours, theirs in zip(got[request_id], want[request_id], strict=True):
+            assert ours.dtype == torch.float32
+            assert (ours - theirs).abs().max().item() <= 0.03 * scale, request_id

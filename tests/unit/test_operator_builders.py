@@ -131,6 +131,7 @@ def test_args_parse_with_the_engine_command_line() -> None:
     assert ns.max_model_len == 8192
     assert ns.num_kv_blocks == plan.kv_blocks_per_rank
     assert ns.enable_prefix_caching is True
+    assert ns.kv_cache_dtype == "auto" and ns.device == "auto"
 
 
 def test_service_and_pdb_select_the_pool() -> None:

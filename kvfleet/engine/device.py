@@ -1,0 +1,167 @@
+"""Where the engine runs and how much KV cache fits there.
+
+`--device auto|cpu|cuda[:N]` (auto: the first GPU when one is visible), weights in the
+artifact's dtype on a GPU (bfloat16 where the GPU has it, else float16; float32 on the CPU),
+the KV cache in `--kv-cache-dtype` (auto: the weights' dtype).
+
+The KV budget is measured after the weights are loaded, as `kvfleet capacity` plans it:
+
+    GPU:  free device memory - workspace (the activations of the largest step) - safety
+    CPU:  the cgroup's memory limit (the pod's limits.memory) - what the process holds
+          - workspace - safety; without a limit, the configured default (512 MiB)
+
+A pinned block count (`--num-kv-blocks`, what the operator passes from its plan) that does
+not fit fails at start with this ledger in the message, never at the first long request.
+
+KVBudgetError    the pinned KV cache does not fit (the message is the ledger)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvfleet.engine.errors import KvfleetEngineError
+from kvfleet.engine.model.config import ModelConfig
+
+MIB = 1 << 20
+GIB = 1 << 30
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class KVBudgetError(KvfleetEngineError):
+    """The KV cache asked for does not fit; the message is the memory ledger."""
+
+
+def resolve_device(spec: str) -> torch.device:
+    """`auto`, `cpu`, `cuda` or `cuda:N`; ValueError naming --device when it cannot be used."""
+    spec = spec.strip().lower()
+    if spec == "auto":
+        return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or spec.startswith("cuda:"):
+        index = 0 if spec == "cuda" else spec.removeprefix("cuda:")
+        if not str(index).isdigit():
+            raise ValueError(f"--device {spec}: expected cuda or cuda:N")
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {spec}: no CUDA device is visible (torch "
+                             f"{torch.__version__}, CUDA build {torch.version.cuda}); use "
+                             "--device cpu or auto")
+        if int(index) >= torch.cuda.device_count():
+            raise ValueError(f"--device {spec}: only {torch.cuda.device_count()} CUDA "
+                             "device(s) are visible")
+        return torch.device(f"cuda:{int(index)}")
+    raise ValueError(f"--device {spec!r}: expected auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(spec: str, device: torch.device, checkpoint_dtype: str = "") -> torch.dtype:
+    """The weights' dtype: float32 on the CPU; on a GPU the checkpoint's 16-bit dtype, else
+    bfloat16 where the GPU supports it (sm80+), else float16."""
+    if spec != "auto":
+        if spec not in DTYPES:
+            raise ValueError(f"--dtype {spec!r}: expected auto, {', '.join(DTYPES)}")
+        return DTYPES[spec]
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype == "float16":
+        return torch.float16
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for torch.bfloat16: the name CacheConfig, the flags and the metrics use."""
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_kv_dtype(spec: str, weights: torch.dtype) -> torch.dtype:
+    if spec == "auto":
+        return weights
+    if spec not in DTYPES:
+        raise ValueError(f"--kv-cache-dtype {spec!r}: expected auto, {', '.join(DTYPES)}")
+    return DTYPES[spec]
+
+
+def cgroup_memory_limit(root: Path | None = None) -> int | None:
+    """The memory limit of this process's cgroup (v2 `memory.max`, v1 `limit_in_bytes`), or
+    None when there is none."""
+    root = root or CGROUP_ROOT
+    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text == "max" or not text.isdigit():
+            return None
+        value = int(text)
+        return value if value < 1 << 60 else None  # v1's "unlimited" is a huge number
+    return None
+
+
+def process_rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def workspace_bytes(config: ModelConfig, max_batched_tokens: int, max_running: int) -> int:
+    """Activations of the largest step, float32: the residual stream, the fused q/k/v and
+    gate/up outputs for every token, and the logits of every sampled row."""
+    per_token = (2 * config.hidden_size + config.num_heads * config.head_dim + 2 * config.kv_dim
+                 + 2 * config.intermediate_size)
+    return 4 * (max_batched_tokens * per_token + max_running * config.vocab_size * 2)
+
+
+@dataclass(frozen=True)
+class KVLedger:
+    """The memory the KV cache may take on the device, and where the rest goes."""
+
+    where: str
+    total: int  # the device's memory, or the cgroup limit
+    held: int  # taken before the KV cache: weights, runtime, this process
+    workspace: int
+    safety: int
+
+    @property
+    def budget(self) -> int:
+        return max(0, self.total - self.held - self.workspace - self.safety)
+
+    def text(self) -> str:
+        return (f"{self.where}: {self.total / GIB:.2f} GiB - held {self.held / GIB:.2f} GiB "
+                f"(weights, runtime) - workspace {self.workspace / GIB:.2f} GiB - safety "
+                f"{self.safety / GIB:.2f} GiB = {self.budget / GIB:.2f} GiB for the KV cache")
+
+
+def measure(device: torch.device, config: ModelConfig, max_batched_tokens: int,
+            max_running: int) -> KVLedger | None:
+    """The ledger on `device` now (weights loaded), or None on a CPU without a memory limit."""
+    workspace = workspace_bytes(config, max_batched_tokens, max_running)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return KVLedger(f"{device} ({torch.cuda.get_device_name(device)})", total,
+                        total - free, workspace, max(512 * MIB, total // 20))
+    limit = cgroup_memory_limit()
+    if limit is None:
+        return None
+    return KVLedger("the cgroup memory limit", limit, process_rss_bytes(), workspace,
+                    max(256 * MIB, limit // 10))
+
+
+def check_pinned(blocks: int, bytes_per_block: int, ledger: KVLedger | None) -> None:
+    """KVBudgetError when `blocks` do not fit the ledger (no ledger: nothing to check)."""
+    needed = blocks * bytes_per_block
+    if ledger is not None and needed > ledger.budget:
+        raise KVBudgetError(
+            f"--num-kv-blocks {blocks} needs {needed / GIB:.2f} GiB of KV cache "
+            f"({blocks} x {bytes_per_block / MIB:.2f} MiB) and does not fit: {ledger.text()}. "
+            "Lower --num-kv-blocks (the pool's plan: spec.engine, spec.gpu), use a 16-bit "
+            "--kv-cache-dtype, or give the pod more memory")
+
+

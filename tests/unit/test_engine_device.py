@@ -1,0 +1,113 @@
+"""Where the engine runs and how much KV cache fits: device and dtype choice, the cgroup
+limit, the ledger, and a pinned block count that does not fit failing at start."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_llama import random_weights, tiny_config
+
+from kvfleet.engine import device
+from kvfleet.engine.model.llama import LlamaModel
+from kvfleet.engine.model_runner import kv_bytes_per_block
+
+
+def test_device_names() -> None:
+    assert device.resolve_device("cpu") == torch.device("cpu")
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert device.resolve_device("auto") == torch.device(expected)
+    for bad in ("tpu", "cuda:x"):
+        with pytest.raises(ValueError, match="--device"):
+            device.resolve_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda:1: no CUDA device is visible"):
+            device.resolve_device("cuda:1")
+
+
+def test_dtypes_follow_the_device_and_the_checkpoint() -> None:
+    cpu = torch.device("cpu")
+    assert device.resolve_dtype("auto", cpu, "bfloat16") == torch.float32
+    assert device.resolve_dtype("float16", cpu) == torch.float16
+    with pytest.raises(ValueError, match="--dtype 'fp8'"):
+        device.resolve_dtype("fp8", cpu)
+    assert device.resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert device.resolve_kv_dtype("float16", torch.float32) == torch.float16
+
+
+@pytest.mark.parametrize(("files", "limit"), [
+    ({"memory.max": "max\n"}, None),  # cgroup v2, no limit
+    ({"memory.max": "8589934592\n"}, 8 << 30),  # v2, limits.memory 8Gi
+    ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, None),  # v1 unlimited
+    ({"memory/memory.limit_in_bytes": "4294967296\n"}, 4 << 30),
+    ({}, None),
+])
+def test_the_cgroup_memory_limit(tmp_path: Path, files: dict[str, str], limit: int | None
+                                 ) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert device.cgroup_memory_limit(tmp_path) == limit
+
+
+def _args(**overrides: object) -> argparse.Namespace:
+    values: dict[str, object] = {
+        "kv_cache_dtype": "auto", "block_size": 16, "max_num_batched_tokens": 512,
+        "max_num_seqs": 8, "num_kv_blocks": None, "kv_cache_memory_mib": None,
+        "enable_prefix_caching": True}
+    return argparse.Namespace(**{**values, **overrides})
+
+
+class _Loaded:
+    def __init__(self) -> None:
+        config = tiny_config()
+        self.model = LlamaModel(config, random_weights(config))
+        self.config = config
+
+
+def test_the_kv_cache_is_sized_from_the_pods_memory_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfleet.engine.serving_core import _cache_config
+
+    (tmp_path / "memory.max").write_text(str(2 << 30))
+    monkeypatch.setattr(device, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(device, "process_rss_bytes", lambda: 512 << 20)
+    loaded = _Loaded()
+    cpu = torch.device("cpu")
+    config = _cache_config(_args(), loaded, cpu, torch.float32)  # type: ignore[arg-type]
+    ledger = device.measure(cpu, loaded.config, 512, 8)
+    assert ledger is not None and ledger.safety == max(256 << 20, (2 << 30) // 10)
+    assert config.kv_cache_memory_bytes == ledger.budget
+    assert ledger.budget == (2 << 30) - (512 << 20) - ledger.workspace - ledger.safety
+    # 16 bits: the same budget, twice the blocks.
+    half = _cache_config(_args(kv_cache_dtype="bfloat16"), loaded, cpu,  # type: ignore[arg-type]
+                         torch.float32)
+    assert half.kv_cache_dtype == "bfloat16"
+    per_block = kv_bytes_per_block(loaded.config, 16, torch.bfloat16)
+    assert half.resolve_num_blocks(per_block // 16) == ledger.budget // per_block
+    # An explicit size wins; so does the operator's pinned count, when it fits.
+    assert _cache_config(_args(kv_cache_memory_mib=64), loaded, cpu,  # type: ignore[arg-type]
+                         torch.float32).kv_cache_memory_bytes == 64 << 20
+    pinned = _cache_config(_args(num_kv_blocks=10), loaded, cpu,  # type: ignore[arg-type]
+                           torch.float32)
+    assert pinned.num_blocks == 10
+
+
+def test_a_pinned_block_count_that_does_not_fit_fails_at_start_with_the_ledger(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfleet.engine.serving_core import _cache_config
+
+    (tmp_path / "memory.max").write_text(str(1 << 30))
+    monkeypatch.setattr(device, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(device, "process_rss_bytes", lambda: 400 << 20)
+    loaded = _Loaded()
+    blocks = (1 << 30) // kv_bytes_per_block(loaded.config, 16)  # the whole limit: too many
+    with pytest.raises(device.KVBudgetError) as info:
+        _cache_config(_args(num_kv_blocks=blocks), loaded,  # type: ignore[arg-type]
+                      torch.device("cpu"), torch.float32)
+    message = str(info.value)
+    assert f"--num-kv-blocks {blocks} needs 1.00 GiB of KV cache" in message
+    assert "the cgroup memory limit: 1.00 GiB - held 0.39 GiB" in message
+    assert "Lower --num-kv-blocks" in message
