@@ -611,6 +611,16 @@ def test_real_engine_pod_serves_the_artifact_on_the_local_node(
         ("smollm2-135m-instruct", revision[:12])
     ]
     assert ready["status"]["capacity"]["kvTokensPerReplica"] > 0
+    # What the engine allocated, as Prometheus scraped it, against the plan it was pinned to.
+    if operator.prometheus_url is None:
+        return  # an existing cluster without the harness's Prometheus
+    planned = -(-ready["status"]["capacity"]["kvTokensPerReplica"] // 16)
+    pool = _wait_pool(
+        kube, operator, namespace, "smol",
+        lambda p: _cond(p, "KVCacheAsPlanned").get("status") == "True",
+        "KVCacheAsPlanned from the engine's kvfleet_engine_kv_cache_blocks", timeout=120,
+    )  # fmt: skip
+    assert f"the planned {planned} KV blocks" in _cond(pool, "KVCacheAsPlanned")["message"]
 
 
 def _says_sha256_differs(pool: JsonObj) -> bool:

@@ -83,6 +83,9 @@ class EngineMetrics:
             PREFIX + "cache_config_info", "The KV cache allocated at start: 1, with its "
             "shape as labels.", (*LABELS, "block_size", "num_blocks", "kv_dtype", "device"),
             registry=reg)
+        self.kv_blocks = Gauge(PREFIX + "kv_cache_blocks", "KV cache blocks allocated (the "
+                               "operator compares the fewest a revision's engines have with "
+                               "its plan).", LABELS, registry=reg)
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_ratio",
                               "Fraction of KV cache blocks in use (0..1).", LABELS, registry=reg)
         # The same three under the model-server names the Gateway API Inference Extension's
@@ -123,6 +126,7 @@ class EngineMetrics:
         self.cache_config.labels(**self._labels, block_size=str(block_size),
                                  num_blocks=str(num_blocks), kv_dtype=kv_dtype,
                                  device=device).set(1)
+        self.kv_blocks.labels(**self._labels).set(num_blocks)
 
     def observe_stats(self, stats: EngineStats) -> None:
         """Record a snapshot: gauges are set, cumulative counters advance by the difference."""

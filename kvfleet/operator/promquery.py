@@ -53,20 +53,33 @@ class PromQuery:
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
 
-    async def instant(self, query: str, at: float) -> float | None:
-        """The one value of `query` at unix time `at` (None: empty result). Raises on error."""
+    async def _ask(self, params: dict[str, str]) -> dict[str, Any]:
+        """Prometheus's answer to an instant query (`/api/v1/query`); raises when it has none."""
         if self.url is None:
             raise ValueError("the operator has no Prometheus (start it with --prometheus-url)")
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout))
-        async with self._session.post(f"{self.url}/api/v1/query",
-                                      data={"query": query, "time": f"{at:.3f}"}) as resp:
+        async with self._session.post(f"{self.url}/api/v1/query", data=params) as resp:
             try:
-                body = await resp.json(content_type=None)
+                body: dict[str, Any] = await resp.json(content_type=None)
             except ValueError:
                 raise ValueError(f"HTTP {resp.status} from Prometheus") from None
-            return _value(body)
+        return body
+
+    async def vector(self, query: str) -> list[tuple[dict[str, str], float]]:
+        """Every series of `query` now: (labels, value). Raises on error."""
+        body = await self._ask({"query": query})
+        if body.get("status") != "success":
+            raise ValueError(f"{body.get('errorType', 'error')}: {body.get('error', body)}")
+        data = body.get("data") or {}
+        if data.get("resultType") != "vector":
+            raise ValueError(f"the query returned a {data.get('resultType')}, not a vector")
+        return [(dict(r.get("metric") or {}), float(r["value"][1])) for r in data["result"]]
+
+    async def instant(self, query: str, at: float) -> float | None:
+        """The one value of `query` at unix time `at` (None: empty result). Raises on error."""
+        return _value(await self._ask({"query": query, "time": f"{at:.3f}"}))
 
     async def result(self, query: str, samples_query: str, at: float) -> QueryResult:
         try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 from pydantic import ValidationError
 
 from kvfleet.api import ModelArtifact, Rollout, ServingPool, manifest_hash
@@ -62,6 +63,12 @@ log = logging.getLogger("kvfleet.operator")
 Key = tuple[str, str]  # (namespace, name)
 
 
+# What the engines allocated, per pool revision (see Runtime.kv_blocks).
+KV_BLOCKS_QUERY = ("min by (namespace, kvfleet_io_pool, kvfleet_io_revision) "
+                   "(kvfleet_engine_kv_cache_blocks)")
+KV_BLOCKS_TTL_SECONDS = 30.0
+
+
 class InvalidObjectError(ValueError):
     """An object the apiserver accepted but the API models reject (e.g. no webhook installed)."""
 
@@ -89,6 +96,8 @@ class Runtime:
         self._woken: set[asyncio.Task[None]] = set()
         self.pools = Coalescer(self._timed("ServingPool", self.reconcile_pool))
         self.artifacts = Coalescer(self._timed("ModelArtifact", self.reconcile_artifact))
+        self._kv_blocks: tuple[float, dict[tuple[str, str, str], int] | None] = (-1e18, None)
+        self._kv_lock = asyncio.Lock()
 
     def _timed(self, kind: str, fn: Any) -> Any:
         async def run(key: Key) -> None:
@@ -215,7 +224,12 @@ class Runtime:
         pods: list[JsonObj] = []
         if not deployments or not all(deployment_ready(d) for d in deployments):
             pods = self.cache.pods(ns, naming.label_value(name))
+        allocated = await self.kv_blocks()
+        label = naming.label_value(name)
         return Observed(
+            kv_blocks=None if allocated is None else {
+                revision: blocks for (n, p, revision), blocks in allocated.items()
+                if n == ns and p == label},
             deployments=tuple(deployments),
             config_map=self._owned_named("ConfigMap", ns, uid, naming.config_map_name(name)),
             service=self._owned_named("Service", ns, uid, naming.service_name(name)),
@@ -225,6 +239,27 @@ class Runtime:
                                              naming.network_policy_name(name)),
             pods=tuple(pods),
         )
+
+    async def kv_blocks(self) -> dict[tuple[str, str, str], int] | None:
+        """(namespace, pool label, short revision) -> the fewest KV blocks an engine of it
+        allocated, from Prometheus (`kvfleet_engine_kv_cache_blocks`, labelled by the pods'
+        pool and revision labels); one query for every pool, at most every
+        KV_BLOCKS_TTL_SECONDS. None without Prometheus or when the query fails (logged)."""
+        if self.prometheus.url is None:
+            return None
+        async with self._kv_lock:
+            at, found = self._kv_blocks
+            if time.monotonic() - at < KV_BLOCKS_TTL_SECONDS:
+                return found
+            try:
+                series = await self.prometheus.vector(KV_BLOCKS_QUERY)
+                found = {(m.get("namespace", ""), m.get("kvfleet_io_pool", ""),
+                          m.get("kvfleet_io_revision", "")): int(v) for m, v in series}
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as error:
+                log.warning("KV allocations not read from Prometheus: %s", error)
+                found = None
+            self._kv_blocks = (time.monotonic(), found)
+            return found
 
     def _owned_named(self, kind: str, ns: str, uid: str, name: str) -> JsonObj | None:
         return next(

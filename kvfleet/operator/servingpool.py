@@ -44,6 +44,9 @@ class Observed:
     router_secret: dict[str, Any] | None = None
     network_policy: dict[str, Any] | None = None
     pods: tuple[dict[str, Any], ...] = ()
+    # Short revision -> the fewest KV blocks its engines report having allocated; None when
+    # not measured (no Prometheus).
+    kv_blocks: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -426,7 +429,9 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     serving_now = ready or (serving is not None and num_ready >= minimum)
     available, progressing, degraded = _conditions(facts, ready, serving_now, serving,
                                                    num_ready, children.replacing_in_place)
-    decided = [available, progressing, *([capacity] if capacity is not None else []), degraded,
+    allocation = _allocation(plan, observed, serving, num_ready)
+    decided = [available, progressing, *([capacity] if capacity is not None else []),
+               *([allocation] if allocation is not None else []), degraded,
                Cond("Ready", available.status, available.reason, available.message)]
     old: dict[str, Any] = next((c for c in facts.previous.get("conditions", [])
                                 if c.get("type") == "Degraded"), {})
@@ -452,6 +457,29 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     if generation is not None:
         status["observedGeneration"] = generation
     return status, warnings
+
+
+def _allocation(plan: MemoryPlan | None, observed: Observed, serving: str | None,
+                num_ready: int) -> Cond | None:
+    """KVCacheAsPlanned: whether the serving revision's engines allocated the KV blocks the
+    plan gave them (a node with less memory than its product's, another process on the GPU,
+    a pinned count lowered by hand all show here). None when there is nothing to compare."""
+    planned = plan.kv_blocks_per_rank if plan is not None else None
+    if planned is None or observed.kv_blocks is None or serving is None or not num_ready:
+        return None
+    revision = naming.short_revision(serving)
+    allocated = observed.kv_blocks.get(revision)
+    if allocated is None:
+        return Cond("KVCacheAsPlanned", None, "NoData", f"no engine of revision {revision} "
+                    "has reported kvfleet_engine_kv_cache_blocks to Prometheus yet")
+    if allocated < planned:
+        return Cond("KVCacheAsPlanned", False, "BelowPlan",
+                    f"an engine of revision {revision} allocated {allocated} KV blocks, the "
+                    f"plan is {planned}: fewer concurrent sequences than planned (its log's "
+                    "memory ledger says where the memory went)")
+    return Cond("KVCacheAsPlanned", True, "AsPlanned",
+                f"every engine of revision {revision} allocated at least the planned "
+                f"{planned} KV blocks")
 
 
 def _conditions(facts: _Facts, ready: bool, serving_now: bool, serving: str | None,

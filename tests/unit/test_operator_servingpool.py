@@ -404,3 +404,26 @@ def test_a_settings_change_without_a_free_gpu_rolls_within_the_disruption_budget
                                                                "maxUnavailable": 1}
     assert _cond(plan, "Progressing")["reason"] == "ReplacingReplicas"
     assert _cond(plan, "Available")["status"] == "True"
+
+
+def test_engines_with_fewer_kv_blocks_than_planned_are_reported() -> None:
+    """What the serving revision's engines really allocated (from Prometheus) against the
+    plan: below it, the pool says by how much; without Prometheus, no condition at all."""
+    p, a = pool(), artifact()
+    observed = _converged(p, a)
+    revision = naming.short_revision(manifest_hash(a.spec))
+    planned = 44400 // 16  # the plan's 44,400 KV tokens per replica in blocks of 16
+
+    def allocation(blocks: dict[str, int] | None) -> dict[str, Any] | None:
+        plan = _run(p, a, replace(observed, kv_blocks=blocks))
+        return next((c for c in plan.status["conditions"] if c["type"] == "KVCacheAsPlanned"),
+                    None)
+
+    assert allocation(None) is None
+    no_data = allocation({})
+    assert no_data is not None and (no_data["status"], no_data["reason"]) == ("Unknown", "NoData")
+    low = allocation({revision: planned - 100})
+    assert low is not None and (low["status"], low["reason"]) == ("False", "BelowPlan")
+    assert f"allocated {planned - 100} KV blocks, the plan is {planned}" in low["message"]
+    ok = allocation({revision: planned, "0123456789ab": 1})  # another revision's: not ours
+    assert ok is not None and (ok["status"], ok["reason"]) == ("True", "AsPlanned")
