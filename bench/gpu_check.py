@@ -201,17 +201,16 @@ def copy_bandwidth(device: str) -> float:
 
 def roofline(device: str) -> None:
     from kvfleet.engine.config import CacheConfig, SchedulerConfig
+    from kvfleet.engine.device import dtype_name
     from kvfleet.engine.engine import build_engine_core
     from kvfleet.engine.model.loader import load_model
     from kvfleet.engine.request import Request, SamplingParams
 
     bandwidth = copy_bandwidth(device)
     report("copy-bandwidth", f"{bandwidth / 1e9:.0f}", "GB/s (read + write)")
-    loaded = load_model(show_progress=False)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if device != "cpu" or dtype != torch.float32:
-        loaded.model.to_device(torch.device(device), dtype)
-    kv_name = str(dtype).removeprefix("torch.")
+    loaded = load_model(show_progress=False, device=device, dtype=dtype_name(dtype))
+    kv_name = dtype_name(dtype)
     core = build_engine_core(loaded, CacheConfig(num_blocks=4096, kv_cache_dtype=kv_name),
                              SchedulerConfig(max_num_running=64, max_num_batched_tokens=8192))
     config, model = loaded.config, core.runner.model  # type: ignore[attr-defined]

@@ -80,16 +80,13 @@ class LLM:
                  kv_cache_dtype: str = "auto") -> None:
         """`device` auto|cpu|cuda[:N], `dtype` and `kv_cache_dtype` auto|float32|bfloat16|
         float16, as for `kvfleet serve` (see kvfleet.engine.device)."""
-        import torch
-
         from kvfleet.engine import device as placement
         from kvfleet.engine.model.loader import load_model
 
-        self.model = load_model(model, show_progress=show_progress)
         where = placement.resolve_device(device)
-        weights = placement.resolve_dtype(dtype, where, self.model.config.quantization)
-        if where.type != "cpu" or weights != torch.float32:
-            self.model.model.to_device(where, weights)
+        self.model = load_model(model, show_progress=show_progress, device=str(where),
+                                dtype=dtype)
+        weights = self.model.model.embed_tokens.dtype
         kv = placement.dtype_name(placement.resolve_kv_dtype(kv_cache_dtype, weights))
         cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                             kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -27,7 +27,6 @@ from kvfleet.engine.device import (
     dtype_name,
     measure,
     resolve_device,
-    resolve_dtype,
     resolve_kv_dtype,
 )
 from kvfleet.engine.engine import build_engine_core
@@ -120,13 +119,10 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
         # Verify before loading: a pod must never serve weights the manifest did not name.
         verify_weights(Path(path) if path else default_model_path(), args.expected_sha256)
         device = resolve_device(args.device)
-        model = load_model(path, progress=_log_progress)
+        model = load_model(path, progress=_log_progress, device=str(device), dtype=args.dtype)
         verify_manifest(model, tokenizer_sha256=args.expected_tokenizer_sha256,
                         chat_template_sha256=args.expected_chat_template_sha256)
-        weights_dtype = resolve_dtype(args.dtype, device, model.config.quantization)
-        if device.type != "cpu" or weights_dtype != torch.float32:
-            model.model.to_device(device, weights_dtype)
-        cache_config = _cache_config(args, model, device, weights_dtype)
+        cache_config = _cache_config(args, model, device, model.model.embed_tokens.dtype)
         core = build_engine_core(model, cache_config, scheduler_config,
                                  batch_invariant=args.batch_invariant)
         max_context = model.config.max_context

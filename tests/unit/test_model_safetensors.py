@@ -164,3 +164,17 @@ def test_a_missing_bias_names_the_tensor(tmp_path: Path) -> None:
                                  model_type="qwen2")
     with pytest.raises(ModelLoadError, match=r"'layers\.0\.q_bias' is missing"):
         load_model(directory, show_progress=False)
+
+
+def test_a_16_bit_checkpoint_is_built_in_the_dtype_asked_for(tmp_path: Path) -> None:
+    """Stored bfloat16: float32 on the CPU by default, bfloat16 when asked (as on a GPU),
+    each tensor cast once from the file's dtype."""
+    config = tiny_config(tie_word_embeddings=False)
+    weights = {k: v.to(torch.bfloat16) for k, v in random_weights(config).items()}
+    directory = write_checkpoint(tmp_path / "ckpt", config, weights)
+    default = load_model(directory, show_progress=False)
+    assert default.model.embed_tokens.dtype == torch.float32
+    assert torch.equal(default.model.lm_head, weights["lm_head"].float())
+    half = load_model(directory, show_progress=False, dtype="bfloat16")
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
+    assert torch.equal(half.model.lm_head, weights["lm_head"])

@@ -185,7 +185,8 @@ def read_hf_checkpoint(directory: Path, progress: ProgressCallback | None = None
                 for key in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     name = _internal_name(key)
                     if name is not None:
-                        weights[name] = handle.get_tensor(key).float()
+                        # As stored: the model casts each to its dtype on its device.
+                        weights[name] = handle.get_tensor(key)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(
                 file,

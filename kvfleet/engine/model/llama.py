@@ -185,19 +185,28 @@ class LlamaModel(nn.Module):
         weights: Mapping[str, torch.Tensor],
         path: str | Path = "<weights>",
         quant_blocks: Mapping[str, QuantBlocks] | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
     ) -> None:
         """`quant_blocks`: raw blocks of the matrices a GGUF stored as Q4_1 or Q8_0 (see
-        `GGUFContents`), kept for `pack_weights` until it runs."""
+        `GGUFContents`), kept for `pack_weights` until it runs (float32 on the CPU only).
+        `dtype` and `device`: where the parameters are built, one tensor at a time, so a
+        bfloat16 checkpoint bound for a GPU never exists as float32 in host memory."""
         super().__init__()
         check_weights(config, weights, path)
         self.config = config
-        self.embed_tokens = nn.Parameter(weights["embed_tokens"].float(), requires_grad=False)
-        self.norm = nn.Parameter(weights["norm"].float(), requires_grad=False)
+
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(device=device, dtype=dtype)
+
+        self.embed_tokens = nn.Parameter(cast(weights["embed_tokens"]), requires_grad=False)
+        self.norm = nn.Parameter(cast(weights["norm"]), requires_grad=False)
         lm_head = weights.get("lm_head") if not config.tie_word_embeddings else None
         self.lm_head = (
             self.embed_tokens
             if lm_head is None
-            else nn.Parameter(lm_head.float(), requires_grad=False)
+            else nn.Parameter(cast(lm_head), requires_grad=False)
         )
         # Q/K/V and gate/up are fused so each is one matmul over all tokens of the step, and
         # every layer weight is stored transposed, [in, out] (see `matmul`).
@@ -216,7 +225,7 @@ class LlamaModel(nn.Module):
         for i in range(config.num_layers):
 
             def w(name: str, layer: int = i) -> torch.Tensor:
-                return weights[f"layers.{layer}.{name}"].float()
+                return cast(weights[f"layers.{layer}.{name}"])
 
             def w_t(*names: str, layer: int = i) -> nn.Parameter:
                 fused = torch.cat([w(name, layer) for name in names])
@@ -244,7 +253,8 @@ class LlamaModel(nn.Module):
         self._rope_cache_len = 0
         self._cos = torch.empty(0)
         self._sin_signed = torch.empty(0)
-        self._quant_blocks = dict(quant_blocks or {})
+        on_cpu_float32 = (device is None or device.type == "cpu") and dtype == torch.float32
+        self._quant_blocks = dict(quant_blocks or {}) if on_cpu_float32 else {}
         # Per layer (qkv, o, gate_up, down) once `pack_weights` ran; the [in, out] copies are
         # then dropped.
         self._packed: list[tuple[WeightMatmul, ...]] | None = None

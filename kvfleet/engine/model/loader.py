@@ -139,12 +139,19 @@ def load_model(
     *,
     progress: ProgressCallback | None = None,
     show_progress: bool = True,
+    device: str = "cpu",
+    dtype: str = "auto",
 ) -> LoadedModel:
-    """Load a `.gguf` file or an HF Llama checkpoint directory (default: the embedded model).
+    """Load a `.gguf` file or an HF checkpoint directory (default: the embedded model), its
+    weights on `device` in `dtype` (see kvfleet.engine.device: auto is float32 on the CPU,
+    the checkpoint's 16-bit dtype or bfloat16 on a GPU).
 
     Progress goes to `progress(done, total)` if given, else to a tqdm bar on stderr
     (unless `show_progress` is False).
     """
+    from kvfleet.engine.device import resolve_device, resolve_dtype
+
+    where = resolve_device(device)
     model_path = default_model_path() if path is None else Path(path)
     if not model_path.exists():
         raise ModelLoadError(
@@ -171,7 +178,9 @@ def load_model(
             template_file = model_path / "chat_template.jinja"
             template_source = cfg.get("chat_template") or (
                 template_file.read_text(encoding="utf-8") if template_file.is_file() else None)
-            model = LlamaModel(checkpoint.config, checkpoint.weights, model_path)
+            model = LlamaModel(checkpoint.config, checkpoint.weights, model_path, device=where,
+                               dtype=resolve_dtype(dtype, where,
+                                                   checkpoint.config.quantization))
             # An HF tokenizer is a file of its own: the manifest pins its bytes.
             tokenizer_digest = file_sha256(checkpoint.tokenizer_json)
         else:
@@ -179,7 +188,8 @@ def load_model(
             tokenizer = Tokenizer.from_gguf(contents.tokenizer_spec, model_path)
             template_source = contents.chat_template
             model = LlamaModel(contents.config, contents.weights, model_path,
-                               quant_blocks=contents.quant_blocks)
+                               quant_blocks=contents.quant_blocks, device=where,
+                               dtype=resolve_dtype(dtype, where))
             tokenizer_digest = gguf_tokenizer_digest(contents.tokenizer_spec)
     finally:
         close()
