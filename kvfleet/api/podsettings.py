@@ -40,6 +40,11 @@ LabelValue = Annotated[str, Field(max_length=63, description="A label value.")]
 AnnotationValue = Annotated[str, Field(description="An annotation value.")]
 
 
+def _exactly_one(first: object, second: object, names: str) -> None:
+    if (first is None) == (second is None):
+        raise ValueError(f"set exactly one of {names}")
+
+
 class Toleration(KubeModel):
     """A taint the pods tolerate (the GPU taint `nvidia.com/gpu` is always tolerated)."""
 
@@ -180,8 +185,8 @@ class ModelCache(KubeModel):
 
     @model_validator(mode="after")
     def _one(self) -> ModelCache:
-        if (self.empty_dir is None) == (self.persistent_volume_claim is None):
-            raise ValueError("set exactly one of emptyDir and persistentVolumeClaim")
+        _exactly_one(self.empty_dir, self.persistent_volume_claim,
+                     "emptyDir and persistentVolumeClaim")
         return self
 
 
@@ -200,8 +205,8 @@ class EnvSource(KubeModel):
 
     @model_validator(mode="after")
     def _one(self) -> EnvSource:
-        if (self.secret_key_ref is None) == (self.config_map_key_ref is None):
-            raise ValueError("set exactly one of secretKeyRef and configMapKeyRef")
+        _exactly_one(self.secret_key_ref, self.config_map_key_ref,
+                     "secretKeyRef and configMapKeyRef")
         return self
 
 

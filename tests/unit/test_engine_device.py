@@ -67,13 +67,19 @@ class _Loaded:
         self.config = config
 
 
+def _in_a_cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: int, rss: int
+                 ) -> None:
+    """This process as if in a pod with `limit` bytes of limits.memory, holding `rss`."""
+    (tmp_path / "memory.max").write_text(str(limit))
+    monkeypatch.setattr(device, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(device, "process_rss_bytes", lambda: rss)
+
+
 def test_the_kv_cache_is_sized_from_the_pods_memory_limit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvfleet.engine.serving_core import _cache_config
 
-    (tmp_path / "memory.max").write_text(str(2 << 30))
-    monkeypatch.setattr(device, "CGROUP_ROOT", tmp_path)
-    monkeypatch.setattr(device, "process_rss_bytes", lambda: 512 << 20)
+    _in_a_cgroup(tmp_path, monkeypatch, 2 << 30, 512 << 20)
     loaded = _Loaded()
     cpu = torch.device("cpu")
     config = _cache_config(_args(), loaded, cpu, torch.float32)  # type: ignore[arg-type]
@@ -99,9 +105,7 @@ def test_a_pinned_block_count_that_does_not_fit_fails_at_start_with_the_ledger(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvfleet.engine.serving_core import _cache_config
 
-    (tmp_path / "memory.max").write_text(str(1 << 30))
-    monkeypatch.setattr(device, "CGROUP_ROOT", tmp_path)
-    monkeypatch.setattr(device, "process_rss_bytes", lambda: 400 << 20)
+    _in_a_cgroup(tmp_path, monkeypatch, 1 << 30, 400 << 20)
     loaded = _Loaded()
     blocks = (1 << 30) // kv_bytes_per_block(loaded.config, 16)  # the whole limit: too many
     with pytest.raises(device.KVBudgetError) as info:

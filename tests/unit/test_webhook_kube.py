@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from aiohttp_fakes import serving
 from kubeconfig_fakes import write_kubeconfig
 
 import kvfleet.compat
@@ -43,23 +44,18 @@ def test_not_found_is_none_and_errors_raise(tmp_path: Path) -> None:
     async def scenario() -> tuple[object, object]:
         app = web.Application()
         app.router.add_get("/{tail:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        reader = ObjectReader(Credentials(write_kubeconfig(
-            tmp_path / "kc", {}, {"token": "x"}, server=f"http://127.0.0.1:{port}")))
-        try:
-            missing = await reader.get("ServingPool", "ns", "missing")
-            found = await reader.get("ServingPool", "ns", "there")
-            with pytest.raises(kvfleet.webhooks.FetchError,
-                               match=r"reading ServingPool ns/forbidden: .*HTTP 403: forbidden"):
-                await reader.get("ServingPool", "ns", "forbidden")
-            return missing, found
-        finally:
-            await reader.close()
-            await runner.cleanup()
+        async with serving(app) as port:
+            reader = ObjectReader(Credentials(write_kubeconfig(
+                tmp_path / "kc", {}, {"token": "x"}, server=f"http://127.0.0.1:{port}")))
+            try:
+                missing = await reader.get("ServingPool", "ns", "missing")
+                found = await reader.get("ServingPool", "ns", "there")
+                with pytest.raises(kvfleet.webhooks.FetchError, match=r"reading ServingPool "
+                                   r"ns/forbidden: .*HTTP 403: forbidden"):
+                    await reader.get("ServingPool", "ns", "forbidden")
+                return missing, found
+            finally:
+                await reader.close()
 
     assert asyncio.run(scenario()) == (None, {"kind": "ServingPool"})
 
