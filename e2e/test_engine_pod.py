@@ -131,11 +131,14 @@ def test_a_stalled_engine_fails_its_probes_is_restarted_and_leaves_the_routes(
     deployment["spec"]["selector"]["matchLabels"] = template["metadata"]["labels"]
     template["spec"]["terminationGracePeriodSeconds"] = 5
     (container,) = template["spec"]["containers"]
-    # Knobs a test needs: a 3 s stall limit (60 s in production) and a fast liveness probe.
+    # Knobs a test needs: a 3 s stall limit (60 s in production) and a fast liveness probe,
+    # which starts once the server surely listens (importing torch took over 4 s on a busy CI
+    # host: probes from the first second killed every start before it listened).
     container["args"] += ["--revision", revision, "--stall-seconds", "3"]
     container["env"].append({"name": FAULTS_ENV, "value": f"{revision}:stall_after=3"})
     container["livenessProbe"] = {"httpGet": {"path": "/health", "port": "http"},
-                                  "periodSeconds": 2, "failureThreshold": 2}
+                                  "initialDelaySeconds": 30, "periodSeconds": 2,
+                                  "timeoutSeconds": 5, "failureThreshold": 2}
     kube.create(deployment)
 
     def pod_where(ready: bool, restarts: int = 0) -> JsonObj | None:
