@@ -37,7 +37,7 @@ from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixture
     crds,
     operator,
 )
-from e2e.test_rollout_e2e import _pods, faults  # noqa: F401 (faults is a fixture)
+from e2e.test_rollout_e2e import _pods, faults, shared_cores  # noqa: F401 (fixtures)
 from kvfleet.api import manifest_hash
 from kvfleet.devcluster import toolchain
 from kvfleet.devcluster.argocd import AppState, ArgoCD, render_cm_patch
@@ -161,6 +161,7 @@ class Watch:
         self.thread.join(5)
 
 
+@pytest.mark.usefixtures("shared_cores")
 def test_argo_cd_syncs_the_fleet_and_shows_each_rollout_healthy_or_degraded(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
     local_node: str, fake_nodes: list[str], faults: dict[str, str],  # noqa: F811
