@@ -28,7 +28,7 @@ from kvfleet.api.modelartifact import ModelArtifact
 # loader.py), besides the *.safetensors shards.
 _FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "chat_template.jinja", "special_tokens_map.json")
-_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+_DTYPES = ("float32", "float16", "bfloat16")
 _TOKENIZER_TYPES = {"BPE": "gpt2", "Unigram": "unigram", "WordPiece": "wordpiece"}
 
 
@@ -151,7 +151,7 @@ def artifact_from_hf(directory: Path, *, name: str, family: str | None = None,
             "bosTokenId": bos, "eosTokenId": eos[0], "padTokenId": pad,
             "stopTokenIds": eos[1:] or None}.items() if v is not None},
         "architecture": architecture,
-        "dtype": _DTYPES.get(dtype, "float32"),
+        "dtype": dtype if dtype in _DTYPES else "float32",
         "engineVersions": {"min": engine_min_version},
     }
     if isinstance(template, str):

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
+from kvfleet.engine.config import MIB
 from kvfleet.engine.errors import KvfleetEngineError
 from kvfleet.engine.model.config import ModelConfig
 
-MIB = 1 << 20
 GIB = 1 << 30
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -94,14 +94,15 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     cost of padding small steps (see `kvfleet.engine.model.llama`). Without it the model's
     layer weights are packed (4-bit or for MKL, see `packed_matmul`), after which the same
     loaded model cannot serve a batch-invariant engine."""
+    from kvfleet.engine.device import DTYPES
     from kvfleet.engine.fused_ops import load_fused_ops
     from kvfleet.engine.matmul_plan import plan_for
-    from kvfleet.engine.model_runner import KV_DTYPES, ModelRunner, kv_bytes_per_block
+    from kvfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
     from kvfleet.engine.packed_matmul import load_packer, load_quant_kernel
 
     cache_config = cache_config or CacheConfig()
     scheduler_config = scheduler_config or SchedulerConfig()
-    kv_dtype = KV_DTYPES[cache_config.kv_cache_dtype]
+    kv_dtype = DTYPES[cache_config.kv_cache_dtype]
     num_blocks = cache_config.resolve_num_blocks(kv_bytes_per_block(model.config, 1, kv_dtype))
     eos_ids = [] if model.tokenizer.eos_token_id is None else [model.tokenizer.eos_token_id]
     scheduler = Scheduler(scheduler_config, cache_config, num_blocks=num_blocks,

@@ -45,7 +45,6 @@ from kvfleet.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 KV_DTYPE = torch.float32
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int,
@@ -278,7 +277,6 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         cfg = self.config
         self.device = self.model.embed_tokens.device
-        self.kv_dtype = kv_dtype
         self.kernel: Kernel | None = (
             choose_kernel(self.device, kv_dtype, cfg.head_dim)
             if attention_kernel and not batch_invariant else None)

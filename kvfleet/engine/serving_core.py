@@ -42,13 +42,9 @@ logger = logging.getLogger("kvfleet.engine.load")
 WARMUP_PROMPT = "Hello"
 
 
-def _quarter(done: int, total: int) -> bool:
-    """Roughly every quarter: progress as JSON log lines (a bar would corrupt the stream)."""
-    return bool(total) and (done == total or done * 4 // total != (done - 1) * 4 // total)
-
-
 def _log_progress(done: int, total: int) -> None:
-    if _quarter(done, total):
+    # Roughly every quarter, as JSON log lines (a tqdm bar would corrupt the JSON stream).
+    if total and (done == total or done * 4 // total != (done - 1) * 4 // total):
         logger.info("loading weights %d/%d", done, total,
                     extra={"fields": {"event": "loading", "done": done, "total": total}})
 

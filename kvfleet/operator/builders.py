@@ -18,7 +18,13 @@ from kvfleet.api import API_VERSION, ModelArtifact, ServingPool, labels
 from kvfleet.api.quantity import parse_bytes
 from kvfleet.capacity import MemoryPlan
 from kvfleet.operator import naming
-from kvfleet.operator.placement import GPU_RESOURCE, node_affinity, node_selector, tolerations
+from kvfleet.operator.placement import (
+    GPU_RESOURCE,
+    MIB,
+    node_affinity,
+    node_selector,
+    tolerations,
+)
 
 ENGINE_PORT = labels.ENGINE_PORT
 # The engine reads its pool's router token from this variable (a secretKeyRef): an env entry
@@ -46,7 +52,6 @@ MODEL_CACHE_ENV = "KVFLEET_MODEL_CACHE"
 MODEL_CACHE_LIMIT_ENV = "KVFLEET_MODEL_CACHE_LIMIT_BYTES"
 MODEL_CACHE_VOLUME = "model-cache"
 MODEL_CACHE_PATH = "/var/cache/kvfleet/models"
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)

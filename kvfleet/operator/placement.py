@@ -140,11 +140,11 @@ def _restarted_after_failure(state: dict[str, Any]) -> bool:
     )
 
 
-def _init_failed(state: dict[str, Any]) -> bool:
-    """An init container that exited non-zero and has not completed since (it is retried with
-    back-off: terminated, waiting or running again); the pod never gets to its containers."""
+def _exited_failing(state: dict[str, Any]) -> bool:
+    """Terminated non-zero just now: an init container between its failure and the retry
+    (the pod never gets to its containers)."""
     now = (state.get("state") or {}).get("terminated") or {}
-    return now.get("exitCode") not in (None, 0) or _restarted_after_failure(state)
+    return now.get("exitCode") not in (None, 0)
 
 
 def _container_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
@@ -156,7 +156,7 @@ def _container_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
             if waiting.get("reason") in STUCK_WAITING:
                 reason = str(waiting["reason"])
             elif _restarted_after_failure(state) or (kind == "init container"
-                                                     and _init_failed(state)):
+                                                     and _exited_failing(state)):
                 reason = "CrashLoopBackOff"
             else:
                 continue

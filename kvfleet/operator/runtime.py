@@ -96,7 +96,7 @@ class Runtime:
         self._woken: set[asyncio.Task[None]] = set()
         self.pools = Coalescer(self._timed("ServingPool", self.reconcile_pool))
         self.artifacts = Coalescer(self._timed("ModelArtifact", self.reconcile_artifact))
-        self._kv_blocks: tuple[float, dict[tuple[str, str, str], int] | None] = (-1e18, None)
+        self._kv_blocks: tuple[float, dict[Key, dict[str, int]] | None] = (-1e18, None)
         self._kv_lock = asyncio.Lock()
 
     def _timed(self, kind: str, fn: Any) -> Any:
@@ -225,11 +225,9 @@ class Runtime:
         if not deployments or not all(deployment_ready(d) for d in deployments):
             pods = self.cache.pods(ns, naming.label_value(name))
         allocated = await self.kv_blocks()
-        label = naming.label_value(name)
         return Observed(
-            kv_blocks=None if allocated is None else {
-                revision: blocks for (n, p, revision), blocks in allocated.items()
-                if n == ns and p == label},
+            kv_blocks=None if allocated is None else allocated.get(
+                (ns, naming.label_value(name)), {}),
             deployments=tuple(deployments),
             config_map=self._owned_named("ConfigMap", ns, uid, naming.config_map_name(name)),
             service=self._owned_named("Service", ns, uid, naming.service_name(name)),
@@ -240,8 +238,8 @@ class Runtime:
             pods=tuple(pods),
         )
 
-    async def kv_blocks(self) -> dict[tuple[str, str, str], int] | None:
-        """(namespace, pool label, short revision) -> the fewest KV blocks an engine of it
+    async def kv_blocks(self) -> dict[Key, dict[str, int]] | None:
+        """(namespace, pool label) -> short revision -> the fewest KV blocks an engine of it
         allocated, from Prometheus (`kvfleet_engine_kv_cache_blocks`, labelled by the pods'
         pool and revision labels); one query for every pool, at most every
         KV_BLOCKS_TTL_SECONDS. None without Prometheus or when the query fails (logged)."""
@@ -252,9 +250,10 @@ class Runtime:
             if time.monotonic() - at < KV_BLOCKS_TTL_SECONDS:
                 return found
             try:
-                series = await self.prometheus.vector(KV_BLOCKS_QUERY)
-                found = {(m.get("namespace", ""), m.get("kvfleet_io_pool", ""),
-                          m.get("kvfleet_io_revision", "")): int(v) for m, v in series}
+                found = {}
+                for m, value in await self.prometheus.vector(KV_BLOCKS_QUERY):
+                    pool = (m.get("namespace", ""), m.get("kvfleet_io_pool", ""))
+                    found.setdefault(pool, {})[m.get("kvfleet_io_revision", "")] = int(value)
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as error:
                 log.warning("KV allocations not read from Prometheus: %s", error)
                 found = None

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from aiohttp_fakes import serving
 from kopf._core.intents.causes import Activity
 from kubeconfig_fakes import write_kubeconfig
 
@@ -30,13 +31,6 @@ async def test_an_informer_that_dies_ends_the_operator(tmp_path: Path,
 
     app = web.Application()
     app.router.add_get("/{tail:.*}", listing)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(
-        tmp_path / "kc", {}, {"token": "t"}, server=f"http://127.0.0.1:{port}")))
     fatal: list[str] = []
     registry = build_registry(OperatorConfig(matrix=default_matrix(), on_fatal=fatal.append))
     activities = registry._activities.get_all_handlers()
@@ -45,16 +39,18 @@ async def test_an_informer_that_dies_ends_the_operator(tmp_path: Path,
     (cleanup,) = [h.fn for h in activities if h.activity == Activity.CLEANUP]
     login_fn: Any = login
     cleanup_fn: Any = cleanup
-    try:
-        indices: dict[str, Any] = {cache.INDEX_IDS[kind]: {} for kind in KOPF_INDEXED.values()}
-        await login_fn(**indices)
-        for _ in range(200):
-            if fatal:
-                break
-            await asyncio.sleep(0.01)
-    finally:
-        await cleanup_fn()
-        await runner.cleanup()
+    async with serving(app) as port:
+        monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(
+            tmp_path / "kc", {}, {"token": "t"}, server=f"http://127.0.0.1:{port}")))
+        try:
+            indices: dict[str, Any] = {cache.INDEX_IDS[k]: {} for k in KOPF_INDEXED.values()}
+            await login_fn(**indices)
+            for _ in range(200):
+                if fatal:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await cleanup_fn()
     assert fatal, "an informer died and nothing noticed"
     assert all("died: AttributeError" in reason and "'informer " in reason
                for reason in fatal), fatal

@@ -88,16 +88,18 @@ def _rope_theta(raw: dict[str, Any], directory: Path) -> float:
 
 def _sliding_window(raw: dict[str, Any], arch: str, directory: Path) -> int | None:
     """The window every layer uses, or None for full attention everywhere."""
-    window = raw.get("sliding_window")
-    if arch in ("qwen2", "qwen3"):  # these carry a window that only applies when switched on
-        layer_types = raw.get("layer_types") or []
-        if raw.get("use_sliding_window") and (
-                not layer_types or "full_attention" not in layer_types):
-            return int(window) if window else None
-        if "sliding_attention" in layer_types or raw.get("use_sliding_window"):
-            raise _unsupported(directory, "a sliding window on some layers only")
-        return None
-    return int(window) if window else None
+    window = int(raw["sliding_window"]) if raw.get("sliding_window") else None
+    if arch not in ("qwen2", "qwen3"):  # Mistral's window, when set, is every layer's
+        return window
+    # Qwen carries a window that applies where `layer_types` (or, in older configs, the
+    # `use_sliding_window` switch) says so.
+    sliding = ({t == "sliding_attention" for t in raw["layer_types"]} if raw.get("layer_types")
+               else {bool(raw.get("use_sliding_window"))})
+    if sliding == {True}:
+        return window
+    if True in sliding:
+        raise _unsupported(directory, "a sliding window on some layers only")
+    return None
 
 
 def _config(raw: dict[str, Any], directory: Path) -> ModelConfig:
