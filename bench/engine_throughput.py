@@ -9,11 +9,15 @@
    through HF `generate` with static batches of 16 (left-padded, each batch decoding until its
    longest request is done). Both count only the requested output tokens. Printed: output
    tokens/s of each and their ratio.
-2. Batched decode vs the CPU compute roof. With B requests running (B = 8, 32, 64), the
-   tokens/s of pure decode steps, against roof = peak matmul FLOP/s (measured here, fp32) /
-   FLOPs per token (the weight matmuls incl. the LM head), and against the same step's
-   weight matmuls alone (the same weights and GEMM calls, nothing else): what fp32 GEMMs on
-   this machine reach at B rows, streaming the weights from memory every step.
+2. Batched decode vs a roof that counts bytes as well as FLOPs. With B requests running
+   (B = 1, 8, 32, 64; prompts of --decode-prompt tokens), the time of a pure decode step
+   against its bound max(bytes / bandwidth, FLOPs / peak): bandwidth from a STREAM-like triad
+   and peak from a 1024^3 fp32 matmul, both measured here with the same threads; bytes = the
+   weights as the kernels read them at B rows (`weight_bytes_read`: 4-bit blocks where the
+   plan multiplies by them) + the K/V the batch's attention reads at its mean context + the
+   float32 logits written; FLOPs = B x the weight matmuls' FLOPs per token. Printed: step
+   time / bound (1.0 = at the roof), and the step's weight matmuls alone (the same weight
+   objects and calls, nothing else) for comparison.
 3. Engine RSS after the kvfleet run, before HF is loaded (current and peak).
 """
 
@@ -138,23 +142,73 @@ def peak_matmul_flops(size: int = 1024, repeats: int = 10) -> float:
     return best
 
 
-def decode_tokens_per_second(core: EngineCore, batch: int, steps: int, vocab: int) -> float:
+def triad_bandwidth(num_floats: int = 1 << 25, repeats: int = 8) -> float:
+    """Best observed bytes/s of a = b + s * c over float32 arrays far larger than any cache
+    (3 x 128 MiB), STREAM's triad: 2 arrays read and 1 written per element."""
+    b, c = torch.rand(num_floats), torch.rand(num_floats)
+    a = torch.empty(num_floats)
+    torch.add(b, c, alpha=2.0, out=a)
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.add(b, c, alpha=2.0, out=a)
+        best = max(best, 3 * 4 * num_floats / (time.perf_counter() - t))
+    return best
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """What a decode step of `batch` rows must move and compute, and the time that takes at
+    this host's measured bandwidth and peak."""
+
+    weight_bytes: int
+    kv_bytes: int
+    logit_bytes: int
+    flops: float
+    seconds: float
+
+    @classmethod
+    def of(cls, model: LoadedModel, batch: int, mean_context: float, kv_dtype_bytes: int,
+           bandwidth: float, peak: float) -> StepBound:
+        cfg = model.config
+        weights = model.model.weight_bytes_read(batch)
+        kv = int(batch * mean_context * cfg.num_layers * 2 * cfg.kv_dim * kv_dtype_bytes)
+        logits = batch * cfg.vocab_size * 4
+        flops = float(batch * cfg.matmul_flops_per_token())
+        seconds = max((weights + kv + logits) / bandwidth, flops / peak)
+        return cls(weights, kv, logits, flops, seconds)
+
+
+def decode_max_tokens(batch: int, steps: int, prompt_len: int) -> int:
+    """Output tokens a decode request may make: the timed steps, plus the tokens the first
+    prefilled requests decode while the later ones still prefill (2,048 tokens a step)."""
+    return steps + 2 + -(-batch * prompt_len // 2048)
+
+
+def decode_tokens_per_second(core: EngineCore, batch: int, steps: int, vocab: int,
+                             prompt_len: int) -> float:
     rng = random.Random(batch)
-    requests = [Request(f"d{batch}-{i}", [rng.randrange(100, vocab) for _ in range(32)],
-                        sampling_params=SamplingParams(max_tokens=steps + 2, temperature=0.0,
+    max_tokens = decode_max_tokens(batch, steps, prompt_len)
+    requests = [Request(f"d{batch}-{i}", [rng.randrange(100, vocab) for _ in range(prompt_len)],
+                        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                        ignore_eos=True))
                 for i in range(batch)]
     for request in requests:
         core.add_request(request)
     while any(r.num_output_tokens == 0 for r in requests):  # prefill everyone first
         core.step()
+    before = sum(r.num_output_tokens for r in requests)
     start = time.perf_counter()
     for _ in range(steps):
         core.step()
     elapsed = time.perf_counter() - start
+    generated = sum(r.num_output_tokens for r in requests) - before
+    if generated != batch * steps:
+        raise RuntimeError(f"decode at {batch} running: {generated} tokens in {steps} steps, "
+                           f"not {batch * steps}: not every request ran every step")
     while core.has_unfinished_requests():
         core.step()
-    return batch * steps / elapsed
+    return generated / elapsed
 
 
 def gemm_only_tokens_per_second(model: LoadedModel, batch: int, repeats: int = 5) -> float:
@@ -198,7 +252,13 @@ def main() -> int:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--max-num-running", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--decode-batches", default="8,32,64")
+    parser.add_argument("--decode-batches", default="1,8,32,64")
+    parser.add_argument("--kv-cache-dtype", default="float32",
+                        choices=("float32", "bfloat16", "float16"),
+                        help="the decode steps' KV cache (the offline run keeps float32)")
+    parser.add_argument("--decode-prompt", type=int, default=32,
+                        help="prompt tokens of each decode request (the context the K/V "
+                             "read grows from; ~300 makes the K/V a large part of a step)")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--threads", type=int, default=None,
@@ -224,15 +284,31 @@ def main() -> int:
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     peak = peak_matmul_flops()
+    bandwidth = triad_bandwidth()
     flops_per_token = model.config.matmul_flops_per_token()
-    roof = peak / flops_per_token
     decode = {}
     gemm_only = {}
-    core = build_engine_core(model, CacheConfig(), SchedulerConfig(max_num_running=64))
-    for batch in (int(b) for b in args.decode_batches.split(",")):
+    bounds = {}
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    # A pool that holds the largest batch at its longest context: with the default 512 MiB,
+    # 64 requests of 300 tokens would not all run (the step would time fewer rows).
+    block_size = CacheConfig().block_size
+    max_tokens = args.decode_prompt + decode_max_tokens(max(batches), args.decode_steps,
+                                                        args.decode_prompt)
+    cache_config = CacheConfig(
+        num_blocks=max(batches) * -(-max_tokens // block_size) + 16,
+        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False)
+    core = build_engine_core(model, cache_config,
+                             SchedulerConfig(max_num_running=max(batches)))
+    # Each request's context during the timed steps runs from prompt + 1 to prompt + steps.
+    mean_context = args.decode_prompt + 1 + args.decode_steps / 2
+    kv_dtype_bytes = 4 if args.kv_cache_dtype == "float32" else 2
+    for batch in batches:
         decode[batch] = decode_tokens_per_second(core, batch, args.decode_steps,
-                                                 model.config.vocab_size)
+                                                 model.config.vocab_size, args.decode_prompt)
         gemm_only[batch] = gemm_only_tokens_per_second(model, batch)
+        bounds[batch] = StepBound.of(model, batch, mean_context, kv_dtype_bytes, bandwidth,
+                                     peak)
         log(f"decode B={batch}: {decode[batch]:.0f} tok/s (GEMMs alone: "
             f"{gemm_only[batch]:.0f} tok/s)")
 
@@ -244,13 +320,18 @@ def main() -> int:
     if hf_tps is not None:
         print(f"HF generate (static batches of {args.hf_batch_size}): {hf_tps:8.1f} tok/s")
         print(f"kvfleet / HF: {kvfleet_tps / hf_tps:.2f}x   (target >= 4x)")
-    print(f"peak fp32 matmul: {peak / 1e9:.1f} GFLOP/s; {flops_per_token / 1e6:.1f} MFLOP/token"
-          f" -> compute roof {roof:.0f} tok/s")
+    print(f"peak fp32 matmul: {peak / 1e9:.1f} GFLOP/s; triad bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s; {flops_per_token / 1e6:.1f} MFLOP/token; decode "
+          f"prompts {args.decode_prompt} tokens, mean context {mean_context:.0f}")
     for batch, tps in decode.items():
-        print(f"batched decode, {batch:3d} running: {tps:8.1f} tok/s = {tps / roof:6.1%} of "
-              f"roof (target >= 75%); GEMMs alone {gemm_only[batch]:6.0f} tok/s = "
-              f"{gemm_only[batch] / roof:6.1%} of roof; engine = {tps / gemm_only[batch]:6.1%} "
-              "of its GEMMs")
+        b = bounds[batch]
+        step = batch / tps
+        print(f"decode, {batch:3d} running: step {step * 1e3:7.2f} ms ({tps:7.1f} tok/s); bound "
+              f"{b.seconds * 1e3:6.2f} ms = max(({b.weight_bytes / 1e6:.0f} MB weights + "
+              f"{b.kv_bytes / 1e6:.0f} MB K/V + {b.logit_bytes / 1e6:.1f} MB logits) / "
+              f"bandwidth, {b.flops / 1e9:.2f} GFLOP / peak); step / bound "
+              f"{step / b.seconds:5.2f}x (aim <= 1.5x); GEMMs alone "
+              f"{batch / gemm_only[batch] * 1e3:7.2f} ms")
     print(f"engine RSS after the kvfleet run: {rss / 2**20:.0f} MiB, of which anonymous "
           f"{rss_anon / 2**20:.0f} MiB (the rest is mapped shared libraries); peak "
           f"{peak_rss / 2**20:.0f} MiB   (target <= 1536 MiB)")

@@ -309,13 +309,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(argv: list[str], name: str, threads: int) -> Iterator[str]:
+def server(argv: list[str], name: str, threads: int, ready_path: str = "/ready"
+           ) -> Iterator[str]:
+    """The server `argv` (a Python module's arguments when it starts with "-m" or a script,
+    else a whole command) on a free port, until its `ready_path` answers 200."""
     port = free_port()
+    if argv[0] == "-m" or argv[0].endswith(".py"):
+        argv = [sys.executable, *argv]
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - kept for the reader after exit
         prefix=f"serve-bench-{name}-", suffix=".log", delete=False)
     # Same torch thread count for both servers (OMP_NUM_THREADS): on a shared or small CPU,
     # OpenMP spin-waiting across more threads than free cores makes every step erratic.
-    proc = subprocess.Popen([sys.executable, *argv, "--port", str(port)], cwd=ROOT,
+    proc = subprocess.Popen([*argv, "--port", str(port)], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(ROOT),
                                  "OMP_NUM_THREADS": str(threads)})
@@ -326,7 +331,7 @@ def server(argv: list[str], name: str, threads: int) -> Iterator[str]:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited; see {log.name}")
             try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                if httpx.get(url + ready_path, timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

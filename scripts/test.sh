@@ -18,6 +18,8 @@ fi
 echo "== e2e tools (cached Kubernetes, etcd, KWOK, helm, Prometheus and Argo CD binaries)"
 # With KUBECONFIG set the e2e tier runs on that cluster and nothing is built.
 [ -n "${KUBECONFIG:-}" ] || { e2e/tools/build.sh; export KVFLEET_E2E_REQUIRED=1; }
+echo "== guidellm (the neutral benchmark client; tests/integration/test_guidellm.py runs it)"
+scripts/guidellm-env.sh
 echo "== engine kernels (built once here, before any timed fixture waits on a first start)"
 kvfleet kernels build
 echo "== pytest"

@@ -171,6 +171,25 @@ class QuantWeight:
         return self.kernel.quant_matmul(x if x.stride(-1) == 1 else x.contiguous(), self.packed)
 
 
+def bytes_read(weight: WeightMatmul, rows: int) -> int:
+    """Bytes a multiplication of `rows` rows by `weight` reads of the weight itself: the
+    representation its path takes at that row count (4-bit or 8-bit blocks, float32 packed or
+    plain). The weight half of a step's memory traffic (bench/engine_throughput.py's roof)."""
+    if isinstance(weight, RowRoutedWeight):
+        for limit, part in zip(weight.max_rows, weight.weights, strict=True):
+            if rows <= limit:
+                return bytes_read(part, rows)
+        return bytes_read(weight.weights[-1], rows)
+    if isinstance(weight, QuantWeight):
+        return weight.packed.nbytes
+    if isinstance(weight, PackedWeight):
+        # MKL's buffer is padded to its panel sizes; what a product streams is the matrix.
+        return weight.in_features * weight.out_features * 4
+    if isinstance(weight, TorchWeight):
+        return weight.weight_t.nbytes
+    raise TypeError(f"bytes_read: unknown weight type {type(weight).__name__}")
+
+
 def load_quant_kernel() -> QuantKernel | None:
     """The quantized kernel, or None (switched off, or not buildable here: logged once)."""
     if os.environ.get(ENV_SWITCH, "auto").lower() in ("mkl", "torch"):

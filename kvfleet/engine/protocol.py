@@ -34,7 +34,12 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    """vLLM's stream options. The last chunk always carries `usage` (so `include_usage` is
+    always honoured); `continuous_usage_stats` puts the running counts on every chunk, which
+    benchmark clients such as guidellm read to time each token."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(_Strict):
@@ -69,6 +74,9 @@ class SamplingFields(_Strict):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(default=None, max_length=256)
+
+    def usage_on_every_chunk(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -397,13 +397,14 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
                            "token", "prompt")
         spec = gate.build_spec(request, headers, body, prompt_ids, body.max_tokens or 16,
                                prompt_text)
+        every_chunk = body.usage_on_every_chunk()
 
         def render(stream: RequestStream, event: StreamEvent, _: bool) -> dict[str, Any]:
             return CompletionStreamChunk(
                 id=stream.request_id, created=stream.created, model=model.name,
                 system_fingerprint=model.revision, seq=event.seq,
                 choices=[CompletionChoice(text=event.text, finish_reason=event.finish_reason)],
-                usage=_usage(event) if event.finish_reason else None,
+                usage=_usage(event) if event.finish_reason or every_chunk else None,
             ).model_dump(mode="json", exclude_none=True)
 
         def finish(stream: RequestStream, events: list[StreamEvent]) -> CompletionResponse:
@@ -439,6 +440,7 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
         max_tokens = requested or max(1, min(gate.cfg.default_max_tokens,
                                              model.max_context - len(prompt_ids)))
         spec = gate.build_spec(request, headers, body, prompt_ids, max_tokens, text)
+        every_chunk = body.usage_on_every_chunk()
 
         def render(stream: RequestStream, event: StreamEvent, first: bool) -> dict[str, Any]:
             delta = ChatDelta(role="assistant" if first else None, content=event.text)
@@ -446,7 +448,7 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
                 id=stream.request_id, created=stream.created, model=model.name,
                 system_fingerprint=model.revision, seq=event.seq,
                 choices=[ChatStreamChoice(delta=delta, finish_reason=event.finish_reason)],
-                usage=_usage(event) if event.finish_reason else None,
+                usage=_usage(event) if event.finish_reason or every_chunk else None,
             ).model_dump(mode="json", exclude_none=True)
 
         def finish(stream: RequestStream, events: list[StreamEvent]) -> ChatCompletionResponse:

@@ -16,6 +16,7 @@ from test_model_runner import ContiguousAttention
 from tiny_llama import random_weights, tiny_config, write_gguf
 
 from kvfleet.engine import packed_matmul
+from kvfleet.engine.matmul_plan import MatmulPlan, ShapeChoice
 from kvfleet.engine.model import load_model
 from kvfleet.engine.model.llama import LlamaModel
 from kvfleet.engine.packed_matmul import (
@@ -224,3 +225,30 @@ def test_a_failed_build_falls_back_with_one_warning(
     caplog: pytest.LogCaptureFixture, tmp_path: Path,
 ) -> None:
     assert instead in warning_when_every_build_fails(load, monkeypatch, caplog, tmp_path)
+
+
+def test_weight_bytes_read_follow_the_path_each_row_count_takes(
+    quant: QuantKernel, packer: Packer, tmp_path: Path
+) -> None:
+    config = tiny_config()
+    q4 = {f"layers.{i}.{name}": gguf.GGMLQuantizationType.Q4_1
+          for i in range(config.num_layers)
+          for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj")}
+    path = write_gguf(tmp_path / "q4.gguf", config, random_weights(config, seed=3), q4)
+    model = load_model(path, show_progress=False).model
+    float32 = model.weight_bytes_read(1)
+    params = sum(4 * w.numel() for w in (*model.qkv_t, *model.o_t, *model.gate_up_t,
+                                        *model.down_t)) + model.lm_head.nbytes
+    assert float32 == params
+    # Up to 4 rows on the 4-bit blocks, MKL-packed float32 above: 20 bytes per 32 weights
+    # (the packing keeps the block scales as float32, a little more) vs 4 bytes a weight.
+    plan = MatmulPlan(timings={}, choices={
+        s.shape.key: ShapeChoice((4, 2**62), ("quant", "mkl"))
+        for s in model.weight_samples() if s.shape.name != "lm_head"})
+    model.pack_weights(packer, quant, plan)
+    head = model.lm_head.nbytes
+    layers_f32 = float32 - head
+    small, large = model.weight_bytes_read(4) - head, model.weight_bytes_read(5) - head
+    assert large == layers_f32
+    assert layers_f32 * 20 / 128 <= small < layers_f32 / 4

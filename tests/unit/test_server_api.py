@@ -122,6 +122,32 @@ async def test_chat_renders_template_and_streams_role_first(served: Served) -> N
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_guidellm_bodies_get_usage_on_every_chunk(served: Served, path: str) -> None:
+    # What guidellm (the vLLM project's benchmark client) sends for a synthetic request:
+    # vLLM's stream options, ignore_eos, stop null, max_completion_tokens and content parts.
+    body: dict[str, Any] = {
+        "stream": True, "stop": None, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if path == "/v1/completions":
+        body |= {"prompt": "abc", "max_tokens": 6}
+    else:
+        body |= {"max_completion_tokens": 6,
+                 "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    r = await served.client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    _, payloads, done = sse_events(r.text)
+    assert done
+    counts = [p["usage"]["completion_tokens"] for p in payloads]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(p["usage"]["prompt_tokens"] > 0 for p in payloads)
+    # Without continuous_usage_stats only the last chunk carries usage.
+    body["stream_options"] = {"include_usage": True}
+    _, payloads, _ = sse_events((await served.client.post(path, json=body)).text)
+    assert ["usage" in p for p in payloads] == [False] * (len(payloads) - 1) + [True]
+
+
+@pytest.mark.asyncio
 async def test_stop_string_is_cut_and_never_leaks_into_the_stream(served: Served) -> None:
     for stream in (False, True):
         r = await served.client.post("/v1/completions", json={

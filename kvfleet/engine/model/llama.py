@@ -50,6 +50,7 @@ from kvfleet.engine.packed_matmul import (
     RowRoutedWeight,
     TorchWeight,
     WeightMatmul,
+    bytes_read,
 )
 
 MIN_GEMM_ROWS = 16
@@ -496,6 +497,19 @@ class LlamaModel(nn.Module):
             return self._packed[layer][index].matmul(x)
         weight = (self.qkv_t, self.o_t, self.gate_up_t, self.down_t)[index][layer]
         return (invariant_matmul if batch_invariant else matmul)(x, weight)
+
+    def weight_bytes_read(self, rows: int) -> int:
+        """Bytes of weights one forward pass over `rows` rows reads: each layer weight and the
+        LM head in the representation its path multiplies by at that row count."""
+        if self._packed is None:
+            layers = sum(w[layer].nbytes for w in (self.qkv_t, self.o_t, self.gate_up_t,
+                                                   self.down_t)
+                         for layer in range(self.config.num_layers))
+        else:
+            layers = sum(bytes_read(w, rows) for layer in self._packed for w in layer)
+        head: int = (bytes_read(self._lm_head_packed, rows) if self._lm_head_packed is not None
+                     else self.lm_head.nbytes)
+        return int(layers) + head
 
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool = False
                        ) -> torch.Tensor:

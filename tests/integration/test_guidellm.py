@@ -1,0 +1,84 @@
+"""guidellm itself (the vLLM project's benchmark client, the neutral client of
+bench/vs_llama_cpp.py) against a real `kvfleet serve`: every request it sends to either
+endpoint is answered, with exactly the output tokens it asked for, and it times each token from
+the usage it reads on every chunk (`stream_options.continuous_usage_stats`).
+
+guidellm lives in its own environment (`scripts/guidellm-env.sh`, run by scripts/test.sh).
+Budget: ~60 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from engine_server import ROOT, EngineServer, running_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
+NUM_REQUESTS = 3
+OUTPUT_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EngineServer]:
+    if not GUIDELLM.exists():
+        pytest.fail(f"{GUIDELLM} is missing: run scripts/guidellm-env.sh (scripts/test.sh does)")
+    with running_server() as s:
+        yield s
+
+
+def tokenizer_dir(server: EngineServer, folder: Path) -> Path:
+    """The served model's tokenizer as a folder transformers' AutoTokenizer loads: guidellm
+    sizes its synthetic prompts with it (and would otherwise look the model up on a hub)."""
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(
+        httpx.get(server.base_url + "/tokenizer.json", timeout=30).content)
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+def run_guidellm(scenario: dict[str, Any], folder: Path) -> dict[str, Any]:
+    path, out = folder / "scenario.json", folder / "report.json"
+    scenario["spec"]["outputs"] = [{"kind": "json", "path": str(out)}]
+    path.write_text(json.dumps(scenario))
+    done = subprocess.run([str(GUIDELLM), "run", "--scenario", str(path),
+                           "--disable-console-interactive"],
+                          capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+@pytest.mark.parametrize("request_format", ["/v1/completions", "/v1/chat/completions"])
+def test_guidellm_benchmarks_the_server(server: EngineServer, tmp_path: Path,
+                                        request_format: str) -> None:
+    tokenizer = tokenizer_dir(server, tmp_path / "tokenizer")
+    report = run_guidellm({"spec": {
+        "backend": {"kind": "openai_http", "target": server.base_url,
+                    "request_format": request_format},
+        "profile": {"kind": "synchronous"},
+        "tokenizer": {"kind": "huggingface_auto", "model": str(tokenizer)},
+        "data": [{"kind": "synthetic_text", "prompt_tokens": 48,
+                  "output_tokens": OUTPUT_TOKENS}],
+        "constraints": [{"kind": "max_requests", "count": NUM_REQUESTS}],
+    }}, tmp_path)
+    [benchmark] = report["benchmarks"]
+    requests = benchmark["requests"]
+    assert not requests["errored"] and not requests["incomplete"], requests
+    successful = requests["successful"]
+    assert len(successful) == NUM_REQUESTS
+    for request in successful:
+        assert request["output_tokens"] == OUTPUT_TOKENS, request
+        assert request["prompt_tokens"] > 0
+        # Per-token timing needs a count on every chunk: guidellm saw each token arrive.
+        assert request["time_to_first_token_ms"] > 0
+        assert request["inter_token_latency_ms"] > 0
+    assert server.wait_idle()["kvfleet_engine_requests_running"] == 0
