@@ -109,7 +109,7 @@ def test_quantized_weights_are_exactly_the_loaders_float32_weights(
 
 
 @QUANT_TYPES
-@pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 30, 103])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 12, 13, 30, 103])
 @pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (64, 48)])  # 48: a half panel
 def test_quantized_product_matches_float64(
     quant: QuantKernel, ggml_type: str, rows: int, k: int, n: int
@@ -126,10 +126,11 @@ def test_quantized_product_matches_float64(
 
 
 @QUANT_TYPES
+@pytest.mark.parametrize("n_out", [64, 48])  # 48: 3 groups, one left over by the 1-2 row path
 def test_quantized_a_rows_bits_do_not_depend_on_the_other_rows(
-    quant: QuantKernel, ggml_type: str
+    quant: QuantKernel, ggml_type: str, n_out: int
 ) -> None:
-    blocks, _ = quant_matrix(ggml_type, 64, 576, seed=5)
+    blocks, _ = quant_matrix(ggml_type, n_out, 576, seed=5)
     weight = QuantWeight.pack(blocks, 576, quant)
     x = torch.randn(29, 576, generator=torch.Generator().manual_seed(6))
     together = weight.matmul(x)  # panels: more than 16 rows
@@ -137,8 +138,9 @@ def test_quantized_a_rows_bits_do_not_depend_on_the_other_rows(
     torch.set_num_threads(1)  # another split of panels across threads changes nothing either
     try:
         for r in (0, 11, 12, 28):
-            # 1 and 14 rows take the few-rows path (no panel buffer), 17 the panels again.
-            for n in (1, 14, 17):
+            # 1 and 2 rows take the narrow path (several output groups side by side), 14
+            # the few-rows path (no panel buffer), 17 the panels again.
+            for n in (1, 2, 14, 17):
                 assert torch.equal(weight.matmul(x[r : r + n].clone())[0], together[r])
     finally:
         torch.set_num_threads(threads)

@@ -227,11 +227,74 @@ void few_rows(const float* x, int64_t x_stride, const uint8_t* group, int64_t bl
                                      std::min(kFewRowsChunk, rows - r));
 }
 
+// One or two rows (the decode step of one or two sequences). In `few_rows_times_group` each
+// accumulator is one chain of dependent multiply-adds, and with one row there is one chain per
+// register slice: every weight then waits for the previous FMA's result (4-5 cycles), not for
+// memory. Here G groups x kSub slices are multiplied side by side, position by position, so
+// G * kSub * R independent chains keep the FMA units busy. They hold different output
+// features: each output's sum still runs k = 0, 1, ... with the same multiply-adds as `tile`
+// and `few_rows_times_group`, so a row gets the same bits on every path.
+constexpr int64_t kNarrowRows = 2;
+constexpr int64_t kNarrowChains = 4;  // accumulators + slices' d, m fit 16 ymm on AVX2
+
+template <int64_t R>
+constexpr int64_t narrow_groups() {
+  return std::max<int64_t>(1, kNarrowChains / (kSub * R));
+}
+
+template <Format F, int64_t R>
+void narrow_rows_times_groups(const float* x, int64_t x_stride, const uint8_t* group,
+                              int64_t blocks, float* out, int64_t out_stride) {
+  constexpr int64_t G = narrow_groups<R>();
+  constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
+  const int64_t group_stride = blocks * group_bytes;
+  Reg acc[G][kSub][R] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    const uint8_t* gb = group + b * group_bytes;
+    for (int64_t half = 0; half < 2; ++half) {  // positions 0-15, then 16-31 of the block
+      for (int64_t j = 0; j < kLanes; ++j) {
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t s = 0; s < kSub; ++s) {
+            const Slice<F> slice(gb + g * group_stride, s);
+            const Reg w = half == 0 ? slice.low(j) : slice.high(j);
+            for (int64_t r = 0; r < R; ++r)
+              acc[g][s][r] += xb[r * x_stride + half * kLanes + j] * w;
+          }
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t s = 0; s < kSub; ++s)
+      for (int64_t r = 0; r < R; ++r)
+        store_reg(out + r * out_stride + g * kLanes + s * kRegLanes, acc[g][s][r]);
+}
+
+template <Format F, int64_t R>
+void narrow_rows(const float* xp, int64_t x_stride, const uint8_t* wp, int64_t blocks,
+                 int64_t n_len, float* op) {
+  constexpr int64_t G = narrow_groups<R>();
+  constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
+  const int64_t groups = n_len / kLanes;
+  at::parallel_for(0, groups / G, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      narrow_rows_times_groups<F, R>(xp, x_stride, wp + c * G * blocks * group_bytes, blocks,
+                                     op + c * G * kLanes, n_len);
+  });
+  for (int64_t g = groups / G * G; g < groups; ++g)  // a last G - 1 groups at most
+    few_rows<F>(xp, x_stride, wp + g * blocks * group_bytes, blocks, op + g * kLanes, n_len,
+                R);
+}
+
 // x rows [m_len, k_len] (stride x_stride) times the packed weight into out [m_len, n_len].
 template <Format F>
 void multiply(const float* xp, int64_t x_stride, int64_t m_len, int64_t k_len,
               const uint8_t* wp, int64_t blocks, int64_t n_len, float* op) {
   constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
+  static_assert(kNarrowRows == 2, "narrow_rows is instantiated for 1 and 2 rows");
+  if (m_len == 1) return narrow_rows<F, 1>(xp, x_stride, wp, blocks, n_len, op);
+  if (m_len == 2) return narrow_rows<F, 2>(xp, x_stride, wp, blocks, n_len, op);
   if (m_len <= kFewRows) {
     at::parallel_for(0, n_len / kLanes, 4, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g)
