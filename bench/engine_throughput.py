@@ -181,8 +181,10 @@ class StepBound:
 
 def decode_max_tokens(batch: int, steps: int, prompt_len: int) -> int:
     """Output tokens a decode request may make: the timed steps, plus the tokens the first
-    prefilled requests decode while the later ones still prefill (2,048 tokens a step)."""
-    return steps + 2 + -(-batch * prompt_len // 2048)
+    prefilled requests decode while the later ones still prefill (the default token budget a
+    step, which the decode core keeps)."""
+    budget = SchedulerConfig().max_num_batched_tokens
+    return steps + 2 + -(-batch * prompt_len // budget)
 
 
 def decode_tokens_per_second(core: EngineCore, batch: int, steps: int, vocab: int,

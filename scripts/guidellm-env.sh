@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # guidellm, the vLLM project's benchmark client, in .venv-guidellm: the neutral client of the
-# llama.cpp comparison (bench/llama_cpp.py) and of tests/integration/test_guidellm.py.
+# llama.cpp comparison (bench/vs_llama_cpp.py) and of tests/integration/test_guidellm.py.
 #
 # Its own environment, because its pins differ from ours (click 8.4, and uvloop, which
 # uvicorn would then pick for every kvfleet server). It is layered on .venv (a .pth line), so

@@ -109,12 +109,15 @@ class RowRoutedWeight:
     max_rows: tuple[int, ...]
     weights: tuple[WeightMatmul, ...]
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
+    def for_rows(self, rows: int) -> WeightMatmul:
+        """The representation that takes a call of `rows` rows."""
         for limit, weight in zip(self.max_rows, self.weights, strict=True):
             if rows <= limit:
-                return weight.matmul(x)
-        return self.weights[-1].matmul(x)
+                return weight
+        return self.weights[-1]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.for_rows(x.shape[0]).matmul(x)
 
 
 # Bytes of one 32-weight block of each GGUF type the quantized kernel takes.
@@ -176,10 +179,7 @@ def bytes_read(weight: WeightMatmul, rows: int) -> int:
     representation its path takes at that row count (4-bit or 8-bit blocks, float32 packed or
     plain). The weight half of a step's memory traffic (bench/engine_throughput.py's roof)."""
     if isinstance(weight, RowRoutedWeight):
-        for limit, part in zip(weight.max_rows, weight.weights, strict=True):
-            if rows <= limit:
-                return bytes_read(part, rows)
-        return bytes_read(weight.weights[-1], rows)
+        return bytes_read(weight.for_rows(rows), rows)
     if isinstance(weight, QuantWeight):
         return weight.packed.nbytes
     if isinstance(weight, PackedWeight):
