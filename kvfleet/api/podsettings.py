@@ -142,14 +142,11 @@ class Resources(KubeModel):
 
     @model_validator(mode="after")
     def _limits_cover_requests(self) -> Resources:
-        from kvfleet.api.quantity import parse_bytes
-
-        def cores(value: str) -> float:
-            return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+        from kvfleet.api.quantity import parse_bytes, parse_cpu
 
         if self.requests is not None and self.limits is not None:
             if (self.requests.cpu and self.limits.cpu
-                    and cores(self.requests.cpu) > cores(self.limits.cpu)):
+                    and parse_cpu(self.requests.cpu) > parse_cpu(self.limits.cpu)):
                 raise ValueError(f"requests.cpu {self.requests.cpu} exceeds limits.cpu "
                                  f"{self.limits.cpu}")
             if (self.requests.memory and self.limits.memory

@@ -1,4 +1,5 @@
-"""Kubernetes byte quantities ("24Gi", "16G", "1073741824") as exact integers.
+"""Kubernetes byte quantities ("24Gi", "16G", "1073741824") as exact integers, and CPU
+quantities ("2", "500m") as cores.
 
 Binary suffixes (Ki, Mi, Gi, …) are powers of 1024, decimal ones (k, M, G, …) powers of 1000,
 as in Kubernetes. Parsing is exact (Fraction), so "1.5Gi" is 1,610,612,736 bytes, and a value
@@ -51,6 +52,11 @@ def parse_bytes(text: str | int) -> int:
     if value.denominator != 1:
         raise QuantityError(f"{text!r} is not a whole number of bytes")
     return int(value)
+
+
+def parse_cpu(text: str) -> float:
+    """Cores of a CPU quantity already matched by podsettings.CPU_PATTERN: "500m" is 0.5."""
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
 GIB = 1024**3

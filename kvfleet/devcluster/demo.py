@@ -44,7 +44,9 @@ def smollm2_revision(name: str, top_k: int, namespace: str) -> JsonObj:
 
 def local_pool(name: str, artifact: str, namespace: str) -> JsonObj:
     """One replica on an L4 sized for a local engine process: a 1 GiB "GPU" keeps the
-    planned KV cache small, since the local engine allocates it in RAM."""
+    planned KV cache small, since the local engine allocates it in RAM. One CPU each: a
+    rollout runs two revisions' engines on the same few cores, and engines that each used
+    every core answered 8x fewer requests between them (see kvfleet.engine.device)."""
     return {
         "apiVersion": "kvfleet.io/v1alpha1", "kind": "ServingPool",
         "metadata": {"name": name, "namespace": namespace},
@@ -54,6 +56,7 @@ def local_pool(name: str, artifact: str, namespace: str) -> JsonObj:
             "engine": {"maxModelLength": 2048, "maxBatchedTokens": 512, "workspace": "64Mi",
                        "safetyMargin": "64Mi"},
             "slos": {"ttftP95Seconds": 1.5, "errorRate": 0.05},
+            "pod": {"resources": {"limits": {"cpu": "1"}}},
         },
     }
 

@@ -15,10 +15,12 @@ import base64
 import os
 import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 
 import yaml
 
+from kvfleet.api.quantity import parse_cpu
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.podstate import LocalPod, expand
 
@@ -34,6 +36,25 @@ def resolve_program(program: str, project_root: Path) -> str:
             return str(candidate)
         return sys.executable if program != "kvfleet" else str(venv_bin / "kvfleet")
     return shutil.which(program) or program
+
+
+def cpu_limit(spec: JsonObj) -> int | None:
+    """Whole CPUs a container's `resources.limits.cpu` allows ("1500m" is 1, never below 1),
+    or None without a CPU limit."""
+    value = str(((spec.get("resources") or {}).get("limits") or {}).get("cpu") or "")
+    if not value:
+        return None
+    return max(1, int(parse_cpu(value)))
+
+
+def pick_cpus(count: int, host: list[int], in_use: Counter[int]) -> frozenset[int]:
+    """`count` of the host's CPUs, those the fewest running containers are pinned to first.
+
+    The local stand-in for a kubelet's CPU limit: a real one sets a CFS quota in the
+    container's cgroup; these processes share ours, so a limited container is pinned to as
+    many CPUs instead, and the engine sizes its threads from either (`--cpu-threads`)."""
+    ranked = sorted(host, key=lambda cpu: (in_use[cpu], cpu))
+    return frozenset(ranked[:min(count, len(ranked))])
 
 
 def volume_folder(pod: LocalPod, volume: str) -> Path:

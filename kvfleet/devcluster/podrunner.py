@@ -10,12 +10,16 @@ SIGTERM, waits the grace period, then removes the pod object.
 A container that fails under `terminationMessagePolicy: FallbackToLogsOnError` gets the tail of
 its output as `state.terminated.message` (and `lastState` once restarted), as a kubelet does.
 
+A container's `resources.limits.cpu` pins its process to that many whole CPUs (those the
+fewest running containers hold), where a kubelet would set a CFS quota: several engines on a
+small host then each size their threads to their share instead of all of them to every core.
+
 What a real kubelet does that this one does not: images, volumes other than emptyDir (see
-`podenv`: a mount is seen through rewritten paths; its sizeLimit is not enforced), resource
-isolation, startup probes, `kubectl exec`, termination-message files (`terminationMessagePath`:
-there is no per-container filesystem). Container output goes to files under the pod's folder;
-`kubectl logs` reads them through kvfleet.devcluster.kubeletlogs, and the cluster keeps them
-after teardown (DevCluster.stop).
+`podenv`: a mount is seen through rewritten paths; its sizeLimit is not enforced), memory
+limits and CPU quotas (see above for CPU limits), startup probes, `kubectl exec`,
+termination-message files (`terminationMessagePath`: there is no per-container filesystem).
+Container output goes to files under the pod's folder; `kubectl logs` reads them through
+kvfleet.devcluster.kubeletlogs, and the cluster keeps them after teardown (DevCluster.stop).
 Init containers run in order before the containers, as in Kubernetes.
 
 The loop and process handling live here; the pure status (`podstate`), the process environment
@@ -28,11 +32,13 @@ import datetime as dt
 import fcntl
 import ipaddress
 import logging
+import os
 import shutil
 import signal
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import IO
 
@@ -43,8 +49,10 @@ from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.kubeletlogs import KubeletLogServer
 from kvfleet.devcluster.podenv import (
     container_env,
+    cpu_limit,
     mounted,
     mounts,
+    pick_cpus,
     resolve_program,
     volume_folder,
 )
@@ -335,7 +343,11 @@ class LocalPodRunner:
         workdir = Path(c.spec.get("workingDir") or pod.folder)
         log_path = self.log_path(pod.namespace, pod.name, c.name)
         c.log_offset = log_path.stat().st_size if log_path.exists() else 0
-        c.process = ManagedProcess(f"{pod.name}/{c.name}", argv, log_path, env=env, cwd=workdir)
+        wanted = cpu_limit(c.spec)
+        c.cpus = None if wanted is None else pick_cpus(
+            wanted, sorted(os.sched_getaffinity(0)), self._pinned())
+        c.process = ManagedProcess(f"{pod.name}/{c.name}", argv, log_path, env=env, cwd=workdir,
+                                   cpus=c.cpus)
         c.started_at, c.exit_code, c.finished_at, c.ready = now_iso(), None, None, False
         c.termination_message = None
         c.probe_failures = c.live_failures = 0
@@ -344,6 +356,11 @@ class LocalPodRunner:
         c.probe_due = time.monotonic() + delay
         live_delay = float(c.spec.get("livenessProbe", {}).get("initialDelaySeconds", 0))
         c.live_due = time.monotonic() + live_delay
+
+    def _pinned(self) -> Counter[int]:
+        """How many running containers are pinned to each CPU."""
+        return Counter(cpu for pod in list(self.pods.values()) for c in pod.containers
+                       if c.process is not None and c.process.running() for cpu in c.cpus or ())
 
     def _probe(self, pod: LocalPod, obj: JsonObj, c: Container, now: float) -> None:
         readiness, liveness = c.spec.get("readinessProbe"), c.spec.get("livenessProbe")

@@ -57,6 +57,7 @@ class Container:
     probe_failures: int = 0
     live_due: float = 0.0
     live_failures: int = 0
+    cpus: frozenset[int] | None = None  # pinned to (from limits.cpu); None: all
 
     @property
     def name(self) -> str:

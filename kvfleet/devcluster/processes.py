@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -22,9 +23,11 @@ from kvfleet.devcluster.errors import StartupError
 _PR_SET_PDEATHSIG = 1
 
 
-def _child_setup() -> None:
+def _child_setup(cpus: frozenset[int] | None = None) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if cpus:  # before exec, so the program's first thread pool already sees its CPUs
+        os.sched_setaffinity(0, cpus)
 
 
 class ManagedProcess:
@@ -38,7 +41,9 @@ class ManagedProcess:
         *,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> None:
+        """`cpus`: the CPUs the process may run on (its affinity; None: all of ours)."""
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
@@ -53,7 +58,7 @@ class ManagedProcess:
                 env=dict(env) if env is not None else None,
                 cwd=cwd,
                 start_new_session=True,
-                preexec_fn=_child_setup,
+                preexec_fn=functools.partial(_child_setup, cpus),
             )
         except OSError as exc:
             self._log.close()

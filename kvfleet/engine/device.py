@@ -13,11 +13,20 @@ The KV budget is measured after the weights are loaded, as `kvfleet capacity` pl
 A pinned block count (`--num-kv-blocks`, what the operator passes from its plan) that does
 not fit fails at start with this ledger in the message, never at the first long request.
 
+CPU threads (`--cpu-threads`, default auto): the CPUs this process may use, its affinity mask
+capped by the cgroup's CPU quota (where Kubernetes puts a container's limits.cpu), not the
+host's core count torch starts with. Every step is a string of parallel regions whose threads
+wait for each other; with more threads than the CPUs they get, a region waits on a thread
+that is descheduled while the others spin. Two engines with 2 threads each on one 2-core host
+answered 2.8 short chat requests a second between them, against 24.3-24.8 with one thread each
+or passive waiting (22.5 for one engine alone; measured, see bench/README.md).
+
 KVBudgetError    the pinned KV cache does not fit (the message is the ledger)
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +108,56 @@ def cgroup_memory_limit(root: Path | None = None) -> int | None:
         value = int(text)
         return value if value < 1 << 60 else None  # v1's "unlimited" is a huge number
     return None
+
+
+def cgroup_cpu_limit(root: Path | None = None) -> float | None:
+    """CPUs the CFS quota of this process's cgroup allows (v2 `cpu.max`: "quota period"; v1
+    `cfs_quota_us` / `cfs_period_us`), or None when there is no quota."""
+    root = root or CGROUP_ROOT
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        for folder in (root / "cpu", root / "cpu,cpuacct"):
+            try:
+                quota = (folder / "cpu.cfs_quota_us").read_text().strip()
+                period = (folder / "cpu.cfs_period_us").read_text().strip()
+                break
+            except OSError:
+                continue
+        else:
+            return None
+    if not quota.lstrip("-").isdigit() or not period.isdigit() or int(quota) <= 0 \
+            or int(period) <= 0:
+        return None  # "max" (v2) or -1 (v1): no quota
+    return int(quota) / int(period)
+
+
+@dataclass(frozen=True)
+class CpuThreads:
+    """How many threads a step's parallel regions use, and why (for the start-up log)."""
+
+    threads: int
+    reason: str
+
+
+def cpu_threads(requested: int | None, affinity: int, quota: float | None) -> CpuThreads:
+    """`requested` when given; else the CPUs in the affinity mask, capped by the quota rounded
+    down (a 1.5-CPU quota runs 1 thread: a second would be throttled every period, and a
+    region waits for its slowest thread), never below 1."""
+    if requested is not None:
+        return CpuThreads(requested, "--cpu-threads")
+    if quota is not None and int(quota) < affinity:
+        return CpuThreads(max(1, int(quota)),
+                          f"the cgroup CPU quota ({quota:g} CPUs, the pod's limits.cpu)")
+    return CpuThreads(affinity, f"the CPUs this process may run on ({affinity})")
+
+
+def apply_cpu_threads(requested: int | None) -> CpuThreads:
+    """Sets torch's intra-op threads (every later parallel region, on any thread) from
+    `cpu_threads` for this process."""
+    chosen = cpu_threads(requested, len(os.sched_getaffinity(0)), cgroup_cpu_limit())
+    torch.set_num_threads(chosen.threads)
+    return chosen
 
 
 def process_rss_bytes() -> int:

@@ -23,6 +23,7 @@ from kvfleet.engine.config import (
 )
 from kvfleet.engine.device import (
     KVBudgetError,
+    apply_cpu_threads,
     check_pinned,
     dtype_name,
     measure,
@@ -115,6 +116,10 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
         # Verify before loading: a pod must never serve weights the manifest did not name.
         verify_weights(Path(path) if path else default_model_path(), args.expected_sha256)
         device = resolve_device(args.device)
+        # Before loading: the matmul paths are measured at load with the threads steps use.
+        threads = apply_cpu_threads(args.cpu_threads)
+        logger.info("%d CPU threads: %s", threads.threads, threads.reason, extra={"fields": {
+            "event": "cpu_threads", "threads": threads.threads, "reason": threads.reason}})
         model = load_model(path, progress=_log_progress, device=str(device), dtype=args.dtype)
         verify_manifest(model, tokenizer_sha256=args.expected_tokenizer_sha256,
                         chat_template_sha256=args.expected_chat_template_sha256)

@@ -4,6 +4,7 @@ limit, the ledger, and a pinned block count that does not fit failing at start."
 from __future__ import annotations
 
 import argparse
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,50 @@ def test_the_cgroup_memory_limit(tmp_path: Path, files: dict[str, str], limit: i
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert device.cgroup_memory_limit(tmp_path) == limit
+
+
+@pytest.mark.parametrize(("files", "limit"), [
+    ({"cpu.max": "max 100000\n"}, None),  # cgroup v2, no quota
+    ({"cpu.max": "150000 100000\n"}, 1.5),  # v2, limits.cpu 1500m
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1
+    ({"cpu,cpuacct/cpu.cfs_quota_us": "200000\n",
+      "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 2.0),
+    ({"cpu.max": "garbage\n"}, None),
+    ({}, None),
+])
+def test_the_cgroup_cpu_quota(tmp_path: Path, files: dict[str, str], limit: float | None
+                              ) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert device.cgroup_cpu_limit(tmp_path) == limit
+
+
+def test_cpu_threads_are_the_cpus_the_process_gets() -> None:
+    # A pod's limits.cpu caps the host's cores, rounded down, never below one thread.
+    assert device.cpu_threads(None, 64, 4.0).threads == 4
+    assert device.cpu_threads(None, 64, 1.5).threads == 1
+    assert device.cpu_threads(None, 64, 0.5).threads == 1
+    quota = device.cpu_threads(None, 64, 2.5)
+    assert "cgroup CPU quota (2.5 CPUs" in quota.reason
+    # An affinity mask (taskset, a static CPU manager) smaller than the quota wins.
+    assert device.cpu_threads(None, 2, 8.0).threads == 2
+    assert device.cpu_threads(None, 3, None).threads == 3
+    # The flag is taken as given.
+    assert device.cpu_threads(5, 2, 1.0) == device.CpuThreads(5, "--cpu-threads")
+
+
+def test_applied_threads_reach_every_thread() -> None:
+    before = torch.get_num_threads()
+    try:
+        assert device.apply_cpu_threads(1).threads == 1
+        seen: list[int] = []
+        worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        worker.start()
+        worker.join()
+        assert seen == [1]  # the engine thread steps with what the loader set
+    finally:
+        torch.set_num_threads(before)
 
 
 def _args(**overrides: object) -> argparse.Namespace:
