@@ -13,13 +13,13 @@ The KV budget is measured after the weights are loaded, as `kvfleet capacity` pl
 A pinned block count (`--num-kv-blocks`, what the operator passes from its plan) that does
 not fit fails at start with this ledger in the message, never at the first long request.
 
-CPU threads (`--cpu-threads`, default auto): the CPUs this process may use, its affinity mask
-capped by the cgroup's CPU quota (where Kubernetes puts a container's limits.cpu), not the
-host's core count torch starts with. Every step is a string of parallel regions whose threads
-wait for each other; with more threads than the CPUs they get, a region waits on a thread
-that is descheduled while the others spin. Two engines with 2 threads each on one 2-core host
-answered 2.8 short chat requests a second between them, against 24.3-24.8 with one thread each
-or passive waiting (22.5 for one engine alone; measured, see bench/README.md).
+CPU threads (`--cpu-threads` or `$OMP_NUM_THREADS`, default auto): the CPUs this process may
+use, its affinity mask capped by the cgroup's CPU quota (where Kubernetes puts a container's
+limits.cpu), not the host's core count torch starts with. Every step is a string of parallel
+regions whose threads wait for each other; with more threads than the CPUs they get, a region
+waits on a thread that is descheduled while the others spin. Two engines with 2 threads each
+on one 2-core host answered 2.8 short chat requests a second between them, against 24.3-24.8
+with one thread each or passive waiting (22.5 for one engine alone; measured, see bench/README.md).
 
 KVBudgetError    the pinned KV cache does not fit (the message is the ledger)
 """
@@ -140,12 +140,16 @@ class CpuThreads:
     reason: str
 
 
-def cpu_threads(requested: int | None, affinity: int, quota: float | None) -> CpuThreads:
-    """`requested` when given; else the CPUs in the affinity mask, capped by the quota rounded
-    down (a 1.5-CPU quota runs 1 thread: a second would be throttled every period, and a
-    region waits for its slowest thread), never below 1."""
+def cpu_threads(requested: int | None, affinity: int, quota: float | None,
+                omp_num_threads: str | None = None) -> CpuThreads:
+    """`requested` when given, else `$OMP_NUM_THREADS` when set (the usual way to say it for
+    any torch program); else the CPUs in the affinity mask, capped by the quota rounded down
+    (a 1.5-CPU quota runs 1 thread: a second would be throttled every period, and a region
+    waits for its slowest thread), never below 1."""
     if requested is not None:
         return CpuThreads(requested, "--cpu-threads")
+    if omp_num_threads and omp_num_threads.strip().isdigit() and int(omp_num_threads) > 0:
+        return CpuThreads(int(omp_num_threads), "$OMP_NUM_THREADS")
     if quota is not None and int(quota) < affinity:
         return CpuThreads(max(1, int(quota)),
                           f"the cgroup CPU quota ({quota:g} CPUs, the pod's limits.cpu)")
@@ -155,7 +159,8 @@ def cpu_threads(requested: int | None, affinity: int, quota: float | None) -> Cp
 def apply_cpu_threads(requested: int | None) -> CpuThreads:
     """Sets torch's intra-op threads (every later parallel region, on any thread) from
     `cpu_threads` for this process."""
-    chosen = cpu_threads(requested, len(os.sched_getaffinity(0)), cgroup_cpu_limit())
+    chosen = cpu_threads(requested, len(os.sched_getaffinity(0)), cgroup_cpu_limit(),
+                         os.environ.get("OMP_NUM_THREADS"))
     torch.set_num_threads(chosen.threads)
     return chosen
 

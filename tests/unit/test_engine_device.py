@@ -80,8 +80,11 @@ def test_cpu_threads_are_the_cpus_the_process_gets() -> None:
     # An affinity mask (taskset, a static CPU manager) smaller than the quota wins.
     assert device.cpu_threads(None, 2, 8.0).threads == 2
     assert device.cpu_threads(None, 3, None).threads == 3
-    # The flag is taken as given.
-    assert device.cpu_threads(5, 2, 1.0) == device.CpuThreads(5, "--cpu-threads")
+    # The flag is taken as given, then $OMP_NUM_THREADS.
+    assert device.cpu_threads(5, 2, 1.0, "3") == device.CpuThreads(5, "--cpu-threads")
+    assert device.cpu_threads(None, 2, 1.0, "3") == device.CpuThreads(3, "$OMP_NUM_THREADS")
+    assert device.cpu_threads(None, 2, 1.0, "").threads == 1
+    assert device.cpu_threads(None, 2, None, "x").threads == 2
 
 
 def test_applied_threads_reach_every_thread() -> None:
