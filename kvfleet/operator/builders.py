@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.api import API_VERSION, ModelArtifact, ServingPool, labels
-from kvfleet.api.quantity import parse_bytes
+from kvfleet.api.quantity import parse_bytes, parse_cpu
 from kvfleet.capacity import MemoryPlan
 from kvfleet.operator import naming
 from kvfleet.operator.placement import (
@@ -44,6 +44,10 @@ EXPECTED_SHA256_ENV = "KVFLEET_EXPECTED_SHA256"
 MANIFEST_HASH_ENV = "KVFLEET_MANIFEST_HASH"
 EXPECTED_TOKENIZER_ENV = "KVFLEET_EXPECTED_TOKENIZER_SHA256"
 EXPECTED_TEMPLATE_ENV = "KVFLEET_EXPECTED_CHAT_TEMPLATE_SHA256"
+# Threads of the engine's CPU work (`kvfleet serve --cpu-threads`), set from requests.cpu when
+# the pool sets no CPU limit: without a CFS quota the engine would size itself to the node's
+# every core, and engines packed on a node would all wait on each other's threads.
+CPU_THREADS_ENV = "KVFLEET_CPU_THREADS"
 # The model's files and the cache they are fetched into (kvfleet.engine.fetch reads these; a
 # unit test holds the names equal): the pod's init container fetches and verifies every file,
 # the engine then finds them there.
@@ -201,6 +205,17 @@ def _resources(pool: ServingPool, plan: MemoryPlan | None) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
+def _cpu_threads(pool: ServingPool) -> int | None:
+    """The whole CPUs of requests.cpu when there is no limits.cpu (a limit is a CFS quota,
+    which the engine reads itself), else None: the engine decides."""
+    settings = pool.spec.pod.resources
+    if settings is None or settings.requests is None or not settings.requests.cpu:
+        return None
+    if settings.limits is not None and settings.limits.cpu:
+        return None
+    return max(1, int(parse_cpu(settings.requests.cpu)))
+
+
 def _container(
     pool: ServingPool,
     artifact: ModelArtifact,
@@ -248,6 +263,9 @@ def _container(
         # the pool's, shared by the stable and canary revisions of a rollout).
         args.append(f"--num-kv-blocks={plan.kv_blocks_per_rank}")
     env += _pool_env(pool)
+    threads = _cpu_threads(pool)
+    if threads is not None:
+        env.append({"name": CPU_THREADS_ENV, "value": str(threads)})
     return {
         "name": "engine",
         **_image(pool, options),

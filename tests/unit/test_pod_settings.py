@@ -131,9 +131,34 @@ def test_every_setting_reaches_the_deployment() -> None:
     assert engine["resources"] == {
         "requests": {"nvidia.com/gpu": "1", "cpu": "4", "memory": "24Gi"},
         "limits": {"nvidia.com/gpu": "1", "memory": "32Gi"}}
+    # 4 CPUs asked and no CPU limit (no quota for the engine to read): 4 threads, not a
+    # thread per core of the node.
+    assert {e["name"]: e for e in engine["env"]}["KVFLEET_CPU_THREADS"]["value"] == "4"
     assert spec["metadata"]["labels"]["team"] == "a"
     assert spec["metadata"]["labels"]["kvfleet.io/pool"] == "chat"
     assert spec["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+
+
+@pytest.mark.parametrize(("resources", "threads"), [
+    ({"requests": {"cpu": "2500m"}}, "2"),
+    ({"requests": {"cpu": "500m"}}, "1"),
+    ({"requests": {"cpu": "4"}, "limits": {"cpu": "4"}}, None),  # the quota: the engine reads it
+    ({"limits": {"cpu": "2"}}, None),
+    ({"requests": {"memory": "8Gi"}}, None),  # nothing said of CPUs: the engine's CPUs decide
+])
+def test_engine_threads_follow_requested_cpus_without_a_limit(
+        resources: dict[str, dict[str, str]], threads: str | None) -> None:
+    (engine,) = _pod_spec(resources=resources)["containers"]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert env.get("KVFLEET_CPU_THREADS") == threads
+
+
+def test_the_engine_reads_the_threads_the_operator_sets(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    from kvfleet.cli import build_parser
+
+    monkeypatch.setenv(builders.CPU_THREADS_ENV, "3")
+    assert build_parser().parse_args(["serve"]).cpu_threads == 3
 
 
 def test_the_gpu_memory_bound_joins_every_required_term() -> None:
