@@ -309,10 +309,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(argv: list[str], name: str, threads: int, ready_path: str = "/ready"
+def server(argv: list[str], name: str, threads: int | None, ready_path: str = "/ready"
            ) -> Iterator[str]:
     """The server `argv` (a Python module's arguments when it starts with "-m" or a script,
-    else a whole command) on a free port, until its `ready_path` answers 200."""
+    else a whole command) on a free port, until its `ready_path` answers 200. `threads`:
+    $OMP_NUM_THREADS (None: not set, the server decides)."""
     port = free_port()
     if argv[0] == "-m" or argv[0].endswith(".py"):
         argv = [sys.executable, *argv]
@@ -320,10 +321,12 @@ def server(argv: list[str], name: str, threads: int, ready_path: str = "/ready"
         prefix=f"serve-bench-{name}-", suffix=".log", delete=False)
     # Same torch thread count for both servers (OMP_NUM_THREADS): on a shared or small CPU,
     # OpenMP spin-waiting across more threads than free cores makes every step erratic.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("OMP_NUM_THREADS", None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.Popen([*argv, "--port", str(port)], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT),
-                                 "OMP_NUM_THREADS": str(threads)})
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600

@@ -7,12 +7,14 @@ each pod gets a share of the CPUs (limits.cpu). `--engines` `kvfleet serve` proc
 together, each with `--clients` closed-loop clients sending short chat requests (`--max-tokens`
 tokens each), in three layouts taken in turns:
 
-  every-core    each engine runs one thread per host CPU (torch's default, and what the
-                engine did before it read its CPU share): threads > CPUs
-  share         each engine runs host CPUs / engines threads, on any CPU (what a CFS quota,
-                i.e. limits.cpu, gives; `--cpu-threads` stands in for the quota here)
-  pinned        each engine pinned to its own host CPUs / engines CPUs and sizing its
-                threads from them (what the dev cluster's pod runner does for limits.cpu)
+  every-core    `--cpu-threads <host cores>` each: a thread per core of the host, what torch
+                starts with and what the engine ran before it sized its threads: more
+                threads than the engines get between them
+  share         `--cpu-threads <host cores / engines>` each, on any CPU: the thread count a
+                CFS quota (limits.cpu) now gives the engine, without the quota's throttling
+  pinned        each engine pinned (taskset) to its own host cores / engines CPUs, nothing
+                asked: the engine sizes its threads from its affinity, as on the dev cluster,
+                whose pod runner pins a container with limits.cpu
 
 Prints requests and output tokens per second over all engines for each layout and the ratio
 to every-core. A single engine alone with every core is the yardstick for the total.
@@ -60,24 +62,24 @@ def load(urls: list[str], clients: int, seconds: float, max_tokens: int) -> tupl
     return done[0], done[1]
 
 
-def layout(name: str, engine: int, engines: int, cpus: list[int]) -> tuple[list[str], int]:
-    """The argv prefix and OMP thread count of engine number `engine` in `name`."""
+def layout(name: str, engine: int, engines: int, cpus: list[int]) -> list[str]:
+    """The command of engine number `engine` in `name`."""
     share = max(1, len(cpus) // engines)
-    argv = ["-m", "kvfleet", "serve", "--max-num-seqs", "64"]
+    argv = [sys.executable, "-m", "kvfleet", "serve", "--max-num-seqs", "64"]
     if name == "every-core":
-        return argv, len(cpus)
+        return [*argv, f"--cpu-threads={len(cpus)}"]
     if name == "share":
-        return argv, share
+        return [*argv, f"--cpu-threads={share}"]
     mine = [cpus[(engine * share + i) % len(cpus)] for i in range(share)]
-    return ["taskset", "-c", ",".join(map(str, mine)), sys.executable, *argv], share
+    return ["taskset", "-c", ",".join(map(str, mine)), *argv]
 
 
 def run(name: str, engines: int, args: argparse.Namespace, cpus: list[int]) -> tuple[int, int]:
     with ExitStack() as stack:
         urls = []
         for engine in range(engines):
-            argv, threads = layout(name, engine, engines, cpus)
-            urls.append(stack.enter_context(server(argv, f"{name}-{engine}", threads)))
+            urls.append(stack.enter_context(server(
+                layout(name, engine, engines, cpus), f"{name}-{engine}", None)))
         load(urls, args.clients, 3, args.max_tokens)  # warm every engine first
         return load(urls, args.clients, args.seconds, args.max_tokens)
 

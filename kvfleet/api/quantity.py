@@ -54,9 +54,23 @@ def parse_bytes(text: str | int) -> int:
     return int(value)
 
 
+_CPU = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k)?$")
+
+
 def parse_cpu(text: str) -> float:
-    """Cores of a CPU quantity already matched by podsettings.CPU_PATTERN: "500m" is 0.5."""
-    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    """Cores of a CPU quantity: "2", "0.5", "500m" (0.5), "1k" (as the apiserver may write
+    1000); QuantityError otherwise."""
+    match = _CPU.match(text.strip())
+    if match is None:
+        raise QuantityError(f"{text!r} is not a CPU quantity; write e.g. 2, 0.5 or 500m")
+    scale = {"m": 0.001, "k": 1000.0}.get(match.group(2) or "", 1.0)
+    return float(match.group(1)) * scale
+
+
+def whole_cpus(text: str) -> int:
+    """The whole CPUs of a CPU quantity, never below one: "1500m" is 1, "250m" is 1. What a
+    thread count or a set of pinned CPUs can be."""
+    return max(1, int(parse_cpu(text)))
 
 
 GIB = 1024**3

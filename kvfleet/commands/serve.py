@@ -111,11 +111,11 @@ def register(subparsers: Any) -> None:
                              "the CPU; 512 without a limit)")
     engine.add_argument("--device", default=os.environ.get("KVFLEET_DEVICE", "auto"),
                         help="auto (the first GPU when one is visible), cpu, cuda or cuda:N")
-    engine.add_argument("--cpu-threads", type=_positive_int,
-                        default=os.environ.get("KVFLEET_CPU_THREADS"),
-                        help="threads of a step's CPU work (default: the CPUs this process may "
-                             "run on, capped by the cgroup CPU quota, i.e. the pod's "
-                             "limits.cpu)")
+    engine.add_argument("--cpu-threads", type=_positive_int, default=None,
+                        help="threads of a step's CPU work (default: $OMP_NUM_THREADS, else "
+                             "$KVFLEET_CPU_THREADS, which the operator sets from requests.cpu, "
+                             "else the cores this process may run on capped by the cgroup CPU "
+                             "quota, i.e. a pod's limits.cpu)")
     engine.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations (auto: float32 on the CPU, the "

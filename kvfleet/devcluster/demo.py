@@ -46,7 +46,7 @@ def local_pool(name: str, artifact: str, namespace: str) -> JsonObj:
     """One replica on an L4 sized for a local engine process: a 1 GiB "GPU" keeps the
     planned KV cache small, since the local engine allocates it in RAM. One CPU each: a
     rollout runs two revisions' engines on the same few cores, and engines that each used
-    every core answered 8x fewer requests between them (see kvfleet.engine.device)."""
+    every core served a third as much between them (bench/shared_host.py)."""
     return {
         "apiVersion": "kvfleet.io/v1alpha1", "kind": "ServingPool",
         "metadata": {"name": name, "namespace": namespace},

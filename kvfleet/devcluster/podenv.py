@@ -20,7 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from kvfleet.api.quantity import parse_cpu
+from kvfleet.api.quantity import QuantityError, whole_cpus
+from kvfleet.devcluster.errors import DevClusterError
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.podstate import LocalPod, expand
 
@@ -40,11 +41,16 @@ def resolve_program(program: str, project_root: Path) -> str:
 
 def cpu_limit(spec: JsonObj) -> int | None:
     """Whole CPUs a container's `resources.limits.cpu` allows ("1500m" is 1, never below 1),
-    or None without a CPU limit."""
+    or None without a CPU limit; DevClusterError (reported as the container's start error)
+    for a value that is not a CPU quantity."""
     value = str(((spec.get("resources") or {}).get("limits") or {}).get("cpu") or "")
     if not value:
         return None
-    return max(1, int(parse_cpu(value)))
+    try:
+        return whole_cpus(value)
+    except QuantityError as exc:
+        raise DevClusterError(f"container {spec.get('name')}: resources.limits.cpu: {exc}"
+                              ) from None
 
 
 def pick_cpus(count: int, host: list[int], in_use: Counter[int]) -> frozenset[int]:

@@ -359,7 +359,8 @@ class LocalPodRunner:
 
     def _pinned(self) -> Counter[int]:
         """How many running containers are pinned to each CPU."""
-        return Counter(cpu for pod in list(self.pods.values()) for c in pod.containers
+        return Counter(cpu for pod in list(self.pods.values())
+                       for c in [*pod.init_containers, *pod.containers]
                        if c.process is not None and c.process.running() for cpu in c.cpus or ())
 
     def _probe(self, pod: LocalPod, obj: JsonObj, c: Container, now: float) -> None:

@@ -60,7 +60,7 @@ class ManagedProcess:
                 start_new_session=True,
                 preexec_fn=functools.partial(_child_setup, cpus),
             )
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:  # the latter: _child_setup failed
             self._log.close()
             raise StartupError(f"{name}: cannot start {self.argv[0]}: {exc}") from exc
 

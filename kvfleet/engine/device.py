@@ -13,13 +13,13 @@ The KV budget is measured after the weights are loaded, as `kvfleet capacity` pl
 A pinned block count (`--num-kv-blocks`, what the operator passes from its plan) that does
 not fit fails at start with this ledger in the message, never at the first long request.
 
-CPU threads (`--cpu-threads` or `$OMP_NUM_THREADS`, default auto): the CPUs this process may
-use, its affinity mask capped by the cgroup's CPU quota (where Kubernetes puts a container's
-limits.cpu), not the host's core count torch starts with. Every step is a string of parallel
-regions whose threads wait for each other; with more threads than the CPUs they get, a region
-waits on a thread that is descheduled while the others spin. Two engines with 2 threads each
-on one 2-core host answered 2.8 short chat requests a second between them, against 24.3-24.8
-with one thread each or passive waiting (22.5 for one engine alone; measured, see bench/README.md).
+CPU threads (`--cpu-threads`, `$OMP_NUM_THREADS`, the operator's `$KVFLEET_CPU_THREADS`, or
+by default the cores this process may run on, capped by the cgroup's CPU quota, where
+Kubernetes puts a container's limits.cpu), not the host's core count torch starts with. Every
+step is a string of parallel regions whose threads wait for each other; with more threads
+than the CPUs they get, a region waits on a thread that is descheduled while the others spin.
+Two engines on a 2-core host, each with a thread per core, served a third of what they served
+with one thread each (41.6 vs 119.6 output tok/s; one engine alone 84.8; bench/shared_host.py).
 
 KVBudgetError    the pinned KV cache does not fit (the message is the ledger)
 """
@@ -38,6 +38,8 @@ from kvfleet.engine.model.config import ModelConfig
 
 GIB = 1 << 30
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# The engine's threads as the operator sets them (from a pool's requests.cpu without a limit).
+CPU_THREADS_ENV = "KVFLEET_CPU_THREADS"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -94,42 +96,67 @@ def resolve_kv_dtype(spec: str, weights: torch.dtype) -> torch.dtype:
     return DTYPES[spec]
 
 
-def cgroup_memory_limit(root: Path | None = None) -> int | None:
-    """The memory limit of this process's cgroup (v2 `memory.max`, v1 `limit_in_bytes`), or
-    None when there is none."""
+def cgroup_folders(controller: str, root: Path | None = None,
+                   proc_cgroup: str | None = None) -> list[Path]:
+    """Where limits on this process's `controller` may be written: the hierarchy as mounted
+    (inside a container's cgroup namespace that is its own cgroup), and, on a host or under a
+    runtime without a cgroup namespace, its own cgroup as /proc/self/cgroup names it and that
+    cgroup's ancestors (a parent's limit caps its children); cgroup v2 and v1 alike."""
     root = root or CGROUP_ROOT
-    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+    if proc_cgroup is None:
         try:
-            text = path.read_text().strip()
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
         except OSError:
+            proc_cgroup = ""
+    folders = [root, root / controller, root / f"{controller},cpuacct"]
+    for line in proc_cgroup.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
             continue
-        if text == "max" or not text.isdigit():
-            return None
-        value = int(text)
-        return value if value < 1 << 60 else None  # v1's "unlimited" is a huge number
-    return None
-
-
-def cgroup_cpu_limit(root: Path | None = None) -> float | None:
-    """CPUs the CFS quota of this process's cgroup allows (v2 `cpu.max`: "quota period"; v1
-    `cfs_quota_us` / `cfs_period_us`), or None when there is no quota."""
-    root = root or CGROUP_ROOT
-    try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-    except (OSError, ValueError):
-        for folder in (root / "cpu", root / "cpu,cpuacct"):
-            try:
-                quota = (folder / "cpu.cfs_quota_us").read_text().strip()
-                period = (folder / "cpu.cfs_period_us").read_text().strip()
-                break
-            except OSError:
-                continue
+        _, controllers, path = fields
+        if controllers == "":  # v2's unified hierarchy
+            base = root
+        elif controller in controllers.split(","):
+            base = root / controllers
         else:
-            return None
-    if not quota.lstrip("-").isdigit() or not period.isdigit() or int(quota) <= 0 \
-            or int(period) <= 0:
-        return None  # "max" (v2) or -1 (v1): no quota
-    return int(quota) / int(period)
+            continue
+        own = base / path.strip("/")
+        folders += [own, *[p for p in own.parents if p.is_relative_to(base)]]
+    return list(dict.fromkeys(folders))
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def cgroup_memory_limit(root: Path | None = None, proc_cgroup: str | None = None) -> int | None:
+    """The lowest memory limit over this process's cgroups (v2 `memory.max`, v1
+    `limit_in_bytes`), or None when there is none."""
+    limits = []
+    for folder in cgroup_folders("memory", root, proc_cgroup):
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            text = _read(folder / name)
+            # "max" (v2) and v1's huge "unlimited" are no limit.
+            if text is not None and text.isdigit() and int(text) < 1 << 60:
+                limits.append(int(text))
+    return min(limits, default=None)
+
+
+def cgroup_cpu_limit(root: Path | None = None, proc_cgroup: str | None = None) -> float | None:
+    """The CPUs the lowest CFS quota over this process's cgroups allows (v2 `cpu.max`:
+    "quota period"; v1 `cfs_quota_us` / `cfs_period_us`; Kubernetes writes a container's
+    limits.cpu there), or None when there is no quota."""
+    quotas = []
+    for folder in cgroup_folders("cpu", root, proc_cgroup):
+        pair = (_read(folder / "cpu.max") or "").split()[:2] or [
+            _read(folder / "cpu.cfs_quota_us") or "", _read(folder / "cpu.cfs_period_us") or ""]
+        # "max" (v2) and -1 (v1) are no quota.
+        if len(pair) == 2 and all(v.isdigit() and int(v) > 0 for v in pair):
+            quotas.append(int(pair[0]) / int(pair[1]))
+    return min(quotas, default=None)
 
 
 @dataclass(frozen=True)
@@ -140,27 +167,41 @@ class CpuThreads:
     reason: str
 
 
-def cpu_threads(requested: int | None, affinity: int, quota: float | None,
-                omp_num_threads: str | None = None) -> CpuThreads:
-    """`requested` when given, else `$OMP_NUM_THREADS` when set (the usual way to say it for
-    any torch program); else the CPUs in the affinity mask, capped by the quota rounded down
-    (a 1.5-CPU quota runs 1 thread: a second would be throttled every period, and a region
-    waits for its slowest thread), never below 1."""
-    if requested is not None:
-        return CpuThreads(requested, "--cpu-threads")
-    if omp_num_threads and omp_num_threads.strip().isdigit() and int(omp_num_threads) > 0:
-        return CpuThreads(int(omp_num_threads), "$OMP_NUM_THREADS")
-    if quota is not None and int(quota) < affinity:
-        return CpuThreads(max(1, int(quota)),
-                          f"the cgroup CPU quota ({quota:g} CPUs, the pod's limits.cpu)")
-    return CpuThreads(affinity, f"the CPUs this process may run on ({affinity})")
+def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
+    """Cores among `cpus` (SMT siblings count once, as torch's own default does); the CPU
+    count when the topology cannot be read."""
+    cores = set()
+    for cpu in cpus:
+        topology = sysfs / f"cpu{cpu}" / "topology"
+        package, core = _read(topology / "physical_package_id"), _read(topology / "core_id")
+        if package is None or core is None:
+            return len(cpus)
+        cores.add((package, core))
+    return len(cores)
 
 
-def apply_cpu_threads(requested: int | None) -> CpuThreads:
+def cpu_threads(flag: int | None, env: dict[str, str], cores: int,
+                quota: float | None) -> CpuThreads:
+    """The first of: `--cpu-threads`; `$OMP_NUM_THREADS` (how any torch program is told);
+    `$KVFLEET_CPU_THREADS` (the operator's, from requests.cpu); else the cores this process
+    may run on, capped by the CFS quota rounded down (a region waits for its slowest thread,
+    and a thread beyond the quota is one the scheduler parks every period), never below 1."""
+    if flag is not None:
+        return CpuThreads(flag, "--cpu-threads")
+    for name in ("OMP_NUM_THREADS", CPU_THREADS_ENV):
+        value = env.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return CpuThreads(int(value), f"${name}")
+    if quota is not None and int(quota) < cores:
+        return CpuThreads(max(1, int(quota)), f"the cgroup CPU quota ({quota:g} CPUs)")
+    return CpuThreads(cores, f"the cores this process may run on ({cores})")
+
+
+def apply_cpu_threads(flag: int | None) -> CpuThreads:
     """Sets torch's intra-op threads (every later parallel region, on any thread) from
     `cpu_threads` for this process."""
-    chosen = cpu_threads(requested, len(os.sched_getaffinity(0)), cgroup_cpu_limit(),
-                         os.environ.get("OMP_NUM_THREADS"))
+    chosen = cpu_threads(flag, dict(os.environ), physical_cores(os.sched_getaffinity(0)),
+                         cgroup_cpu_limit())
     torch.set_num_threads(chosen.threads)
     return chosen
 

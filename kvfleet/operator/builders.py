@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.api import API_VERSION, ModelArtifact, ServingPool, labels
-from kvfleet.api.quantity import parse_bytes, parse_cpu
+from kvfleet.api.quantity import parse_bytes, whole_cpus
 from kvfleet.capacity import MemoryPlan
 from kvfleet.operator import naming
 from kvfleet.operator.placement import (
@@ -213,7 +213,7 @@ def _cpu_threads(pool: ServingPool) -> int | None:
         return None
     if settings.limits is not None and settings.limits.cpu:
         return None
-    return max(1, int(parse_cpu(settings.requests.cpu)))
+    return whole_cpus(settings.requests.cpu)
 
 
 def _container(
@@ -262,10 +262,10 @@ def _container(
         # The KV plan depends on the artifact, so it is the revision's own (the ConfigMap is
         # the pool's, shared by the stable and canary revisions of a rollout).
         args.append(f"--num-kv-blocks={plan.kv_blocks_per_rank}")
-    env += _pool_env(pool)
     threads = _cpu_threads(pool)
     if threads is not None:
         env.append({"name": CPU_THREADS_ENV, "value": str(threads)})
+    env += _pool_env(pool)
     return {
         "name": "engine",
         **_image(pool, options),

@@ -50,7 +50,7 @@ def test_the_cgroup_memory_limit(tmp_path: Path, files: dict[str, str], limit: i
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert device.cgroup_memory_limit(tmp_path) == limit
+    assert device.cgroup_memory_limit(tmp_path, proc_cgroup="") == limit
 
 
 @pytest.mark.parametrize(("files", "limit"), [
@@ -67,24 +67,59 @@ def test_the_cgroup_cpu_quota(tmp_path: Path, files: dict[str, str], limit: floa
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert device.cgroup_cpu_limit(tmp_path) == limit
+    assert device.cgroup_cpu_limit(tmp_path, proc_cgroup="") == limit
+
+
+def test_limits_of_the_own_cgroup_and_its_parents_without_a_namespace(tmp_path: Path) -> None:
+    # A host or a runtime without a cgroup namespace: the process's cgroup is a folder below
+    # the mount, and a parent's limit caps it.
+    own = tmp_path / "kubepods.slice" / "pod1" / "engine"
+    own.mkdir(parents=True)
+    (own / "cpu.max").write_text("400000 100000\n")
+    (own.parent / "cpu.max").write_text("200000 100000\n")
+    (own / "memory.max").write_text("max\n")
+    (own.parent.parent / "memory.max").write_text(f"{8 << 30}\n")
+    proc = "0::/kubepods.slice/pod1/engine\n"
+    assert device.cgroup_cpu_limit(tmp_path, proc) == 2.0
+    assert device.cgroup_memory_limit(tmp_path, proc) == 8 << 30
+    # v1: each controller has its own hierarchy.
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "pod2").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "pod2" / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu,cpuacct" / "pod2" / "cpu.cfs_period_us").write_text("100000\n")
+    assert device.cgroup_cpu_limit(v1, "4:cpu,cpuacct:/pod2\n7:memory:/pod2\n") == 0.5
+
+
+def test_physical_cores_count_smt_siblings_once(tmp_path: Path) -> None:
+    for cpu, core in enumerate([0, 1, 0, 1]):  # 2 cores, 2 threads each
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    assert device.physical_cores({0, 1, 2, 3}, tmp_path) == 2
+    assert device.physical_cores({0, 2}, tmp_path) == 1
+    assert device.physical_cores({0, 9}, tmp_path) == 2  # no topology for cpu9: CPUs counted
 
 
 def test_cpu_threads_are_the_cpus_the_process_gets() -> None:
-    # A pod's limits.cpu caps the host's cores, rounded down, never below one thread.
-    assert device.cpu_threads(None, 64, 4.0).threads == 4
-    assert device.cpu_threads(None, 64, 1.5).threads == 1
-    assert device.cpu_threads(None, 64, 0.5).threads == 1
-    quota = device.cpu_threads(None, 64, 2.5)
-    assert "cgroup CPU quota (2.5 CPUs" in quota.reason
-    # An affinity mask (taskset, a static CPU manager) smaller than the quota wins.
-    assert device.cpu_threads(None, 2, 8.0).threads == 2
-    assert device.cpu_threads(None, 3, None).threads == 3
-    # The flag is taken as given, then $OMP_NUM_THREADS.
-    assert device.cpu_threads(5, 2, 1.0, "3") == device.CpuThreads(5, "--cpu-threads")
-    assert device.cpu_threads(None, 2, 1.0, "3") == device.CpuThreads(3, "$OMP_NUM_THREADS")
-    assert device.cpu_threads(None, 2, 1.0, "").threads == 1
-    assert device.cpu_threads(None, 2, None, "x").threads == 2
+    # A pod's limits.cpu caps the cores, rounded down, never below one thread.
+    assert device.cpu_threads(None, {}, 64, 4.0).threads == 4
+    assert device.cpu_threads(None, {}, 64, 1.5).threads == 1
+    assert device.cpu_threads(None, {}, 64, 0.5).threads == 1
+    assert "cgroup CPU quota (2.5 CPUs)" in device.cpu_threads(None, {}, 64, 2.5).reason
+    # Fewer cores in the affinity mask (taskset, a static CPU manager) than the quota: the cores.
+    assert device.cpu_threads(None, {}, 2, 8.0).threads == 2
+    assert device.cpu_threads(None, {}, 3, None).threads == 3
+    # Asked for: the flag, then $OMP_NUM_THREADS, then the operator's $KVFLEET_CPU_THREADS.
+    both = {"OMP_NUM_THREADS": "3", "KVFLEET_CPU_THREADS": "4"}
+    assert device.cpu_threads(5, both, 2, 1.0) == device.CpuThreads(5, "--cpu-threads")
+    assert device.cpu_threads(None, both, 2, 1.0) == device.CpuThreads(3, "$OMP_NUM_THREADS")
+    assert device.cpu_threads(None, {"KVFLEET_CPU_THREADS": "4"}, 2, None) == \
+        device.CpuThreads(4, "$KVFLEET_CPU_THREADS")
+    # Empty or unusable values are not asking.
+    assert device.cpu_threads(None, {"OMP_NUM_THREADS": "", "KVFLEET_CPU_THREADS": "0"}, 2,
+                              1.0).threads == 1
+    assert device.cpu_threads(None, {"OMP_NUM_THREADS": "4,2"}, 2, None).threads == 2
 
 
 def test_applied_threads_reach_every_thread() -> None:

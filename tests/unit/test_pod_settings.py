@@ -153,12 +153,11 @@ def test_engine_threads_follow_requested_cpus_without_a_limit(
     assert env.get("KVFLEET_CPU_THREADS") == threads
 
 
-def test_the_engine_reads_the_threads_the_operator_sets(monkeypatch: pytest.MonkeyPatch
-                                                        ) -> None:
-    from kvfleet.cli import build_parser
+def test_the_engine_reads_the_threads_the_operator_sets() -> None:
+    from kvfleet.engine import device
 
-    monkeypatch.setenv(builders.CPU_THREADS_ENV, "3")
-    assert build_parser().parse_args(["serve"]).cpu_threads == 3
+    env = {builders.CPU_THREADS_ENV: "3"}
+    assert device.cpu_threads(None, env, 8, None).threads == 3
 
 
 def test_the_gpu_memory_bound_joins_every_required_term() -> None:
