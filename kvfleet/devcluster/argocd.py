@@ -84,7 +84,8 @@ class ArgoCDSettings:
                 [str(self.argocd), "admin", "settings", "resource-overrides", verb, str(path),
                  *extra, "--argocd-cm-path", str(self.cm_path)],
                 capture_output=True, text=True, timeout=60, check=False,
-                env={"PATH": "/usr/bin:/bin", "HOME": tmp})
+                # TMPDIR too: run-action diffs through argocd-diff* folders it leaves behind.
+                env={"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp})
         if done.returncode != 0:
             raise ArgoCDError(f"argocd {verb} of {_name(obj)} failed (exit {done.returncode}): "
                               f"{(done.stderr or done.stdout).strip()[-2000:]}")

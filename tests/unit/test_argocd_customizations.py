@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,8 @@ def test_each_rollout_action_writes_the_request_the_operator_reads(
 ) -> None:
     cases = _load(ACTIONS / "action_test.yaml")["actionTests"]
     assert {c["action"] for c in cases} == {a.value for a in RequestAction}
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob("argocd-*"))
     for case in cases:
         obj = _load(ACTIONS / case["inputPath"])
         request = RolloutRequest.model_validate(settings.run_action(obj, case["action"]))
@@ -112,3 +115,4 @@ def test_each_rollout_action_writes_the_request_the_operator_reads(
         # A promote is for the step the rollout is at, so a second click never skips one.
         expected_step = obj["status"]["currentStep"] if case["action"] == "promote" else None
         assert request.step == expected_step
+    assert set(temp.glob("argocd-*")) <= before  # argocd's diff folders went with the call
