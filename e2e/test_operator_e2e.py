@@ -712,9 +712,11 @@ def test_engine_settings_and_replicas_roll_the_deployment(
     )
     pool = _wait_pool(
         kube, operator, namespace, "chat",
+        # Progressing=Complete, not only 2 ready: mid-roll an old pod and a new one are ready.
         lambda p: _available(p) and p["status"].get("readyReplicas") == 2
-        and p["status"].get("observedGeneration") == 2,
-        "2 ready replicas with the new settings",
+        and p["status"].get("observedGeneration") == 2
+        and _cond(p, "Progressing").get("reason") == "Complete",
+        "2 ready replicas with the new settings, rollout complete",
     )  # fmt: skip
     deployment = kube.get("Deployment", name, namespace)
     after = deployment["spec"]["template"]["metadata"]["annotations"]
