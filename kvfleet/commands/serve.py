@@ -140,6 +140,11 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--batch-invariant", action="store_true",
                         help="a request's output does not depend on what it is batched with "
                              "(pads small steps: about 2x the step time with 1-2 running)")
+    engine.add_argument("--int8-activations", action="store_true",
+                        default=os.environ.get("KVFLEET_INT8_ACTIVATIONS", "") == "1",
+                        help="decode steps of 1-2 running requests round the 4-bit layer "
+                             "matmuls' input to 8 bits per 32 values, as llama.cpp does: "
+                             "faster on the CPU, not HF-exact (see bench/README.md)")
     http = p.add_argument_group("http")
     http.add_argument("--max-body-bytes", type=_positive_int, default=4 * MIB)
     http.add_argument("--default-max-tokens", type=_positive_int, default=1024,

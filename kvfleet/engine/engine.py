@@ -11,6 +11,7 @@ so a cached block is never reused across models or templates.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,6 +28,8 @@ from kvfleet.engine.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
     from kvfleet.engine.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunnerProtocol(Protocol):
@@ -87,18 +90,27 @@ class EngineCore:
 
 def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = None,
                       scheduler_config: SchedulerConfig | None = None, *,
-                      batch_invariant: bool = False) -> EngineCore:
+                      batch_invariant: bool = False,
+                      int8_activations: bool = False) -> EngineCore:
     """A core for `model` with a KV pool sized by `cache_config` (default: 512 MiB).
 
     `batch_invariant`: a request's output bits do not depend on the rest of its batch, at the
     cost of padding small steps (see `kvfleet.engine.model.llama`). Without it the model's
     layer weights are packed (4-bit or for MKL, see `packed_matmul`), after which the same
-    loaded model cannot serve a batch-invariant engine."""
+    loaded model cannot serve a batch-invariant engine.
+
+    `int8_activations`: decode steps of 1-2 rows multiply the Q4_1 layer weights by inputs
+    rounded to 8 bits per 32-value block (llama.cpp's numerics, not the float32 weights' exact
+    products; see `packed_matmul.QuantWeight.int8_rows`). CPU float32 only."""
     from kvfleet.engine.device import DTYPES
     from kvfleet.engine.fused_ops import load_fused_ops
     from kvfleet.engine.matmul_plan import plan_for
     from kvfleet.engine.model_runner import ModelRunner, kv_bytes_per_block
-    from kvfleet.engine.packed_matmul import load_packer, load_quant_kernel
+    from kvfleet.engine.packed_matmul import (
+        INT8_ACTIVATION_ROWS,
+        load_packer,
+        load_quant_kernel,
+    )
 
     cache_config = cache_config or CacheConfig()
     scheduler_config = scheduler_config or SchedulerConfig()
@@ -111,11 +123,20 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     # The packed matmuls and fused ops are CPU kernels over float32 weights; on a GPU (or in
     # 16 bits) the torch ops serve.
     cpu_float32 = weights.device.type == "cpu" and weights.dtype == torch.float32
+    if int8_activations and (batch_invariant or not cpu_float32):
+        raise ValueError("int8 activations are a path of the CPU's 4-bit kernel: they need "
+                         "float32 weights on the CPU and no batch invariance (drop "
+                         "--int8-activations, or --batch-invariant / --device / --dtype)")
     if cpu_float32 and not batch_invariant and not model.model.is_packed:
         packer, quant = load_packer(), load_quant_kernel()
         if packer is not None or quant is not None:
             plan = plan_for(model.model.weight_samples(), packer, quant)
             model.model.pack_weights(packer, quant, plan)
+    if model.model.is_packed:  # a model packed for an earlier engine keeps no old setting
+        model.model.use_int8_activations(INT8_ACTIVATION_ROWS if int8_activations else 0)
+    elif int8_activations:
+        log.warning("int8 activations asked for, but the 4-bit kernel is not in use here: "
+                    "every matmul stays float32")
     if cpu_float32:
         model.model.use_fused_ops(load_fused_ops())
     runner = ModelRunner(model, num_blocks, cache_config.block_size, batch_invariant,

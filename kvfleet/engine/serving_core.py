@@ -125,7 +125,8 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
                         chat_template_sha256=args.expected_chat_template_sha256)
         cache_config = _cache_config(args, model, device, model.model.embed_tokens.dtype)
         core = build_engine_core(model, cache_config, scheduler_config,
-                                 batch_invariant=args.batch_invariant)
+                                 batch_invariant=args.batch_invariant,
+                                 int8_activations=args.int8_activations)
         max_context = model.config.max_context
         if args.max_model_len is not None:
             max_context = min(max_context, args.max_model_len)

@@ -146,6 +146,54 @@ def test_quantized_a_rows_bits_do_not_depend_on_the_other_rows(
         torch.set_num_threads(threads)
 
 
+def int8_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
+    """What the 8-bit-activation path computes, in float64 from the raw Q4_1 blocks: x rounded
+    to int8 per 32-input block (scale max|x| / 127, ties to even), then per block
+    d * dx * sum q qx + m * dx * sum qx."""
+    raw = blocks.rows.numpy().reshape(blocks.rows.shape[0], -1, 20)
+    d = torch.from_numpy(raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64))
+    m = torch.from_numpy(raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
+    nibbles = torch.from_numpy(raw[:, :, 4:].astype(np.int64))
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=2).double()  # [out, blocks, 32]
+    xb = x.double().view(x.shape[0], -1, 32)
+    dx = (xb.abs().amax(dim=2) / 127).float().double()  # float32, as the kernel's scale
+    qx = torch.round(xb / torch.where(dx > 0, dx, 1)[..., None]).clamp(-127, 127)
+    dots = torch.einsum("rbk,obk->rob", qx, q)  # [rows, out, blocks]
+    return (d[None] * dx[:, None] * dots + m[None] * dx[:, None] * qx.sum(2)[:, None]).sum(2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576)])
+def test_int8_activations_compute_the_rounded_product(quant: QuantKernel, rows: int, k: int,
+                                                      n: int) -> None:
+    blocks, weight = quant_matrix("Q4_1", n, k, seed=k + rows)
+    x = torch.randn(rows, k + 8, generator=torch.Generator().manual_seed(rows))[:, :k]
+    got = quant.quant_matmul_q8(x.contiguous(), QuantWeight.pack(blocks, k, quant).packed)
+    torch.testing.assert_close(got.double(), int8_reference(x, blocks), rtol=1e-5, atol=1e-4)
+    # The rounding of x is the whole difference from the exact product: about 0.5 %.
+    exact = x.double() @ weight.double().t()
+    assert 1e-4 < float((got.double() - exact).norm() / exact.norm()) < 0.02
+
+
+def test_int8_rows_route_only_the_few_row_calls_of_q4_1_weights(quant: QuantKernel) -> None:
+    blocks, _ = quant_matrix("Q4_1", 64, 576, seed=8)
+    plain = QuantWeight.pack(blocks, 576, quant)
+    int8 = packed_matmul.with_int8_activations(plain, packed_matmul.INT8_ACTIVATION_ROWS)
+    assert isinstance(int8, QuantWeight) and int8.packed is plain.packed  # no second copy
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(9))
+    for rows in (1, 2):
+        assert torch.equal(int8.matmul(x[:rows]), quant.quant_matmul_q8(x[:rows], plain.packed))
+        assert not torch.equal(int8.matmul(x[:rows]), plain.matmul(x[:rows]))
+    assert torch.equal(int8.matmul(x), plain.matmul(x))  # 3 rows: the float path
+    # A row's result is its own: alone or beside another.
+    assert torch.equal(int8.matmul(x[1:2])[0], int8.matmul(x[:2])[1])
+    assert torch.equal(packed_matmul.with_int8_activations(int8, 0).matmul(x[:1]),
+                       plain.matmul(x[:1]))
+    q8_blocks, _ = quant_matrix("Q8_0", 64, 576, seed=8)
+    head = QuantWeight.pack(q8_blocks, 576, quant)
+    assert packed_matmul.with_int8_activations(head, 2) is head  # an 8-bit weight keeps float x
+
+
 def test_quantized_refuses_rows_of_the_wrong_width_and_matrices_it_cannot_take(
     quant: QuantKernel,
 ) -> None:

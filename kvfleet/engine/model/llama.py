@@ -51,6 +51,7 @@ from kvfleet.engine.packed_matmul import (
     TorchWeight,
     WeightMatmul,
     bytes_read,
+    with_int8_activations,
 )
 
 MIN_GEMM_ROWS = 16
@@ -350,6 +351,16 @@ class LlamaModel(nn.Module):
         self._quant_blocks.clear()
         self._move_to_huge_pages()
         native.return_freed_memory()  # the raw blocks, the transposed copy packing read from
+
+    def use_int8_activations(self, rows: int) -> None:
+        """Layer matmuls of up to `rows` rows whose plan takes the 4-bit kernel round their
+        input to 8 bits per 32-value block from now on (`packed_matmul.QuantWeight.int8_rows`;
+        0 turns it off). The LM head keeps float32 input. Only on packed weights."""
+        if self._packed is None:
+            raise RuntimeError("use_int8_activations: the weights are not packed (an engine "
+                               "without batch invariance packs them)")
+        self._packed = [tuple(with_int8_activations(w, rows) for w in layer)
+                        for layer in self._packed]
 
     def _move_to_huge_pages(self) -> None:
         """Every quantized weight into one mapping on huge pages (see `hugepages`): a step
