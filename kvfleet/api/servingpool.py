@@ -105,6 +105,12 @@ class EngineSettings(KubeModel):
     kv_cache_dtype: KVCacheDType = Field(
         default=KVCacheDType.AUTO, description="KV cache dtype; auto = the model's compute dtype."
     )
+    int8_activations: bool = Field(
+        default=False,
+        description="CPU replicas: decode steps of 1-2 running requests round the 4-bit layer "
+        "matmuls' input to 8 bits (llama.cpp's numerics): faster, not float32-exact. Ignored "
+        "on GPUs.",
+    )
     prefix_cache: PrefixCache = Field(
         default_factory=PrefixCache,
         description="Prefix caching.",

@@ -144,7 +144,9 @@ def register(subparsers: Any) -> None:
                         default=os.environ.get("KVFLEET_INT8_ACTIVATIONS", "") == "1",
                         help="decode steps of 1-2 running requests round the 4-bit layer "
                              "matmuls' input to 8 bits per 32 values, as llama.cpp does: "
-                             "faster on the CPU, not HF-exact (see bench/README.md)")
+                             "faster on the CPU, not HF-exact (see bench/README.md); "
+                             "default $KVFLEET_INT8_ACTIVATIONS=1, which the operator sets "
+                             "from a pool's engine.int8Activations")
     http = p.add_argument_group("http")
     http.add_argument("--max-body-bytes", type=_positive_int, default=4 * MIB)
     http.add_argument("--default-max-tokens", type=_positive_int, default=1024,

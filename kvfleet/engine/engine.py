@@ -101,7 +101,8 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
 
     `int8_activations`: decode steps of 1-2 rows multiply the Q4_1 layer weights by inputs
     rounded to 8 bits per 32-value block (llama.cpp's numerics, not the float32 weights' exact
-    products; see `packed_matmul.QuantWeight.int8_rows`). CPU float32 only."""
+    products; see `packed_matmul.QuantWeight.int8_rows`). Only the CPU's 4-bit kernel has
+    that path: elsewhere it is logged and has no effect."""
     from kvfleet.engine.device import DTYPES
     from kvfleet.engine.fused_ops import load_fused_ops
     from kvfleet.engine.matmul_plan import plan_for
@@ -123,10 +124,10 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     # The packed matmuls and fused ops are CPU kernels over float32 weights; on a GPU (or in
     # 16 bits) the torch ops serve.
     cpu_float32 = weights.device.type == "cpu" and weights.dtype == torch.float32
-    if int8_activations and (batch_invariant or not cpu_float32):
-        raise ValueError("int8 activations are a path of the CPU's 4-bit kernel: they need "
-                         "float32 weights on the CPU and no batch invariance (drop "
-                         "--int8-activations, or --batch-invariant / --device / --dtype)")
+    if int8_activations and batch_invariant:
+        raise ValueError("int8 activations round each decode step's input, which batch "
+                         "invariance exists to keep exact: drop --int8-activations or "
+                         "--batch-invariant")
     if cpu_float32 and not batch_invariant and not model.model.is_packed:
         packer, quant = load_packer(), load_quant_kernel()
         if packer is not None or quant is not None:
@@ -134,9 +135,10 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
             model.model.pack_weights(packer, quant, plan)
     if model.model.is_packed:  # a model packed for an earlier engine keeps no old setting
         model.model.use_int8_activations(INT8_ACTIVATION_ROWS if int8_activations else 0)
-    elif int8_activations:
-        log.warning("int8 activations asked for, but the 4-bit kernel is not in use here: "
-                    "every matmul stays float32")
+    elif int8_activations:  # a GPU, 16-bit weights or no kernel: a pool's setting is moot
+        log.warning("int8 activations asked for, but the CPU's 4-bit kernel is not in use "
+                    "here (%s, %s): every matmul keeps its input as it is",
+                    weights.device, weights.dtype)
     if cpu_float32:
         model.model.use_fused_ops(load_fused_ops())
     runner = ModelRunner(model, num_blocks, cache_config.block_size, batch_invariant,

@@ -134,6 +134,26 @@ def test_args_parse_with_the_engine_command_line() -> None:
     assert ns.kv_cache_dtype == "auto" and ns.device == "auto"
 
 
+@pytest.mark.parametrize("enabled", [False, True])
+def test_int8_activations_reach_the_engine_through_the_config_map(
+    enabled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve = pytest.importorskip("kvfleet.commands.serve")
+    settings = builders.build_config_map(pool(spec__engine__int8Activations=enabled))["data"]
+    assert settings["KVFLEET_INT8_ACTIVATIONS"] == ("1" if enabled else "0")
+    # The pod gets every ConfigMap key as an environment variable; serve reads this one as
+    # the default of --int8-activations.
+    monkeypatch.setenv("KVFLEET_INT8_ACTIVATIONS", settings["KVFLEET_INT8_ACTIVATIONS"])
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).int8_activations is enabled
+    before = _deployment()["spec"]["template"]["metadata"]["annotations"]
+    after = _deployment(spec__engine__int8Activations=True)["spec"]["template"]["metadata"][
+        "annotations"]
+    key = naming.ENGINE_CONFIG_HASH_ANNOTATION
+    assert before[key] != after[key]  # switching it restarts the engines
+
+
 def test_service_and_pdb_select_the_pool() -> None:
     p = pool(spec__reserves={"failover": 2})
     service, pdb = builders.build_service(p), builders.build_pdb(p)
