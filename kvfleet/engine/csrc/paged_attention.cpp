@@ -3,11 +3,11 @@
 //
 // Decode:
 // The SDPA path gathers every sequence's K and V blocks into a contiguous copy and then reads
-// the copy: two passes over the cache per layer plus a write. Here each (sequence, kv head)
-// task walks its block table and reads the cached positions from memory once (the query heads
-// of a grouped-query group re-read them from L1/L2). Per task: scores for every position,
-// exact softmax (max subtracted), then the weighted sum of V, all in float32, with the query
-// and the accumulators held in registers.
+// the copy: two passes over the cache per layer plus a write. Here each (sequence, query head)
+// task walks its block table and reads the cached positions straight from the blocks (the
+// query heads of a grouped-query group are neighbouring tasks and re-read them from L1/L2).
+// Per task: scores for every position, exact softmax (max subtracted), then the weighted sum
+// of V, all in float32, with the query and the accumulators held in registers.
 //
 // Determinism: a task's arithmetic depends only on its own sequence (fixed summation order,
 // explicit vector types rather than compiler-reassociated reductions), so a sequence's output
@@ -60,9 +60,13 @@ inline float register_sum(Reg v) {
 #endif
 }
 
-// Every (sequence, kv head) task of a decode call, for a head_dim of V * 16. The query and the
-// accumulators are ISA registers (Reg), dim / kRegLanes of them, indexed by compile-time loops
-// so they stay in registers: 16-float Vec arrays indexed at run time went through the stack.
+// Every (sequence, query head) task of a decode call, for a head_dim of V * 16. The query and
+// the accumulators are ISA registers (Reg), dim / kRegLanes of them, indexed by compile-time
+// loops so they stay in registers: 16-float Vec arrays indexed at run time went through the
+// stack. A task per query head, not per kv head: with one sequence and 3 kv heads (SmolLM2)
+// the kv-head tasks split 2:1 over 2 threads, the 9 query-head tasks 5:4 (the heads of one
+// group are neighbours, so a thread re-reads their K and V from L1/L2). Each head's arithmetic
+// is the same either way.
 template <int64_t V>
 void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int64_t kv_heads,
             const float* kp, const float* vp, const int64_t* tables, int64_t max_blocks,
@@ -70,20 +74,20 @@ void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int
   constexpr int64_t dim = V * kLanes, regs = dim / kRegLanes;
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;  // floats between slots of a block
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, inv(group);
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, ctx = lens[b];
+      const int64_t b = task / heads, head = task % heads, h = head / group, ctx = lens[b];
       const int64_t* table = tables + b * max_blocks;
-      const float* qh = qp + b * q_stride + h * group * dim;
-      // Each head's scores padded to whole vectors with -inf, which the softmax turns into
-      // weights of exactly 0.
+      const float* qh = qp + b * q_stride + head * dim;
+      // The scores padded to whole vectors with -inf, which the softmax turns into weights of
+      // exactly 0.
       const int64_t chunks = (ctx + kLanes - 1) / kLanes, width = chunks * kLanes;
-      scores.resize(group * width);
-      for (int64_t g = 0; g < group; ++g) {
+      scores.resize(width);
+      float* s = scores.data();
+      {
         Reg qv[regs];
-        for (int64_t i = 0; i < regs; ++i) qv[i] = load_reg(qh + g * dim + i * kRegLanes);
-        float* s = scores.data() + g * width;
+        for (int64_t i = 0; i < regs; ++i) qv[i] = load_reg(qh + i * kRegLanes);
         for (int64_t t = 0; t < ctx; ++t) {
           const float* k = kp + (table[t / block_size] * block_size + t % block_size) *
                                     token_stride + h * dim;
@@ -95,28 +99,21 @@ void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int
       }
       // Softmax 16 positions at a time (vexp): a scalar exp per position was more than half
       // of a decode step's attention at short contexts.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * width;
-        Vec vmax = load(s);
-        for (int64_t c = 1; c < chunks; ++c) {
-          const Vec x = load(s + c * kLanes);
-          vmax = vmax > x ? vmax : x;
-        }
-        inv[g] = exp_weights(s, chunks, horizontal_max(vmax));
+      Vec vmax = load(s);
+      for (int64_t c = 1; c < chunks; ++c) {
+        const Vec x = load(s + c * kLanes);
+        vmax = vmax > x ? vmax : x;
       }
-      // Per query head, the weighted sum of V in registers; V is re-read per head of the
-      // group from L1/L2, where the first pass left it.
-      for (int64_t g = 0; g < group; ++g) {
-        Reg acc[regs] = {};
-        const float* p = scores.data() + g * width;
-        for (int64_t t = 0; t < ctx; ++t) {
-          const float* v = vp + (table[t / block_size] * block_size + t % block_size) *
-                                    token_stride + h * dim;
-          for (int64_t i = 0; i < regs; ++i) acc[i] += p[t] * load_reg(v + i * kRegLanes);
-        }
-        float* o = op + (b * heads + h * group + g) * dim;
-        for (int64_t i = 0; i < regs; ++i) store_reg(o + i * kRegLanes, acc[i] * inv[g]);
+      const float inv = exp_weights(s, chunks, horizontal_max(vmax));
+      // The weighted sum of V in registers.
+      Reg acc[regs] = {};
+      for (int64_t t = 0; t < ctx; ++t) {
+        const float* v = vp + (table[t / block_size] * block_size + t % block_size) *
+                                  token_stride + h * dim;
+        for (int64_t i = 0; i < regs; ++i) acc[i] += s[t] * load_reg(v + i * kRegLanes);
       }
+      float* o = op + (b * heads + head) * dim;
+      for (int64_t i = 0; i < regs; ++i) store_reg(o + i * kRegLanes, acc[i] * inv);
     }
   });
 }
