@@ -88,12 +88,16 @@ void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int
       {
         Reg qv[regs];
         for (int64_t i = 0; i < regs; ++i) qv[i] = load_reg(qh + i * kRegLanes);
-        for (int64_t t = 0; t < ctx; ++t) {
-          const float* k = kp + (table[t / block_size] * block_size + t % block_size) *
-                                    token_stride + h * dim;
-          Reg prod = qv[0] * load_reg(k);
-          for (int64_t i = 1; i < regs; ++i) prod += qv[i] * load_reg(k + i * kRegLanes);
-          s[t] = register_sum(prod) * scale;
+        // Block by block: a division per position (t / block_size, t % block_size) cost
+        // more than the position's dot product.
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+          const float* k = kp + table[t0 / block_size] * block_size * token_stride + h * dim;
+          const int64_t n = std::min(block_size, ctx - t0);
+          for (int64_t j = 0; j < n; ++j, k += token_stride) {
+            Reg prod = qv[0] * load_reg(k);
+            for (int64_t i = 1; i < regs; ++i) prod += qv[i] * load_reg(k + i * kRegLanes);
+            s[t0 + j] = register_sum(prod) * scale;
+          }
         }
         std::fill(s + ctx, s + width, -INFINITY);
       }
@@ -107,10 +111,11 @@ void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int
       const float inv = exp_weights(s, chunks, horizontal_max(vmax));
       // The weighted sum of V in registers.
       Reg acc[regs] = {};
-      for (int64_t t = 0; t < ctx; ++t) {
-        const float* v = vp + (table[t / block_size] * block_size + t % block_size) *
-                                  token_stride + h * dim;
-        for (int64_t i = 0; i < regs; ++i) acc[i] += s[t] * load_reg(v + i * kRegLanes);
+      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const float* v = vp + table[t0 / block_size] * block_size * token_stride + h * dim;
+        const int64_t n = std::min(block_size, ctx - t0);
+        for (int64_t j = 0; j < n; ++j, v += token_stride)
+          for (int64_t i = 0; i < regs; ++i) acc[i] += s[t0 + j] * load_reg(v + i * kRegLanes);
       }
       float* o = op + (b * heads + head) * dim;
       for (int64_t i = 0; i < regs; ++i) store_reg(o + i * kRegLanes, acc[i] * inv);
