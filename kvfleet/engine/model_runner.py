@@ -18,7 +18,8 @@ K/V are never repeated per query head.
 
 By default attention instead runs kernels that read K/V straight from the blocks (no gather,
 no padding, no groups): one decode call per layer for every decode row, one prefill call per
-layer and chunk. On the CPU they are the compiled ones of `paged_attention.py` (float32 K/V);
+layer and chunk. On the CPU they are the compiled ones of `paged_attention.py` (float32 or
+bfloat16 K/V);
 on a CUDA device the Triton ones of `triton_attention.py` (`KVFLEET_ATTENTION=triton` runs
 those on the CPU too, under Triton's interpreter: how the tests check them). Batch-invariant
 mode keeps SDPA for both: a request recomputed after preemption redoes its decoded positions
@@ -73,8 +74,8 @@ def choose_kernel(device: torch.device, kv_dtype: torch.dtype, head_dim: int) ->
         logger.warning("Triton is not installed: attention on %s uses SDPA", device)
         return None
     # The C++ kernel vectorizes over 16-float lanes of a head, keeps a head in registers and
-    # reads float32 K/V.
-    if kv_dtype != torch.float32 or head_dim % 16 or head_dim > 256:
+    # reads float32 or bfloat16 K/V (a float16 cache stays on SDPA).
+    if kv_dtype not in (torch.float32, torch.bfloat16) or head_dim % 16 or head_dim > 256:
         return None
     return load_kernel()
 

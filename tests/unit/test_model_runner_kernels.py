@@ -54,6 +54,7 @@ def expected(model: LlamaModel, vocab: int) -> dict[str, list[torch.Tensor]]:
     # 16-bit K/V: each stored value rounded to 8 (bf16) or 11 (fp16) mantissa bits.
     ("triton", torch.bfloat16, 0.1),
     ("sdpa", torch.bfloat16, 0.1),
+    ("kernel", torch.bfloat16, 0.1),
     ("triton", torch.float16, 2e-2),
     ("sdpa", torch.float16, 2e-2),
 ])
@@ -63,6 +64,7 @@ def test_every_attention_path_and_kv_dtype_matches_the_full_forward(
     monkeypatch.setenv("KVFLEET_ATTENTION", attention)
     runner = ModelRunner(model, num_blocks=8, block_size=BLOCK_SIZE, kv_dtype=kv_dtype)
     assert isinstance(runner.kernel, triton_attention.TritonKernel) == (attention == "triton")
+    assert (runner.kernel is None) == (attention == "sdpa")
     assert runner.kv_cache.dtype == kv_dtype
     vocab = model.config.vocab_size
     got, want = run_steps(runner, vocab), expected(model, vocab)
@@ -81,11 +83,13 @@ def test_a_16_bit_cache_takes_half_the_bytes(model: LlamaModel) -> None:
     assert runner.kv_cache.numel() * 2 == 8 * kv_bytes_per_block(cfg, 16, torch.float16)
 
 
-def test_the_compiled_cpu_kernel_is_not_used_for_a_16_bit_cache(
+def test_the_compiled_cpu_kernel_reads_a_bfloat16_cache_and_not_a_float16_one(
         model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """It reads float32 K/V: a 16-bit cache on the CPU runs SDPA over converted blocks."""
+    """It reads float32 or bfloat16 K/V: a float16 cache on the CPU runs SDPA over converted
+    blocks."""
     monkeypatch.delenv("KVFLEET_ATTENTION", raising=False)
-    assert ModelRunner(model, 8, BLOCK_SIZE, kv_dtype=torch.bfloat16).kernel is None
+    assert ModelRunner(model, 8, BLOCK_SIZE, kv_dtype=torch.bfloat16).kernel is not None
+    assert ModelRunner(model, 8, BLOCK_SIZE, kv_dtype=torch.float16).kernel is None
 
 
 @pytest.mark.parametrize("attention", ["triton", "sdpa"])

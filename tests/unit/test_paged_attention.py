@@ -203,6 +203,32 @@ def test_write_kv_puts_each_token_in_its_slot_like_index_copy(kernel: Kernel) ->
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+def test_a_bfloat16_cache_gives_what_float32_gives_on_the_same_values(kernel: Kernel) -> None:
+    """A bfloat16 element widens to float32 exactly, so decode and prefill over a bfloat16
+    cache match the float32 kernels over that cache converted, bit for bit; write_kv rounds
+    as torch does."""
+    gen = torch.Generator().manual_seed(40)
+    k_cache, v_cache = (c.bfloat16() for c in random_cache(32, 3, 64, seed=41))
+    k32, v32 = k_cache.float(), v_cache.float()
+    table = torch.randperm(32, generator=gen)
+    q = torch.randn(4, 9, 64, generator=gen)
+    contexts = torch.tensor([1, 17, 200, 512])
+    tables = table[None].repeat(4, 1)
+    assert torch.equal(kernel.paged_decode_attention(q, k_cache, v_cache, tables, contexts, 0.125),
+                       kernel.paged_decode_attention(q, k32, v32, tables, contexts, 0.125))
+    assert torch.equal(kernel.paged_prefill_attention(q, k_cache, v_cache, table, 300, 0.125),
+                       kernel.paged_prefill_attention(q, k32, v32, table, 300, 0.125))
+    k, v = torch.randn(2, 5, 3, 64, generator=gen)
+    slots = torch.tensor([3, 77, 500, 12, 13])
+    kernel.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, 3, 64)[slots], k.bfloat16())
+    assert torch.equal(v_cache.view(-1, 3, 64)[slots], v.bfloat16())
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        kernel.paged_decode_attention(q, k_cache, v32, tables, contexts, 0.125)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        kernel.write_kv(k, v, k_cache.half(), v_cache.half(), slots)
+
+
 def test_write_kv_rejects_a_slot_outside_the_pool_and_mismatched_shapes(kernel: Kernel) -> None:
     k_cache, v_cache = random_cache(2, 2, 16, seed=32)
     k = torch.randn(2, 2, 16)

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -27,6 +28,42 @@ namespace {
 
 using namespace kvfleet;
 constexpr int64_t kMaxVecs = 16;  // head_dim <= 256
+
+// K/V elements are float32, or bfloat16 kept as its 16 bits (the upper half of a float32, so
+// widening is a shift: exact). A 16-bit cache halves the bytes a decode step reads from it.
+typedef uint16_t U16Reg __attribute__((vector_size(kRegLanes * sizeof(uint16_t)), aligned(2)));
+typedef uint16_t U16Vec __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
+
+inline Reg load_kv_reg(const float* p) { return load_reg(p); }
+inline Reg load_kv_reg(const uint16_t* p) {
+  const IReg bits = __builtin_convertvector(*reinterpret_cast<const U16Reg*>(p), IReg) << 16;
+  Reg r;
+  std::memcpy(&r, &bits, sizeof(r));
+  return r;
+}
+// Both caches float32, or both bfloat16.
+inline bool cache_type_ok(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  return k_cache.scalar_type() == v_cache.scalar_type() &&
+         (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16);
+}
+
+// f(k, v) with the caches' elements as float or as bfloat16's 16 bits.
+template <typename F>
+void with_cache_type(const torch::Tensor& k_cache, const torch::Tensor& v_cache, F f) {
+  if (k_cache.scalar_type() == at::kBFloat16)
+    f(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+      reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
+  else
+    f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+}
+
+inline Vec load_kv(const float* p) { return load(p); }
+inline Vec load_kv(const uint16_t* p) {
+  const IVec bits = __builtin_convertvector(*reinterpret_cast<const U16Vec*>(p), IVec) << 16;
+  Vec r;
+  std::memcpy(&r, &bits, sizeof(r));
+  return r;
+}
 
 inline float horizontal_max(Vec v) {
   float m = v[0];
@@ -67,9 +104,9 @@ inline float register_sum(Reg v) {
 // the kv-head tasks split 2:1 over 2 threads, the 9 query-head tasks 5:4 (the heads of one
 // group are neighbours, so a thread re-reads their K and V from L1/L2). Each head's arithmetic
 // is the same either way.
-template <int64_t V>
+template <int64_t V, typename KV>
 void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int64_t kv_heads,
-            const float* kp, const float* vp, const int64_t* tables, int64_t max_blocks,
+            const KV* kp, const KV* vp, const int64_t* tables, int64_t max_blocks,
             const int64_t* lens, int64_t block_size, float scale, float* op) {
   constexpr int64_t dim = V * kLanes, regs = dim / kRegLanes;
   const int64_t group = heads / kv_heads;
@@ -91,11 +128,11 @@ void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int
         // Block by block: a division per position (t / block_size, t % block_size) cost
         // more than the position's dot product.
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-          const float* k = kp + table[t0 / block_size] * block_size * token_stride + h * dim;
+          const KV* k = kp + table[t0 / block_size] * block_size * token_stride + h * dim;
           const int64_t n = std::min(block_size, ctx - t0);
           for (int64_t j = 0; j < n; ++j, k += token_stride) {
-            Reg prod = qv[0] * load_reg(k);
-            for (int64_t i = 1; i < regs; ++i) prod += qv[i] * load_reg(k + i * kRegLanes);
+            Reg prod = qv[0] * load_kv_reg(k);
+            for (int64_t i = 1; i < regs; ++i) prod += qv[i] * load_kv_reg(k + i * kRegLanes);
             s[t0 + j] = register_sum(prod) * scale;
           }
         }
@@ -112,10 +149,10 @@ void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int
       // The weighted sum of V in registers.
       Reg acc[regs] = {};
       for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const float* v = vp + table[t0 / block_size] * block_size * token_stride + h * dim;
+        const KV* v = vp + table[t0 / block_size] * block_size * token_stride + h * dim;
         const int64_t n = std::min(block_size, ctx - t0);
         for (int64_t j = 0; j < n; ++j, v += token_stride)
-          for (int64_t i = 0; i < regs; ++i) acc[i] += s[t0 + j] * load_reg(v + i * kRegLanes);
+          for (int64_t i = 0; i < regs; ++i) acc[i] += s[t0 + j] * load_kv_reg(v + i * kRegLanes);
       }
       float* o = op + (b * heads + head) * dim;
       for (int64_t i = 0; i < regs; ++i) store_reg(o + i * kRegLanes, acc[i] * inv);
@@ -134,9 +171,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode_attention: q must be [B, H, D] and the caches [N, BS, KVH, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && cache_type_ok(k_cache, v_cache),
+              "paged_decode_attention: q must be float32 and the caches both float32 or both "
+              "bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and context_lens must be int64");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() &&
@@ -152,8 +189,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(block_tables.size(0) == batch && context_lens.size(0) == batch,
               "paged_decode_attention: one block table and context length per sequence");
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
@@ -169,18 +204,21 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   torch::Tensor out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  switch (dim / kLanes) {
-#define KVFLEET_DECODE(V)                                                                   \
-  case V:                                                                                   \
-    decode<V>(qp, q.stride(0), batch, heads, kv_heads, kp, vp, tables, max_blocks, lens,    \
-              block_size, fscale, op);                                                      \
+  with_cache_type(k_cache, v_cache, [&](const auto* kp, const auto* vp) {
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    switch (dim / kLanes) {
+#define KVFLEET_DECODE(V)                                                                    \
+  case V:                                                                                    \
+    decode<V, KV>(qp, q.stride(0), batch, heads, kv_heads, kp, vp, tables, max_blocks, lens, \
+                  block_size, fscale, op);                                                   \
     break;
-    KVFLEET_DECODE(1) KVFLEET_DECODE(2) KVFLEET_DECODE(3) KVFLEET_DECODE(4)
-    KVFLEET_DECODE(5) KVFLEET_DECODE(6) KVFLEET_DECODE(7) KVFLEET_DECODE(8)
-    KVFLEET_DECODE(9) KVFLEET_DECODE(10) KVFLEET_DECODE(11) KVFLEET_DECODE(12)
-    KVFLEET_DECODE(13) KVFLEET_DECODE(14) KVFLEET_DECODE(15) KVFLEET_DECODE(16)
+      KVFLEET_DECODE(1) KVFLEET_DECODE(2) KVFLEET_DECODE(3) KVFLEET_DECODE(4)
+      KVFLEET_DECODE(5) KVFLEET_DECODE(6) KVFLEET_DECODE(7) KVFLEET_DECODE(8)
+      KVFLEET_DECODE(9) KVFLEET_DECODE(10) KVFLEET_DECODE(11) KVFLEET_DECODE(12)
+      KVFLEET_DECODE(13) KVFLEET_DECODE(14) KVFLEET_DECODE(15) KVFLEET_DECODE(16)
 #undef KVFLEET_DECODE
-  }
+    }
+  });
   return out;
 }
 
@@ -243,9 +281,9 @@ inline float register_max(Reg v) {
 // kv head `h`, against the causal prefix of each. K comes pre-transposed in 16-position
 // chunks ([chunk][dim][16 positions]) so a chunk's scores for one row are one vector built by
 // `dim` FMAs; V is read straight from the cache's slots.
-template <int64_t V>
+template <int64_t V, typename KV>
 void prefill_tile(const float* q, int64_t q_stride, int64_t heads, int64_t group, int64_t h,
-                  int64_t row0, int64_t rows, int64_t start, const float* k_t, const float* v_cache,
+                  int64_t row0, int64_t rows, int64_t start, const float* k_t, const KV* v_cache,
                   const int64_t* slots, int64_t token_stride, float scale, float* out,
                   std::vector<float>& scores) {
   constexpr int64_t dim = V * kLanes;
@@ -313,9 +351,9 @@ void prefill_tile(const float* q, int64_t q_stride, int64_t heads, int64_t group
     for (int64_t c0 = 0; c0 < kRowRegs; c0 += kSlice) {
       Reg acc[kPvRows][kSlice] = {};
       for (int64_t t = 0; t < end; ++t) {
-        const float* v = v_cache + slots[t] * token_stride + h * dim + c0 * kRegLanes;
+        const KV* v = v_cache + slots[t] * token_stride + h * dim + c0 * kRegLanes;
         Reg vv[kSlice];
-        for (int64_t i = 0; i < kSlice; ++i) vv[i] = load_reg(v + i * kRegLanes);
+        for (int64_t i = 0; i < kSlice; ++i) vv[i] = load_kv_reg(v + i * kRegLanes);
         for (int64_t r = 0; r < kPvRows; ++r)
           for (int64_t i = 0; i < kSlice; ++i) acc[r][i] += pr[r][t] * vv[i];
       }
@@ -329,9 +367,9 @@ void prefill_tile(const float* q, int64_t q_stride, int64_t heads, int64_t group
   }
 }
 
-template <int64_t V>
+template <int64_t V, typename KV>
 void prefill(const float* q, int64_t q_stride, int64_t n, int64_t heads, int64_t kv_heads,
-             int64_t start, const float* k_cache, const float* v_cache, const int64_t* slots,
+             int64_t start, const KV* k_cache, const KV* v_cache, const int64_t* slots,
              float scale, float* out) {
   constexpr int64_t dim = V * kLanes;
   const int64_t group = heads / kv_heads, token_stride = kv_heads * dim;
@@ -345,7 +383,7 @@ void prefill(const float* q, int64_t q_stride, int64_t n, int64_t heads, int64_t
   // as much as a tenth of the attention of a 100-token chunk over 1,000 cached positions.
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
-      const float* rows[kLanes];
+      const KV* rows[kLanes];
       for (int64_t l = 0; l < kLanes; ++l) {
         const int64_t t = c * kLanes + l;
         rows[l] = t < ctx ? k_cache + slots[t] * token_stride : nullptr;
@@ -355,7 +393,7 @@ void prefill(const float* q, int64_t q_stride, int64_t n, int64_t heads, int64_t
         for (int64_t i = 0; i < V; ++i) {
           Vec square[kLanes];
           for (int64_t l = 0; l < kLanes; ++l)
-            square[l] = rows[l] ? load(rows[l] + h * dim + i * kLanes) : Vec{};
+            square[l] = rows[l] ? load_kv(rows[l] + h * dim + i * kLanes) : Vec{};
           transpose16(square);
           for (int64_t d = 0; d < kLanes; ++d) store(dst + (i * kLanes + d) * kLanes, square[d]);
         }
@@ -372,7 +410,7 @@ void prefill(const float* q, int64_t q_stride, int64_t n, int64_t heads, int64_t
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t task = w; task < tasks; task += workers) {
         const int64_t h = task / tiles_per_head, row0 = (task % tiles_per_head) * kTileRows;
-        prefill_tile<V>(q, q_stride, heads, group, h, row0,
+        prefill_tile<V, KV>(q, q_stride, heads, group, h, row0,
                         std::min(kTileRows, n * group - row0), start,
                         k_t.data() + h * chunks * dim * kLanes, v_cache, slots, token_stride,
                         scale, out, scores);
@@ -397,9 +435,9 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
                                       double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_prefill_attention: q must be [n, H, D] and the caches [N, BS, KVH, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "paged_prefill_attention: float32 tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && cache_type_ok(k_cache, v_cache),
+              "paged_prefill_attention: q must be float32 and the caches both float32 or both "
+              "bfloat16");
   TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kLong,
               "paged_prefill_attention: block_table must be a 1-D int64 tensor");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() &&
@@ -424,21 +462,23 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
   }
   torch::Tensor out = torch::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  switch (dim / kLanes) {
-#define KVFLEET_PREFILL(V)                                                             \
-  case V:                                                                              \
-    prefill<V>(qp, q.stride(0), n, heads, kv_heads, start, kp, vp, slots.data(), fscale, op); \
+  with_cache_type(k_cache, v_cache, [&](const auto* kp, const auto* vp) {
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    switch (dim / kLanes) {
+#define KVFLEET_PREFILL(V)                                                                  \
+  case V:                                                                                   \
+    prefill<V, KV>(qp, q.stride(0), n, heads, kv_heads, start, kp, vp, slots.data(), fscale, \
+                   op);                                                                     \
     break;
-    KVFLEET_PREFILL(1) KVFLEET_PREFILL(2) KVFLEET_PREFILL(3) KVFLEET_PREFILL(4)
-    KVFLEET_PREFILL(5) KVFLEET_PREFILL(6) KVFLEET_PREFILL(7) KVFLEET_PREFILL(8)
-    KVFLEET_PREFILL(9) KVFLEET_PREFILL(10) KVFLEET_PREFILL(11) KVFLEET_PREFILL(12)
-    KVFLEET_PREFILL(13) KVFLEET_PREFILL(14) KVFLEET_PREFILL(15) KVFLEET_PREFILL(16)
+      KVFLEET_PREFILL(1) KVFLEET_PREFILL(2) KVFLEET_PREFILL(3) KVFLEET_PREFILL(4)
+      KVFLEET_PREFILL(5) KVFLEET_PREFILL(6) KVFLEET_PREFILL(7) KVFLEET_PREFILL(8)
+      KVFLEET_PREFILL(9) KVFLEET_PREFILL(10) KVFLEET_PREFILL(11) KVFLEET_PREFILL(12)
+      KVFLEET_PREFILL(13) KVFLEET_PREFILL(14) KVFLEET_PREFILL(15) KVFLEET_PREFILL(16)
 #undef KVFLEET_PREFILL
-  }
+    }
+  });
   return out;
 }
 
@@ -452,8 +492,8 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_ca
                   v_cache.sizes() == k_cache.sizes(),
               "write_kv: k and v must be [T, KVH, D] and the caches [N, BS, KVH, D]");
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "write_kv: float32 tensors only");
+                  cache_type_ok(k_cache, v_cache),
+              "write_kv: k and v must be float32 and the caches both float32 or both bfloat16");
   TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
               "write_kv: k's heads and head_dim must match the cache's");
   const int64_t row = k.size(1) * k.size(2);
@@ -472,6 +512,19 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_ca
                 num_slots, ")");
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
+  if (k_cache.scalar_type() == at::kBFloat16) {
+    // Rounded to nearest even, as torch's own float32 -> bfloat16 conversion.
+    at::BFloat16* kc = k_cache.data_ptr<at::BFloat16>();
+    at::BFloat16* vc = v_cache.data_ptr<at::BFloat16>();
+    at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t i = 0; i < row; ++i) {
+          kc[sp[t] * row + i] = at::BFloat16(kp[t * k.stride(0) + i]);
+          vc[sp[t] * row + i] = at::BFloat16(vp[t * v.stride(0) + i]);
+        }
+    });
+    return;
+  }
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
