@@ -482,22 +482,29 @@ void q4_rows_q8(const Q8Row* rows, const uint8_t* wp, int64_t blocks, int64_t n_
   });
 }
 
+// x must be float32 [M, K] with contiguous rows, packed from q4_1_pack or q8_0_pack for K
+// inputs; `fn` names the caller in the error.
+void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const char* fn) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, fn,
+              ": x must be a float32 [M, K] tensor with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  (packed.size(2) == kQ4GroupBytes || packed.size(2) == kQ8GroupBytes),
+              fn, ": packed must come from q4_1_pack or q8_0_pack");
+  TORCH_CHECK(packed.size(1) * kBlock == x.size(1), fn, ": x has ", x.size(1),
+              " columns, the weight ", packed.size(1) * kBlock);
+}
+
 }  // namespace
 
 // x: [M, K] float32 (rows may be strided); packed: from q4_1_pack. Returns ~x @ W^T, [M, N]
 // float32, with x rounded to 8 bits per 32-input block (see above); rows are taken
 // kQ8ActMaxRows at a time, so it is meant for a decode step's few rows.
 torch::Tensor quant_matmul_q8(const torch::Tensor& x, const torch::Tensor& packed) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "quant_matmul_q8: x must be a float32 [M, K] tensor with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == kQ4GroupBytes,
+  check_operands(x, packed, "quant_matmul_q8");
+  TORCH_CHECK(packed.size(2) == kQ4GroupBytes,
               "quant_matmul_q8: packed must come from q4_1_pack (an 8-bit LM head gained 8 % "
               "this way, so only Q4_1 has this path)");
-  const int64_t m_len = x.size(0), k_len = x.size(1), blocks = packed.size(1);
-  TORCH_CHECK(blocks * kBlock == k_len, "quant_matmul_q8: x has ", k_len, " columns, the weight ",
-              blocks * kBlock);
-  const int64_t n_len = packed.size(0) * kLanes;
+  const int64_t m_len = x.size(0), blocks = packed.size(1), n_len = packed.size(0) * kLanes;
   torch::Tensor out = torch::empty({m_len, n_len}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -540,14 +547,8 @@ torch::Tensor q8_0_pack(const torch::Tensor& raw, int64_t k_len) {
 // x: [M, K] float32 (rows may be strided); packed: from q4_1_pack or q8_0_pack.
 // Returns x @ W^T, [M, N] float32.
 torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& packed) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "quant_matmul: x must be a float32 [M, K] tensor with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  (packed.size(2) == kQ4GroupBytes || packed.size(2) == kQ8GroupBytes),
-              "quant_matmul: packed must come from q4_1_pack or q8_0_pack");
+  check_operands(x, packed, "quant_matmul");
   const int64_t m_len = x.size(0), k_len = x.size(1), blocks = packed.size(1);
-  TORCH_CHECK(blocks * kBlock == k_len, "quant_matmul: x has ", k_len, " columns, the weight ",
-              blocks * kBlock);
   const int64_t n_len = packed.size(0) * kLanes;
   torch::Tensor out = torch::empty({m_len, n_len}, x.options());
   if (m_len == 0) return out;
