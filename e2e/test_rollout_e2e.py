@@ -189,9 +189,10 @@ def _promote(kube: KubeClient, kubectl: Kubectl, op: OperatorProcess, ns: str,
                            lambda r: (r.get("status") or {}).get("shadowPercent") == 50,
                            "the shadow phase", 240)
     argo.expect(shadow, "Progressing", "shadow")
-    pool = _get(kube, "ServingPool", ns, POOL)
-    assert {t["role"]: (t["weight"], t["shadowPercent"]) for t in pool["status"]["traffic"]} \
-        == {"stable": (100, 0), "shadow": (0, 50)}
+    # The pool's status copies the Rollout's traffic at the pool's next reconcile: waited for,
+    # not read at once (a read right after the Rollout moved saw the previous phase).
+    pool = _wait_pool(kube, op, ns, POOL, lambda p: _traffic(p, "shadowPercent")
+                      == {"stable": (100, 0), "shadow": (0, 50)}, "the pool's shadow traffic", 60)
     argo.expect(pool, "Progressing", "rollout-shadow")
     # Killed (SIGKILL: no clean shut-down) three times on the way, each time a new process
     # resumes from the Rollout's status alone: mid-analysis (the shadow phase judged once),
@@ -206,9 +207,8 @@ def _promote(kube: KubeClient, kubectl: Kubectl, op: OperatorProcess, ns: str,
                            lambda r: (r.get("status") or {}).get("currentWeight") == 50,
                            "weight 50%", 240)
     argo.expect(canary, "Progressing", "canary-step")
-    pool = _get(kube, "ServingPool", ns, POOL)
-    assert {t["role"]: t["weight"] for t in pool["status"]["traffic"]} == {"stable": 50,
-                                                                           "canary": 50}
+    _wait_pool(kube, op, ns, POOL, lambda p: _traffic(p) == {"stable": (50,), "canary": (50,)},
+               "the pool's canary traffic at 50 %", 60)
     op.restart(signal.SIGKILL)
     _wait_rollout(kube, op, ns, lambda r: (r.get("status") or {}).get("currentWeight") == 100
                   or _phase("Promoted", "RolledBack", "Paused")(r), "weight 100%", 240)
@@ -237,6 +237,12 @@ def _promote(kube: KubeClient, kubectl: Kubectl, op: OperatorProcess, ns: str,
         assert traffic.revisions[hashes["smol-v2"][:12]] > 0
 
 
+def _traffic(pool: JsonObj, *fields: str) -> dict[str, tuple[Any, ...]]:
+    """role -> (weight, *fields) of the pool's status.traffic."""
+    return {t["role"]: (t["weight"], *(t[f] for f in fields))
+            for t in (pool.get("status") or {}).get("traffic") or []}
+
+
 def _roll_back(kube: KubeClient, op: OperatorProcess, ns: str, hashes: dict[str, str],
                traffic: Traffic, faults: dict[str, str], argo: ArgoHealth) -> None:
     os.environ[FAULTS_ENV] = slow_fault(hashes["smol-v3"])
@@ -257,9 +263,9 @@ def _roll_back(kube: KubeClient, op: OperatorProcess, ns: str, hashes: dict[str,
     # Argo CD shows the rollout Degraded with the rollout's own reason.
     assert argo.expect(done, "Degraded", "rolled-back").message == status["message"]
     # Traffic moved back first; the stable pods were never restarted or replaced.
-    pool = _get(kube, "ServingPool", ns, POOL)
+    pool = _wait_pool(kube, op, ns, POOL, lambda p: not _traffic(p),
+                      "the pool's traffic back on stable", 60)
     assert pool["status"]["servingRevision"] == hashes["smol-v2"]
-    assert not pool["status"].get("traffic")
     argo.expect(pool, "Healthy", "stable-after-rollback")  # stable serves on
     assert _pods(kube, ns, hashes["smol-v2"]) == stable_pods
     _wait_pool(kube, op, ns, POOL, lambda p: not _pods(kube, ns, hashes["smol-v3"]),
