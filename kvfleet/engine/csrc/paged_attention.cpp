@@ -34,13 +34,20 @@ constexpr int64_t kMaxVecs = 16;  // head_dim <= 256
 typedef uint16_t U16Reg __attribute__((vector_size(kRegLanes * sizeof(uint16_t)), aligned(2)));
 typedef uint16_t U16Vec __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
 
-inline Reg load_kv_reg(const float* p) { return load_reg(p); }
-inline Reg load_kv_reg(const uint16_t* p) {
-  const IReg bits = __builtin_convertvector(*reinterpret_cast<const U16Reg*>(p), IReg) << 16;
-  Reg r;
+// Bfloat16 bits widened to the float32 vector F (lanes of integer vector I, 16-bit vector B).
+template <typename F, typename I, typename B>
+inline F widen_bf16(const uint16_t* p) {
+  const I bits = __builtin_convertvector(*reinterpret_cast<const B*>(p), I) << 16;
+  F r;
   std::memcpy(&r, &bits, sizeof(r));
   return r;
 }
+
+inline Reg load_kv_reg(const float* p) { return load_reg(p); }
+inline Reg load_kv_reg(const uint16_t* p) { return widen_bf16<Reg, IReg, U16Reg>(p); }
+inline Vec load_kv(const float* p) { return load(p); }
+inline Vec load_kv(const uint16_t* p) { return widen_bf16<Vec, IVec, U16Vec>(p); }
+
 // Both caches float32, or both bfloat16.
 inline bool cache_type_ok(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   return k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -55,14 +62,6 @@ void with_cache_type(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
       reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
   else
     f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-}
-
-inline Vec load_kv(const float* p) { return load(p); }
-inline Vec load_kv(const uint16_t* p) {
-  const IVec bits = __builtin_convertvector(*reinterpret_cast<const U16Vec*>(p), IVec) << 16;
-  Vec r;
-  std::memcpy(&r, &bits, sizeof(r));
-  return r;
 }
 
 inline float horizontal_max(Vec v) {

@@ -368,9 +368,9 @@ torch::Tensor pack_groups(const torch::Tensor& raw, int64_t k_len, int64_t block
 // sum is taken over the rounded x too, not the exact one: Q4_1's m is about -8 d, so the
 // weights d q + m are centred where d q alone is not, and the rounding errors of x cancel
 // against the whole weight (0.5 % vs 1.6 % relative error on a SmolLM2 MLP row, measured).
-// Not the float path's numbers (the rounding of x to 8 bits is what
-// llama.cpp's decode pays too), so it is opt-in and judged by logit tolerance and greedy
-// agreement; each row's result depends only on that row.
+// Not the float path's numbers (the rounding of x to 8 bits is what llama.cpp's decode pays
+// too), so it is opt-in and judged by logit tolerance and greedy agreement; each row's result
+// depends only on that row.
 constexpr int64_t kQ8ActMaxRows = 2;
 
 // One row's quantized activations: for block b and j in [0, 16), pairs[b * 16 + j] holds
