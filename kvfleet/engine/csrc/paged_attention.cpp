@@ -139,12 +139,12 @@ void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int
       }
       // Softmax 16 positions at a time (vexp): a scalar exp per position was more than half
       // of a decode step's attention at short contexts.
-      Vec vmax = load(s);
+      Vec top = load(s);
       for (int64_t c = 1; c < chunks; ++c) {
         const Vec x = load(s + c * kLanes);
-        vmax = vmax > x ? vmax : x;
+        top = vmax(top, x);
       }
-      const float inv = exp_weights(s, chunks, horizontal_max(vmax));
+      const float inv = exp_weights(s, chunks, horizontal_max(top));
       // The weighted sum of V in registers.
       Reg acc[regs] = {};
       for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
