@@ -35,7 +35,6 @@ from typing import Any
 
 import psutil
 import torch
-import torch.nn.functional as F
 
 from kvfleet.engine.config import CacheConfig, SchedulerConfig
 from kvfleet.engine.engine import EngineCore, build_engine_core
@@ -215,10 +214,10 @@ def decode_tokens_per_second(core: EngineCore, batch: int, steps: int, vocab: in
 
 def gemm_only_tokens_per_second(model: LoadedModel, batch: int, repeats: int = 5) -> float:
     """Tokens/s of a decode step that did nothing but its weight matmuls: the same weight
-    tensors (so the same trips to memory: 540 MB of fp32 weights do not fit in any cache),
-    the same GEMM calls as the engine's default (not batch-invariant) mode, B rows each; no
-    attention, norms, RoPE or sampling. The ceiling any engine computing this model in fp32
-    with torch's GEMMs can reach here."""
+    objects (so the same trips to memory) and the same calls as the engine's default (not
+    batch-invariant) mode, B rows each, the LM head included (through `compute_logits`, as a
+    step does: it once timed the fp32 head, 113 MB a pass, that the engine does not use); no
+    attention, RoPE or sampling."""
     m = model.model
     hidden = m.config.hidden_size
     x = torch.randn(batch, hidden)
@@ -231,7 +230,7 @@ def gemm_only_tokens_per_second(model: LoadedModel, batch: int, repeats: int = 5
             m.weight_matmul(layer, O_PROJ, attn)
             m.weight_matmul(layer, GATE_UP, x)
             m.weight_matmul(layer, DOWN, act)
-        F.linear(x, m.lm_head)
+        m.compute_logits(x)
 
     with torch.inference_mode():
         one_pass()
