@@ -96,6 +96,13 @@ class EngineSettings(KubeModel):
     chunked_prefill_size: int | None = Field(
         default=None, ge=16, description="Longest prefill chunk per step (unset: no limit)."
     )
+    prefill_tokens_per_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="Prompt tokens of one step's prefill chunks together (a step's first chunk "
+        "always runs): a low cap spreads a burst of arrivals over steps, so requests stop "
+        "starting and finishing in waves. Unset: 64 on CPU replicas, no cap on GPUs; 0: no cap.",
+    )
     max_model_length: int | None = Field(
         default=None,
         ge=1,

@@ -47,6 +47,17 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _prefill_cap(value: str) -> int | None:
+    """--max-prefill-tokens-per-step: a positive count, 0 for no cap, or auto (None)."""
+    if value.strip().lower() == "auto":
+        return None
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be auto, 0 (no cap) or a positive integer, "
+                                         f"got {value}")
+    return number
+
+
 def _sha256_list(value: str) -> tuple[str, ...]:
     digests = tuple(part.strip().lower() for part in value.split(",") if part.strip())
     for digest in digests:
@@ -131,6 +142,12 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--max-num-seqs", type=_positive_int, default=64,
                         help="requests running at once")
     engine.add_argument("--long-prefill-token-threshold", type=_positive_int, default=512)
+    engine.add_argument("--max-prefill-tokens-per-step", type=_prefill_cap,
+                        default=os.environ.get("KVFLEET_MAX_PREFILL_TOKENS_PER_STEP", "auto"),
+                        help="prompt tokens of one step's prefill chunks together; a step's "
+                             "first chunk always runs. A low cap spreads a burst of arrivals "
+                             "over steps, so requests stop starting and finishing in waves "
+                             "(auto: 64 on the CPU, no cap on a GPU; 0: no cap)")
     engine.add_argument("--scheduling-policy", choices=[x.value for x in SchedulingPolicy],
                         default=SchedulingPolicy.PRIORITY.value)
     engine.add_argument("--priority-aging-seconds", type=float, default=10.0,

@@ -137,6 +137,7 @@ class Scheduler:
         now = self.clock()
         finished_ids = self._apply_boundary(now)
         budget = self.config.max_num_batched_tokens
+        prefill = _PrefillAllowance(self.config.max_prefill_tokens_per_step)
         scheduled: dict[str, int] = {}
         copies: dict[str, list[tuple[int, int]]] = {}
         preempted = self._preempt_for_fairness(now)
@@ -147,7 +148,10 @@ class Scheduler:
                 break
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            num_new = self._num_new_tokens(request, budget)
+            decoding = request.status == RequestStatus.DECODING
+            num_new = self._num_new_tokens(request, budget if decoding else prefill.of(budget))
+            if num_new == 0:  # a prompt in progress, out of this step's prefill allowance
+                continue
             while not self.kv.can_allocate(request, num_new):
                 victim = max(self.running, key=lambda r: (r.priority, self._order[r.request_id]))
                 budget += scheduled.pop(victim.request_id, 0)
@@ -161,10 +165,12 @@ class Scheduler:
                 copies[request.request_id] = self.kv.allocate(request, num_new)
                 scheduled[request.request_id] = num_new
                 budget -= num_new
+                if not decoding:
+                    prefill.spend(num_new)
 
         # Admitting while short of blocks would only thrash: wait for blocks to come back.
         # A request preempted in this step is not readmitted in it either.
-        while (not out_of_blocks and budget > 0
+        while (not out_of_blocks and prefill.of(budget) > 0
                and len(self.running) < self.config.max_num_running):
             candidates = [r for r in self.waiting if r.request_id not in preempted]
             if not candidates:
@@ -172,7 +178,7 @@ class Scheduler:
             request = self._pick_waiting(now, candidates)
             hit = self.kv.find_prefix_hit(request) if request.num_computed_tokens == 0 else NO_HIT
             num_new = min(request.num_tokens - hit.num_tokens,
-                          self.config.long_prefill_token_threshold, budget)
+                          self.config.long_prefill_token_threshold, prefill.of(budget))
             if not self.kv.can_allocate(request, num_new, hit):
                 break  # no skipping ahead: a large request must not starve behind small ones
             copies[request.request_id] = self.kv.allocate(request, num_new, hit)
@@ -184,6 +190,7 @@ class Scheduler:
             request.transition(RequestStatus.PREFILLING)
             scheduled[request.request_id] = num_new
             budget -= num_new
+            prefill.spend(num_new)
 
         return self._build_output(scheduled, copies, preempted, finished_ids)
 
@@ -369,3 +376,24 @@ class Scheduler:
         if request.deadline is not None and now >= request.deadline:
             return FinishReason.DEADLINE
         return None
+
+
+class _PrefillAllowance:
+    """Prompt tokens one step may still compute under `max_prefill_tokens_per_step`: the
+    step's first prefill chunk is never held back (so a long prompt keeps its pace), the
+    others share what the cap leaves."""
+
+    def __init__(self, cap: int | None) -> None:
+        self.left = cap
+        self.first = True
+
+    def of(self, budget: int) -> int:
+        """Tokens the next prefill chunk may have, out of the step's remaining budget."""
+        if self.first or self.left is None:
+            return budget
+        return max(0, min(budget, self.left))
+
+    def spend(self, tokens: int) -> None:
+        self.first = False
+        if self.left is not None:
+            self.left -= tokens

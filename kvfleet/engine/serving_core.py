@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from kvfleet.engine.admission import AdmissionLimits, ServedModel
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.config import (
+    CPU_PREFILL_TOKENS_PER_STEP,
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     MIB,
     CacheConfig,
@@ -124,7 +126,12 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
         verify_manifest(model, tokenizer_sha256=args.expected_tokenizer_sha256,
                         chat_template_sha256=args.expected_chat_template_sha256)
         cache_config = _cache_config(args, model, device, model.model.embed_tokens.dtype)
-        core = build_engine_core(model, cache_config, scheduler_config,
+        prefill_cap = args.max_prefill_tokens_per_step
+        if prefill_cap is None:  # auto
+            prefill_cap = CPU_PREFILL_TOKENS_PER_STEP if device.type == "cpu" else 0
+        core = build_engine_core(model, cache_config,
+                                 replace(scheduler_config,
+                                         max_prefill_tokens_per_step=prefill_cap or None),
                                  batch_invariant=args.batch_invariant,
                                  int8_activations=args.int8_activations)
         max_context = model.config.max_context

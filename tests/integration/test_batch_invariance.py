@@ -131,3 +131,36 @@ def test_alone_equals_after_preemption_and_recompute(
     assert target_requests[1].num_preemptions > 0
     assert [tuple(r.output_token_ids) for r in target_requests] == alone
     assert core.stats().kv_cache_usage == 0.0
+
+
+def test_a_prefill_cap_starts_a_burst_step_by_step_and_keeps_every_output(
+        model: LoadedModel, targets: list[list[int]], alone: list[tuple[int, ...]]) -> None:
+    # 32 prompts at once: without a cap the first step prefills them all (4-64 tokens each,
+    # within its 2,048-token budget); with 32 prompt tokens a step they start a few at a time,
+    # some from chunks the cap cut short, and each still decodes exactly as it does alone.
+    batch = mixed_batch(model, targets)
+    first_token_steps: dict[int | None, list[int]] = {}
+    for cap in (None, 32):
+        core = build_engine_core(
+            model, CacheConfig(num_blocks=256, enable_prefix_caching=False),
+            SchedulerConfig(max_num_batched_tokens=2048, long_prefill_token_threshold=128,
+                            max_prefill_tokens_per_step=cap),
+            batch_invariant=True)
+        requests = [Request(f"r{i}", prompt, sampling_params=GREEDY)
+                    for i, prompt in enumerate(batch)]
+        for request in requests:
+            core.add_request(request)
+        started: dict[str, int] = {}
+        for number in range(1, 2000):
+            if not core.has_unfinished_requests():
+                break
+            core.step()
+            started.update((r.request_id, number) for r in requests
+                           if r.num_output_tokens and r.request_id not in started)
+        first_token_steps[cap] = [started[r.request_id] for r in requests]
+        by_prompt = {tuple(r.prompt_token_ids): r for r in requests}
+        assert [tuple(by_prompt[tuple(t)].output_token_ids) for t in targets] == alone
+        assert core.stats().kv_cache_usage == 0.0
+    assert set(first_token_steps[None]) == {1}
+    spread = first_token_steps[32]
+    assert spread == sorted(spread) and len(set(spread)) >= 10, spread

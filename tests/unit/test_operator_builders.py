@@ -154,6 +154,24 @@ def test_int8_activations_reach_the_engine_through_the_config_map(
     assert before[key] != after[key]  # switching it restarts the engines
 
 
+@pytest.mark.parametrize(("tokens", "value", "parsed"),
+                         [(None, "auto", None), (0, "0", 0), (256, "256", 256)])
+def test_the_prefill_cap_reaches_the_engine_through_the_config_map(
+    tokens: int | None, value: str, parsed: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serve = pytest.importorskip("kvfleet.commands.serve")
+    overrides: dict[str, Any] = ({} if tokens is None
+                                 else {"spec__engine__prefillTokensPerStep": tokens})
+    settings = builders.build_config_map(pool(**overrides))["data"]
+    assert settings["KVFLEET_MAX_PREFILL_TOKENS_PER_STEP"] == value
+    monkeypatch.setenv("KVFLEET_MAX_PREFILL_TOKENS_PER_STEP", value)
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    assert parser.parse_args(["serve"]).max_prefill_tokens_per_step == parsed
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-prefill-tokens-per-step", "-1"])
+
+
 def test_service_and_pdb_select_the_pool() -> None:
     p = pool(spec__reserves={"failover": 2})
     service, pdb = builders.build_service(p), builders.build_pdb(p)

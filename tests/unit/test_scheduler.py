@@ -93,6 +93,47 @@ def test_running_requests_are_served_before_waiting_ones_within_the_budget() -> 
     assert output.num_scheduled_tokens == 10
 
 
+def test_the_prefill_cap_spreads_a_burst_so_its_requests_start_one_after_another() -> None:
+    scheduler, runner = make_scheduler(max_prefill_tokens_per_step=8)
+    requests = [make_request(name, 12, max_tokens=10) for name in "abc"]
+    for request in requests:
+        scheduler.add_request(request)
+    # The first chunk of a step is never held back (12 > 8); nothing else fits beside it.
+    chunks = [[(c.request_id, len(c.token_ids)) for c in step(scheduler, runner).chunks]
+              for _ in range(3)]
+    assert chunks == [[("a", 12)], [("a", 1), ("b", 12)], [("a", 1), ("b", 1), ("c", 12)]]
+    # Short prompts share the cap: 4 + 4 tokens, the third waits a step.
+    requests += [make_request(name, 4, max_tokens=2) for name in "def"]
+    for request in requests[3:]:
+        scheduler.add_request(request)
+    prefills = [(c.request_id, len(c.token_ids)) for c in step(scheduler, runner).chunks
+                if len(c.token_ids) > 1]
+    assert prefills == [("d", 4), ("e", 4)]
+    run_to_completion(scheduler, runner)
+    assert [r.output_token_ids for r in requests] == [
+        expected_output(r.prompt_token_ids, r.sampling_params.max_tokens) for r in requests]
+
+
+def test_a_prompt_in_progress_beyond_the_first_waits_for_the_next_step() -> None:
+    scheduler, runner = make_scheduler(max_prefill_tokens_per_step=4,
+                                       long_prefill_token_threshold=8)
+    scheduler.add_request(make_request("a", 20, max_tokens=2))
+    scheduler.add_request(make_request("b", 20, max_tokens=2))
+    first = [(c.request_id, len(c.token_ids)) for c in step(scheduler, runner).chunks]
+    assert first == [("a", 8)]  # a's 8 spent the cap, so b was not admitted
+    second = [(c.request_id, len(c.token_ids)) for c in step(scheduler, runner).chunks]
+    assert second == [("a", 8)]  # a is the step's first prefill again
+    third = [(c.request_id, len(c.token_ids)) for c in step(scheduler, runner).chunks]
+    assert third == [("a", 4)]  # 4 left of a's prompt spend the whole cap
+    fourth = [(c.request_id, len(c.token_ids)) for c in step(scheduler, runner).chunks]
+    assert fourth == [("a", 1), ("b", 8)]
+
+
+def test_the_prefill_cap_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_prefill_tokens_per_step must be positive"):
+        SchedulerConfig(max_prefill_tokens_per_step=0)
+
+
 def test_outputs_match_the_model_alone_and_the_pool_ends_all_free() -> None:
     scheduler, runner = make_scheduler(num_blocks=32, max_num_batched_tokens=16)
     requests = [make_request(f"r{i}", 3 + 5 * i, max_tokens=6) for i in range(6)]
@@ -391,14 +432,16 @@ operations = st.lists(
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations, num_blocks=st.integers(12, 40), block_size=st.sampled_from([2, 4]),
-       prefix=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]))
+       prefix=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
+       prefill_cap=st.sampled_from([None, 3, 8]))
 def test_random_operations_never_leak_double_free_or_wrongly_share_blocks(
         ops: list[tuple[Any, ...]], num_blocks: int, block_size: int, prefix: bool,
-        policy: str) -> None:
+        policy: str, prefill_cap: int | None) -> None:
     scheduler, runner = make_scheduler(num_blocks=num_blocks, block_size=block_size,
                                        prefix=prefix, policy=policy,
                                        max_num_batched_tokens=24,
-                                       long_prefill_token_threshold=8)
+                                       long_prefill_token_threshold=8,
+                                       max_prefill_tokens_per_step=prefill_cap)
     counter = 0
     forked: set[str] = set()
     # Prompts from a few shared stems so that prefix hits really happen.
