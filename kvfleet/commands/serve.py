@@ -51,10 +51,13 @@ def _prefill_cap(value: str) -> int | None:
     """--max-prefill-tokens-per-step: a positive count, 0 for no cap, or auto (None)."""
     if value.strip().lower() == "auto":
         return None
-    number = int(value)
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
     if number < 0:
         raise argparse.ArgumentTypeError(f"must be auto, 0 (no cap) or a positive integer, "
-                                         f"got {value}")
+                                         f"got {value!r}")
     return number
 
 

@@ -168,8 +168,9 @@ def test_the_prefill_cap_reaches_the_engine_through_the_config_map(
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())
     assert parser.parse_args(["serve"]).max_prefill_tokens_per_step == parsed
-    with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--max-prefill-tokens-per-step", "-1"])
+    for wrong in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--max-prefill-tokens-per-step", wrong])
 
 
 def test_service_and_pdb_select_the_pool() -> None:
