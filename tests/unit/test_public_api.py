@@ -16,8 +16,8 @@ CORE_MODULES = ("config", "request", "block_pool", "kv_cache_manager", "schedule
 # Public-looking names that are deliberately not part of the surface.
 INTERNAL = {
     "Block", "BlockHash", "hash_block_tokens", "salt_hash", "MIB",
-    "DEFAULT_KV_CACHE_MEMORY_BYTES", "ModelRunnerProtocol", "TokenizerProtocol",
-    "ChatTemplateProtocol", "ChatMessages", "PromptInput", "NO_HIT",
+    "DEFAULT_KV_CACHE_MEMORY_BYTES", "CPU_PREFILL_TOKENS_PER_STEP", "ModelRunnerProtocol",
+    "TokenizerProtocol", "ChatTemplateProtocol", "ChatMessages", "PromptInput", "NO_HIT",
 }
 
 
