@@ -46,17 +46,24 @@ inline float horizontal_sum(Vec v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// f applied to each ISA register of a 16-float vector. GCC compiles a select (?:) or
-// comparison on a vector wider than the ISA's registers to a scalar compare and blend per
-// lane: on AVX2 (two ymm per Vec) that made vexp 9x slower (a SiLU over 1,536 floats took
-// 5.1 us instead of 1.1), and with it every softmax and SiLU in the engine.
-template <typename Fn>
-inline Vec per_register(Vec x, Fn f) {
-  Reg parts[kLanes / kRegLanes];
-  std::memcpy(parts, &x, sizeof(x));
-  for (Reg& p : parts) p = f(p);
-  std::memcpy(&x, parts, sizeof(x));
-  return x;
+// A 16-float vector as ISA registers. GCC compiles a select (?:) or comparison on a vector
+// wider than the ISA's registers to a scalar compare and blend per lane: on AVX2 (two ymm per
+// Vec) that made vexp 9x slower (a SiLU over 1,536 floats took 5.1 us instead of 1.1), and with
+// it every softmax and SiLU in the engine. Such code works on the registers instead.
+struct Regs {
+  Reg r[kLanes / kRegLanes];
+};
+
+inline Regs split(Vec v) {
+  Regs parts;
+  std::memcpy(parts.r, &v, sizeof(v));
+  return parts;
+}
+
+inline Vec join(const Regs& parts) {
+  Vec v;
+  std::memcpy(&v, parts.r, sizeof(v));
+  return v;
 }
 
 // exp of one register's lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6
@@ -86,16 +93,18 @@ inline Reg vexp_reg(Reg x) {
 }
 
 // exp of 16 floats (see vexp_reg).
-inline Vec vexp(Vec x) { return per_register(x, vexp_reg); }
+inline Vec vexp(Vec x) {
+  Regs parts = split(x);
+  for (Reg& p : parts.r) p = vexp_reg(p);
+  return join(parts);
+}
 
 // The lane-wise maximum of a and b.
 inline Vec vmax(Vec a, Vec b) {
-  Reg pa[kLanes / kRegLanes], pb[kLanes / kRegLanes];
-  std::memcpy(pa, &a, sizeof(a));
-  std::memcpy(pb, &b, sizeof(b));
-  for (int64_t i = 0; i < kLanes / kRegLanes; ++i) pa[i] = pa[i] > pb[i] ? pa[i] : pb[i];
-  std::memcpy(&a, pa, sizeof(a));
-  return a;
+  Regs pa = split(a);
+  const Regs pb = split(b);
+  for (int64_t i = 0; i < kLanes / kRegLanes; ++i) pa.r[i] = pa.r[i] > pb.r[i] ? pa.r[i] : pb.r[i];
+  return join(pa);
 }
 
 }  // namespace kvfleet
