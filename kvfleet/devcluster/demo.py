@@ -13,6 +13,7 @@ The pieces (revisions, policy, router pod, traffic) are shared with the rollout 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import threading
 import time
@@ -143,6 +144,23 @@ def router_on_node(kube: KubeClient, namespace: str, node: str, timeout: float =
     return kube.wait_for("the router pod Ready", ready, timeout)
 
 
+def stream_problem(text: str) -> str | None:
+    """What is wrong with a streamed answer, or None: every frame must be JSON without an
+    `error` member and the last must be `[DONE]`. The frames are parsed, not searched: a
+    generated token that reads `error` is a delta like any other."""
+    frames = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    if not frames or frames[-1] != "[DONE]":
+        return "no [DONE] at the end"
+    for frame in frames[:-1]:
+        try:
+            obj = json.loads(frame)
+        except ValueError:
+            return f"a frame is not JSON: {frame[:80]}"
+        if not isinstance(obj, dict) or "error" in obj:
+            return f"an error frame: {frame[:200]}"
+    return None
+
+
 class Traffic:
     """Clients streaming short chats through the router; each request its own conversation.
     Counts status codes and revisions; keeps what failed."""
@@ -172,13 +190,13 @@ class Traffic:
                     with client.stream("POST", self.url + "/v1/chat/completions", json=body,
                                        headers={"authorization": f"Bearer {self.key}"}) as resp:
                         text = resp.read().decode(errors="replace")
-                        ok = resp.status_code == 200 and "data: [DONE]" in text and \
-                            '"error"' not in text
+                        problem = stream_problem(text) if resp.status_code == 200 else "status"
                         with self.lock:
                             self.codes[str(resp.status_code)] += 1
                             self.revisions[resp.headers.get("x-kvfleet-revision", "?")] += 1
-                            if not ok:
-                                self.failures.append(f"{resp.status_code}: {text[-300:]}")
+                            if problem is not None:
+                                self.failures.append(
+                                    f"{resp.status_code} ({problem}): {text[:400]}")
                 except httpx.HTTPError as exc:
                     with self.lock:
                         self.failures.append(f"{type(exc).__name__}: {exc}")
