@@ -202,7 +202,7 @@ class _PagedAttention:
     ) -> torch.Tensor:
         cfg = self._runner.config
         group = cfg.num_queries_per_kv
-        k_cache, v_cache = self._runner.kv_cache[layer, 0], self._runner.kv_cache[layer, 1]
+        k_cache, v_cache = self._runner.layer_caches[layer]
         if self._runner.kernel is not None:
             self._runner.kernel.write_kv(k, v, k_cache, v_cache, self._slots)
         else:
@@ -284,6 +284,10 @@ class ModelRunner:
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = (hugepages.zeros(*shape, dtype=kv_dtype) if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=kv_dtype, device=self.device))
+        # Each layer's (K, V) views, made once: indexing the cache made two views per layer
+        # on every step.
+        self.layer_caches = [(self.kv_cache[layer, 0], self.kv_cache[layer, 1])
+                             for layer in range(cfg.num_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:

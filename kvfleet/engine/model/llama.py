@@ -22,7 +22,8 @@ threads; MKL's one-row kernel streams the weights, the 16-row one does not).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -175,6 +176,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 # A layer's weights, in the order `LlamaModel.weight_matmul` and `pack_weights` use, and the
 # checkpoint matrices each fuses (in order, along the output features).
 QKV, O_PROJ, GATE_UP, DOWN = range(4)
+LayerMatmul = Callable[[torch.Tensor], torch.Tensor]
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
@@ -264,6 +266,8 @@ class LlamaModel(nn.Module):
         # the embedding table when tied and for batch-invariant logits.
         self._lm_head_packed: WeightMatmul | None = None
         self._fused: FusedOps | None = None
+        self._matmuls_key: tuple[object, bool] | None = None
+        self._matmuls: list[tuple[LayerMatmul, ...]] = []
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Run norms, RoPE and SiLU as the fused ops from now on (see `fused_ops`); None goes
@@ -453,28 +457,58 @@ class LlamaModel(nn.Module):
         cfg = self.config
         num_tokens = hidden.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        x = ops.rms_norm(hidden, self.input_layernorm[0], eps)
-        for layer in range(cfg.num_layers):
-            qkv = self._qkv(layer, x, batch_invariant)
-            ops.rope_(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_size : q_size + cfg.kv_dim].view(num_tokens, cfg.num_kv_heads,
-                                                          cfg.head_dim)
-            v = qkv[:, q_size + cfg.kv_dim :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        # Plain lists: a ParameterList's indexing and nn.Module's attribute lookup cost more
+        # than some of the ops at one row.
+        input_norms, post_norms = list(self.input_layernorm), list(self.post_attention_layernorm)
+        matmuls = self._layer_matmuls(batch_invariant)
+        last = cfg.num_layers - 1
+        x = ops.rms_norm(hidden, input_norms[0], eps)
+        for layer, (qkv_of, output_of, gate_up_of, down_of) in enumerate(matmuls):
+            qkv = qkv_of(x)
+            ops.rope_(qkv, cos, sin, heads + kv_heads, head_dim)
+            q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
+            k = qkv[:, q_size : q_size + cfg.kv_dim].view(num_tokens, kv_heads, head_dim)
+            v = qkv[:, q_size + cfg.kv_dim :].view(num_tokens, kv_heads, head_dim)
             attn = attention(layer, q, k, v)
-            if output_rows is not None and layer == cfg.num_layers - 1:
+            if output_rows is not None and layer == last:
                 hidden = hidden.index_select(0, output_rows)
                 attn = attn.index_select(0, output_rows)
-            x = ops.add_rms_norm_(hidden, self._output(layer, attn, batch_invariant),
-                                  self.post_attention_layernorm[layer], eps)
-            gate_up = self.weight_matmul(layer, GATE_UP, x, batch_invariant)
-            down = self.weight_matmul(layer, DOWN, ops.silu_mul(gate_up), batch_invariant)
-            if layer + 1 < cfg.num_layers:
-                x = ops.add_rms_norm_(hidden, down, self.input_layernorm[layer + 1], eps)
+            x = ops.add_rms_norm_(hidden, output_of(attn), post_norms[layer], eps)
+            down = down_of(ops.silu_mul(gate_up_of(x)))
+            if layer < last:
+                x = ops.add_rms_norm_(hidden, down, input_norms[layer + 1], eps)
             else:
                 hidden += down
         return hidden
+
+    def _layer_matmuls(self, batch_invariant: bool) -> list[tuple[LayerMatmul, ...]]:
+        """Per layer, what `_forward_fused` multiplies by: x -> QKV (bias and head norms
+        applied, as `_qkv`), attention -> output (`_output`), x -> gate_up, and -> down.
+        Packed weights with neither biases nor head norms (SmolLM2, Llama) are called
+        directly: at one row the Python between a layer's matmuls was ~1/5 of a step. Cached
+        until the packed weights change."""
+        key = (self._packed, batch_invariant)
+        if self._matmuls_key is not None and all(
+                a is b for a, b in zip(self._matmuls_key, key, strict=True)):
+            return self._matmuls
+        direct = (self._packed is not None and not batch_invariant and not self.qkv_bias
+                  and not self.o_bias and not self.q_norm)
+        matmuls: list[tuple[LayerMatmul, ...]]
+        if direct:
+            assert self._packed is not None
+            matmuls = [tuple(w.matmul for w in layer) for layer in self._packed]
+        else:
+            matmuls = [(partial(self._qkv, layer, batch_invariant=batch_invariant),
+                        partial(self._output, layer, batch_invariant=batch_invariant),
+                        partial(self.weight_matmul, layer, GATE_UP,
+                                batch_invariant=batch_invariant),
+                        partial(self.weight_matmul, layer, DOWN,
+                                batch_invariant=batch_invariant))
+                       for layer in range(self.config.num_layers)]
+        self._matmuls_key, self._matmuls = key, matmuls
+        return matmuls
 
     def _qkv(self, layer: int, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         """[T, q + 2 kv] for the layer's input: the fused projection, its bias (Qwen2) and
