@@ -177,6 +177,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 # checkpoint matrices each fuses (in order, along the output features).
 QKV, O_PROJ, GATE_UP, DOWN = range(4)
 LayerMatmul = Callable[[torch.Tensor], torch.Tensor]
+# Per layer: the (qkv, output, gate_up, down) matmuls; the input and post-attention norms.
+_ForwardPlan = tuple[list[tuple[LayerMatmul, ...]], list[torch.Tensor], list[torch.Tensor]]
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
@@ -266,8 +268,8 @@ class LlamaModel(nn.Module):
         # the embedding table when tied and for batch-invariant logits.
         self._lm_head_packed: WeightMatmul | None = None
         self._fused: FusedOps | None = None
-        self._matmuls_key: tuple[object, bool] | None = None
-        self._matmuls: list[tuple[LayerMatmul, ...]] = []
+        self._plan_key: tuple[object, bool] | None = None
+        self._plan: _ForwardPlan = ([], [], [])
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Run norms, RoPE and SiLU as the fused ops from now on (see `fused_ops`); None goes
@@ -459,10 +461,7 @@ class LlamaModel(nn.Module):
         q_size = cfg.num_heads * cfg.head_dim
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
-        # Plain lists: a ParameterList's indexing and nn.Module's attribute lookup cost more
-        # than some of the ops at one row.
-        input_norms, post_norms = list(self.input_layernorm), list(self.post_attention_layernorm)
-        matmuls = self._layer_matmuls(batch_invariant)
+        matmuls, input_norms, post_norms = self._forward_plan(batch_invariant)
         last = cfg.num_layers - 1
         x = ops.rms_norm(hidden, input_norms[0], eps)
         for layer, (qkv_of, output_of, gate_up_of, down_of) in enumerate(matmuls):
@@ -483,16 +482,17 @@ class LlamaModel(nn.Module):
                 hidden += down
         return hidden
 
-    def _layer_matmuls(self, batch_invariant: bool) -> list[tuple[LayerMatmul, ...]]:
+    def _forward_plan(self, batch_invariant: bool) -> _ForwardPlan:
         """Per layer, what `_forward_fused` multiplies by: x -> QKV (bias and head norms
-        applied, as `_qkv`), attention -> output (`_output`), x -> gate_up, and -> down.
-        Packed weights with neither biases nor head norms (SmolLM2, Llama) are called
-        directly: at one row the Python between a layer's matmuls was ~1/5 of a step. Cached
-        until the packed weights change."""
+        applied, as `_qkv`), attention -> output (`_output`), x -> gate_up, and -> down; and
+        the norms' weights as plain lists. Packed weights with neither biases nor head norms
+        (SmolLM2, Llama) are called directly: at one row the Python between a layer's
+        matmuls, with a ParameterList's indexing and nn.Module's attribute lookups, was ~1/10
+        of a step. Cached until the packed weights change."""
         key = (self._packed, batch_invariant)
-        if self._matmuls_key is not None and all(
-                a is b for a, b in zip(self._matmuls_key, key, strict=True)):
-            return self._matmuls
+        if self._plan_key is not None and all(
+                a is b for a, b in zip(self._plan_key, key, strict=True)):
+            return self._plan
         direct = (self._packed is not None and not batch_invariant and not self.qkv_bias
                   and not self.o_bias and not self.q_norm)
         matmuls: list[tuple[LayerMatmul, ...]]
@@ -507,8 +507,9 @@ class LlamaModel(nn.Module):
                         partial(self.weight_matmul, layer, DOWN,
                                 batch_invariant=batch_invariant))
                        for layer in range(self.config.num_layers)]
-        self._matmuls_key, self._matmuls = key, matmuls
-        return matmuls
+        self._plan_key = key
+        self._plan = (matmuls, list(self.input_layernorm), list(self.post_attention_layernorm))
+        return self._plan
 
     def _qkv(self, layer: int, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         """[T, q + 2 kv] for the layer's input: the fused projection, its bias (Qwen2) and
