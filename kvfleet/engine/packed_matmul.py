@@ -163,7 +163,7 @@ class QuantWeight:
     kernel: QuantKernel
     ggml_type: str  # a key of QUANT_BLOCK_BYTES
     # Calls of up to this many rows round x to 8 bits per 32-input block and sum in integers
-    # (`quant_matmul_q8`, Q4_1 only): ~1.3-1.7x faster at one row on an AVX2 host, llama.cpp's
+    # (`quant_matmul_q8`, Q4_1 only): ~1.1-1.25x faster at one row on an AVX2 host, llama.cpp's
     # numerics rather than the float32 weights' exact products, so opt-in (see `with_int8_rows`).
     int8_rows: int = 0
 

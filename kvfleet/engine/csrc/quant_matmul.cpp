@@ -429,15 +429,17 @@ torch::Tensor pack_groups(const torch::Tensor& raw, int64_t k_len, int64_t block
 
 // -- 8-bit activations (opt-in): a few rows times Q4_1 in integer arithmetic ---------------
 //
-// The float path above spends ~5 vector instructions on every 8 weights at 1 row (widen,
-// mask, convert, d * q + m, multiply-add): on a 2-core AVX2 host that, not memory, sets a
-// one-sequence decode step. Here each row is first quantized per 32-input block (x ~= dx * qx,
-// qx int8, dx = max|x| / 127, as llama.cpp's Q8 activations) and a block's products are summed
-// as integers, 32 weights per instruction (`maddubs`: the 4-bit codes are unsigned, qx
-// signed): sum_k (d q_k + m) x_k ~= d * dx * sum_k q_k qx_k + m * dx * sum_k qx_k. The second
-// sum is taken over the rounded x too, not the exact one: Q4_1's m is about -8 d, so the
-// weights d q + m are centred where d q alone is not, and the rounding errors of x cancel
-// against the whole weight (0.5 % vs 1.6 % relative error on a SmolLM2 MLP row, measured).
+// The float path above spends ~4 vector instructions on every 8 weights at 1 row (widen,
+// mask, convert, multiply-add); at ~20 G weights/s a core that is close to what memory gives
+// a 2-core AVX2 host, so this path gains less than it did (1.1-1.25x, against 1.3-1.7x
+// before the float path applied block scales once). Here each row is first quantized per
+// 32-input block (x ~= dx * qx, qx int8, dx = max|x| / 127, as llama.cpp's Q8 activations)
+// and a block's products are summed as integers, 32 weights per instruction (`maddubs`: the
+// 4-bit codes are unsigned, qx signed):
+//   sum_k (d q_k + m) x_k ~= d * dx * sum_k q_k qx_k + m * dx * sum_k qx_k.
+// The second sum is taken over the rounded x too, not the exact one: Q4_1's m is about -8 d,
+// so the weights d q + m are centred where d q alone is not, and the rounding errors of x
+// cancel against the whole weight (0.5 % vs 1.6 % relative error on a SmolLM2 MLP row, measured).
 // Not the float path's numbers (the rounding of x to 8 bits is what llama.cpp's decode pays
 // too), so it is opt-in and judged by logit tolerance and greedy agreement; each row's result
 // depends only on that row.
