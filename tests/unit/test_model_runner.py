@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -223,3 +224,18 @@ def test_decode_groups_partition_rows_and_keep_short_contexts_short() -> None:
     assert [r for g in groups for r in g] == list(range(64))  # every row once, in order
     cost = sum(len(g) * mixed[g[-1]] + DECODE_GROUP_COST for g in groups)
     assert cost < len(mixed) * mixed[-1] + DECODE_GROUP_COST  # cheaper than one batch
+
+
+def test_a_released_weights_dict_gives_up_its_layer_matrices_and_the_same_model() -> None:
+    # The loader passes its dict with release=True so a float32 load never holds each layer
+    # twice (the original matrices and their fused, transposed copies).
+    config = tiny_config()
+    weights = random_weights(config)
+    kept = LlamaModel(config, dict(weights))
+    released = LlamaModel(config, weights, release=True)
+    assert not [name for name in weights if name.endswith(("_proj",))]
+    assert "embed_tokens" in weights and "layers.0.input_layernorm" in weights
+    for ours, theirs in zip(released.parameters(), kept.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+    with pytest.raises(TypeError, match="pass a dict"):
+        LlamaModel(config, MappingProxyType(random_weights(config)), release=True)

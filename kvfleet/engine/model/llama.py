@@ -22,7 +22,7 @@ threads; MKL's one-row kernel streams the weights, the 16-row one does not).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from functools import partial
 from pathlib import Path
 from typing import Protocol
@@ -194,14 +194,21 @@ class LlamaModel(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
+        release: bool = False,
     ) -> None:
         """`quant_blocks`: raw blocks of the matrices a GGUF stored as Q4_1 or Q8_0 (see
         `GGUFContents`), kept for `pack_weights` until it runs (float32 on the CPU only).
         `dtype` and `device`: where the parameters are built, one tensor at a time, so a
-        bfloat16 checkpoint bound for a GPU never exists as float32 in host memory."""
+        bfloat16 checkpoint bound for a GPU never exists as float32 in host memory.
+        `release`: `weights` is a dict the caller is done with; each layer matrix is removed
+        from it once its fused, transposed copy exists (the loader's: holding both copies of
+        every layer put a float32 load's peak ~420 MiB higher for SmolLM2-135M)."""
         super().__init__()
         check_weights(config, weights, path)
         self.config = config
+        if release and not isinstance(weights, MutableMapping):
+            raise TypeError("LlamaModel(release=True) removes entries from `weights`: pass a dict")
+        owned = weights if release and isinstance(weights, MutableMapping) else None
 
         def cast(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to(device=device, dtype=dtype)
@@ -235,6 +242,9 @@ class LlamaModel(nn.Module):
 
             def w_t(*names: str, layer: int = i) -> nn.Parameter:
                 fused = torch.cat([w(name, layer) for name in names])
+                if owned is not None:
+                    for name in names:
+                        del owned[f"layers.{layer}.{name}"]
                 return nn.Parameter(fused.t().contiguous(), requires_grad=False)
 
             for weights_t, names in zip((self.qkv_t, self.o_t, self.gate_up_t, self.down_t),

@@ -180,7 +180,8 @@ def load_model(
                 template_file.read_text(encoding="utf-8") if template_file.is_file() else None)
             model = LlamaModel(checkpoint.config, checkpoint.weights, model_path, device=where,
                                dtype=resolve_dtype(dtype, where,
-                                                   checkpoint.config.quantization))
+                                                   checkpoint.config.quantization),
+                               release=True)
             # An HF tokenizer is a file of its own: the manifest pins its bytes.
             tokenizer_digest = file_sha256(checkpoint.tokenizer_json)
         else:
@@ -189,7 +190,7 @@ def load_model(
             template_source = contents.chat_template
             model = LlamaModel(contents.config, contents.weights, model_path,
                                quant_blocks=contents.quant_blocks, device=where,
-                               dtype=resolve_dtype(dtype, where))
+                               dtype=resolve_dtype(dtype, where), release=True)
             tokenizer_digest = gguf_tokenizer_digest(contents.tokenizer_spec)
     finally:
         close()
