@@ -202,7 +202,7 @@ class LlamaModel(nn.Module):
         bfloat16 checkpoint bound for a GPU never exists as float32 in host memory.
         `release`: `weights` is a dict the caller is done with; each layer matrix is removed
         from it once its fused, transposed copy exists (the loader's: holding both copies of
-        every layer put a float32 load's peak ~420 MiB higher for SmolLM2-135M)."""
+        every layer put a float32 load's peak ~310 MiB higher for SmolLM2-135M)."""
         super().__init__()
         check_weights(config, weights, path)
         self.config = config
