@@ -233,7 +233,7 @@ def test_a_released_weights_dict_gives_up_its_layer_matrices_and_the_same_model(
     weights = random_weights(config)
     kept = LlamaModel(config, dict(weights))
     released = LlamaModel(config, weights, release=True)
-    assert not [name for name in weights if name.endswith(("_proj",))]
+    assert not [name for name in weights if name.endswith("_proj")]
     assert "embed_tokens" in weights and "layers.0.input_layernorm" in weights
     for ours, theirs in zip(released.parameters(), kept.parameters(), strict=True):
         assert torch.equal(ours, theirs)

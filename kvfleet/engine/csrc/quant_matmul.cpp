@@ -321,11 +321,10 @@ void narrow_rows_times_groups(const float* x, int64_t x_stride, const float* x_s
       for (int64_t s = 0; s < kSub; ++s) {
         const uint8_t* scales = gb + g * group_stride;
         const Reg d = load_half_reg(scales + s * kRegLanes * kScaleBytes);
-        for (int64_t r = 0; r < R; ++r) {
-          acc[g][s][r] += d * (low[g][s][r] + high[g][s][r]);
-          if constexpr (F == Format::kQ4_1)
-            acc[g][s][r] += load_half_reg(scales + (kLanes + s * kRegLanes) * kScaleBytes) *
-                            x_sums[r * blocks + b];
+        for (int64_t r = 0; r < R; ++r) acc[g][s][r] += d * (low[g][s][r] + high[g][s][r]);
+        if constexpr (F == Format::kQ4_1) {
+          const Reg m = load_half_reg(scales + (kLanes + s * kRegLanes) * kScaleBytes);
+          for (int64_t r = 0; r < R; ++r) acc[g][s][r] += m * x_sums[r * blocks + b];
         }
       }
     }
@@ -341,8 +340,8 @@ void narrow_rows(const float* xp, int64_t x_stride, const uint8_t* wp, int64_t b
                  int64_t n_len, float* op) {
   constexpr int64_t G = narrow_groups<R>();
   constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
-  // Each block's sum of x, in a fixed order (Q4_1's m term).
-  std::vector<float> x_sums(R * blocks);
+  // Each block's sum of x, in a fixed order (Q4_1's m term; Q8_0 has none).
+  std::vector<float> x_sums(F == Format::kQ4_1 ? R * blocks : 0);
   if constexpr (F == Format::kQ4_1) {
     for (int64_t r = 0; r < R; ++r)
       for (int64_t b = 0; b < blocks; ++b) {
@@ -400,7 +399,6 @@ void multiply(const float* xp, int64_t x_stride, int64_t m_len, int64_t k_len,
     }
   });
 }
-
 
 // Re-lays out a GGUF matrix of `block_bytes`-byte blocks ([N, K / 32 * block_bytes] uint8)
 // into uint8 [N / 16, K / 32, group_bytes]: `fill(group, block, n)` writes output feature n's

@@ -499,9 +499,8 @@ class LlamaModel(nn.Module):
         (SmolLM2, Llama) are called directly: at one row the Python between a layer's
         matmuls, with a ParameterList's indexing and nn.Module's attribute lookups, was ~1/10
         of a step. Cached until the packed weights change."""
-        key = (self._packed, batch_invariant)
-        if self._plan_key is not None and all(
-                a is b for a, b in zip(self._plan_key, key, strict=True)):
+        if (self._plan_key is not None and self._plan_key[0] is self._packed
+                and self._plan_key[1] == batch_invariant):
             return self._plan
         direct = (self._packed is not None and not batch_invariant and not self.qkv_bias
                   and not self.o_bias and not self.q_norm)
@@ -517,7 +516,7 @@ class LlamaModel(nn.Module):
                         partial(self.weight_matmul, layer, DOWN,
                                 batch_invariant=batch_invariant))
                        for layer in range(self.config.num_layers)]
-        self._plan_key = key
+        self._plan_key = (self._packed, batch_invariant)
         self._plan = (matmuls, list(self.input_layernorm), list(self.post_attention_layernorm))
         return self._plan
 
