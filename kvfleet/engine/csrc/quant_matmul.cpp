@@ -449,8 +449,9 @@ torch::Tensor pack_groups(const torch::Tensor& raw, int64_t k_len, int64_t block
 //
 // The float path above spends ~4 vector instructions on every 8 weights at 1 row (widen,
 // mask, convert, multiply-add); at ~20 G weights/s a core that is close to what memory gives
-// a 2-core AVX2 host, so this path gains less than it did (1.1-1.25x, against 1.3-1.7x
-// before the float path applied block scales once). Here each row is first quantized per
+// a 2-core AVX2 host, so this path gains less than it did (1.3-1.7x before the float path
+// applied block scales once, 1.1-1.25x after; with both prefetching their weights, 0.86-0.90x
+// at 1 row and 1.04-1.05x at 2: memory bounds both). Here each row is first quantized per
 // 32-input block (x ~= dx * qx, qx int8, dx = max|x| / 127, as llama.cpp's Q8 activations)
 // and a block's products are summed as integers, 32 weights per instruction (`maddubs`: the
 // 4-bit codes are unsigned, qx signed):
@@ -504,6 +505,7 @@ void q4_group_q8(const Q8Row* rows, const uint8_t* group, int64_t blocks, float*
   for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b, group += kQ4GroupBytes) {
+    prefetch_ahead(group, kQ4GroupBytes);
     const uint8_t* codes = group + kQ4CodesOffset;
     __m256i wide[R][2];
     for (int64_t r = 0; r < R; ++r) wide[r][0] = wide[r][1] = _mm256_setzero_si256();
