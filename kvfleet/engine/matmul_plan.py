@@ -52,6 +52,10 @@ PREFERENCE = ("quant", "mkl", "torch")
 SWITCH_GAIN = 0.10
 PLAN_VERSION = 2
 PLAN_CACHE_ENV = "KVFLEET_PLAN_CACHE"
+# Timings are distrusted when this process's threads spent more than this share of the
+# timing's wall time runnable but without a CPU (other work on the same CPUs). Quiet, the
+# share measured ~0.2 %; beside one other busy 2-thread process on 2 cores, ~50 %.
+CONTENDED_WAIT = 0.10
 
 Timings = dict[int, dict[str, float]]  # rows -> path -> seconds per call
 
@@ -181,10 +185,11 @@ class MatmulPlan:
         """The timings and the choice per shape, for a log or a terminal."""
         lines = []
         for key, timings in self.timings.items():
-            choice = self.choices[key]
+            choice = self.choices.get(key)
             lines.append(f"{key}: " + (" | ".join(
                 f"{choice.paths[i]} up to {limit} rows" if limit < 2**62 else
-                f"{choice.paths[i]}" for i, limit in enumerate(choice.max_rows))))
+                f"{choice.paths[i]}" for i, limit in enumerate(choice.max_rows))
+                if choice is not None else "fewest bytes (" + ", ".join(PREFERENCE) + ")"))
             for rows, by_path in sorted(timings.items()):
                 cells = "  ".join(f"{p} {t * 1e3:8.3f} ms" for p, t in sorted(by_path.items()))
                 lines.append(f"    {rows:5d} rows: {cells}")
@@ -211,6 +216,34 @@ def measure(samples: Sequence[ShapeSample], packer: Packer | None, quant: QuantK
             progress(sample.shape.key)
         del weights
     return MatmulPlan(timings, {key: choose(t) for key, t in timings.items()})
+
+
+def run_queue_wait() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU, summed over
+    its threads (Linux's /proc/self/task/*/schedstat); None where the kernel does not say."""
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    total, known = 0, False
+    for tid in threads:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+            known = True
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9 if known else None
+
+
+def contention(waited_before: float | None, started: float) -> float | None:
+    """The share of the engine threads' time since `started` (time.monotonic()) that they
+    waited for a CPU, given run_queue_wait() at that moment; None if unknown."""
+    waited_after = run_queue_wait()
+    elapsed = time.monotonic() - started
+    if waited_before is None or waited_after is None or elapsed <= 0:
+        return None
+    return max(0.0, waited_after - waited_before) / (elapsed * torch.get_num_threads())
 
 
 def _cache_file(samples: Sequence[ShapeSample], paths: Sequence[str]) -> Path:
@@ -258,20 +291,37 @@ def _write(path: Path, plan: MatmulPlan) -> None:
 def plan_for(samples: Sequence[ShapeSample], packer: Packer | None, quant: QuantKernel | None
              ) -> MatmulPlan:
     """The cached plan for these shapes on this host, or a fresh measurement (then cached).
-    The chosen table is logged either way."""
+    The chosen table is logged either way.
+
+    A measurement taken while other work shared this process's CPUs is neither used nor
+    cached: its threads then wait for a CPU at every thread barrier, which the paths suffer
+    unequally (an engine that timed its paths beside another one starting picked float32
+    `torch.mm` for its 1-row calls, 4x the bytes, and decoded ~4x slower on every later start
+    that read the cached plan). Every weight then takes its fewest-bytes path for this start,
+    and the next start times the paths again."""
     paths = ["torch"] + (["mkl"] if packer is not None else []) + (
         ["quant"] if quant is not None else [])
     path = _cache_file(samples, paths)
     plan = _read(path)
     if plan is None:
-        started = time.monotonic()
+        started, waited = time.monotonic(), run_queue_wait()
         log.info("timing the weight matmul paths (%s) on %d weight shapes at up to %d rows; "
                  "the first start on this host does this once", ", ".join(paths), len(samples),
                  max(ROW_COUNTS))
         plan = measure(samples, packer, quant,
                        lambda key: log.info("timed the matmul paths of %s", key))
-        _write(path, plan)
-        log.info("matmul paths timed in %.1f s (cached in %s)", time.monotonic() - started, path)
+        share = contention(waited, started)
+        if share is not None and share > CONTENDED_WAIT:
+            log.warning("the matmul paths were timed while other work shared this process's "
+                        "CPUs (its threads waited for a CPU %.0f%% of the time): the timings "
+                        "are not used or cached; every weight takes its fewest-bytes path "
+                        "(%s) for this start and the next start times them again",
+                        share * 100, ", ".join(PREFERENCE))
+            plan = MatmulPlan(plan.timings, {})
+        else:
+            _write(path, plan)
+            log.info("matmul paths timed in %.1f s (cached in %s)", time.monotonic() - started,
+                     path)
     log.info("weight matmul paths for %s, %s, %d threads:\n%s", native.cpu_model(),
              native.cpu_target()[0], torch.get_num_threads(), plan.table())
     return plan

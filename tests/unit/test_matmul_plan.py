@@ -4,6 +4,10 @@ and the kernel cache keyed by sources and ISA level."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +105,7 @@ def test_measured_plans_are_cached_per_host_and_logged(
 ) -> None:
     monkeypatch.setenv(matmul_plan.PLAN_CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(matmul_plan, "ROW_COUNTS", (1, 8))
+    monkeypatch.setattr(matmul_plan, "run_queue_wait", lambda: None)  # a busy CI host
     measured: list[int] = []
     real_measure = matmul_plan.measure
 
@@ -131,11 +136,53 @@ def test_a_corrupt_cache_file_is_measured_again(
 ) -> None:
     monkeypatch.setenv(matmul_plan.PLAN_CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(matmul_plan, "ROW_COUNTS", (1,))
+    monkeypatch.setattr(matmul_plan, "run_queue_wait", lambda: None)
     plan_for([sample()], None, quant)
     [cached] = tmp_path.glob("*.json")
     cached.write_text("{not json")
     plan = plan_for([sample()], None, quant)
     assert set(plan.timings["o:96x64:Q4_1"]) == {1}
+
+
+def test_timings_taken_while_other_work_shared_the_cpus_are_neither_used_nor_cached(
+    quant: QuantKernel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv(matmul_plan.PLAN_CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(matmul_plan, "ROW_COUNTS", (1,))
+    waits = iter([0.0, 1e6])  # the threads waited for a CPU the whole time (and more)
+    monkeypatch.setattr(matmul_plan, "run_queue_wait", lambda: next(waits))
+    with caplog.at_level(logging.INFO, logger=matmul_plan.__name__):
+        plan = plan_for([sample()], None, quant)
+    assert plan.choices == {} and set(plan.timings["o:96x64:Q4_1"]) == {1}
+    assert plan.choice(sample().shape) is None  # the model's fixed fewest-bytes order serves
+    assert "fewest bytes (quant, mkl, torch)" in plan.table()
+    assert list(tmp_path.glob("*.json")) == []
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "other work shared this process's CPUs" in warning and "not used or cached" in warning
+
+
+def test_run_queue_wait_counts_the_time_a_thread_waits_for_a_busy_cpu() -> None:
+    """The real kernel counter: this thread and a spinning process pinned to one CPU."""
+    if matmul_plan.run_queue_wait() is None:
+        pytest.skip("this kernel keeps no per-thread schedstat")
+    cpu = min(os.sched_getaffinity(0))
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    own = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(spinner.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})  # this thread only (Linux: pid 0 is the caller)
+        waited, started = matmul_plan.run_queue_wait(), time.monotonic()
+        while time.monotonic() - started < 0.5:
+            pass
+        elapsed = time.monotonic() - started
+        waited_for = (matmul_plan.run_queue_wait() or 0.0) - (waited or 0.0)
+    finally:
+        os.sched_setaffinity(0, own)
+        spinner.kill()
+        spinner.wait()
+    # Sharing one CPU with a spinner, the thread waits for it about half the time.
+    assert 0.2 * elapsed < waited_for < elapsed
 
 
 @torch.inference_mode()
