@@ -197,7 +197,9 @@ class MatmulPlan:
 
 
 def measure(samples: Sequence[ShapeSample], packer: Packer | None, quant: QuantKernel | None,
-            progress: Callable[[str], None] | None = None) -> MatmulPlan:
+            after_shape: Callable[[str], bool] | None = None) -> MatmulPlan:
+    """Every path's timings per shape. `after_shape(key)` is called as each shape is done;
+    when it returns False the measurement stops there (the plan covers the shapes so far)."""
     timings: dict[str, Timings] = {}
     for sample in samples:
         weights = {name: build() for name, build in candidates(sample, packer, quant).items()}
@@ -212,9 +214,9 @@ def measure(samples: Sequence[ShapeSample], packer: Packer | None, quant: QuantK
                 again = time_paths(weights, rows, sample.shape.in_features)
                 shape_timings[rows] = {p: min(t, again[p]) for p, t in by_path.items()}
         timings[sample.shape.key] = shape_timings
-        if progress is not None:
-            progress(sample.shape.key)
         del weights
+        if after_shape is not None and not after_shape(sample.shape.key):
+            break
     return MatmulPlan(timings, {key: choose(t) for key, t in timings.items()})
 
 
@@ -297,7 +299,8 @@ def plan_for(samples: Sequence[ShapeSample], packer: Packer | None, quant: Quant
     cached: its threads then wait for a CPU at every thread barrier, which the paths suffer
     unequally (an engine that timed its paths beside another one starting picked float32
     `torch.mm` for its 1-row calls, 4x the bytes, and decoded ~4x slower on every later start
-    that read the cached plan). Every weight then takes its fewest-bytes path for this start,
+    that read the cached plan). The share is checked after each shape, so such a start stops
+    timing after the first one; every weight then takes its fewest-bytes path for this start,
     and the next start times the paths again."""
     paths = ["torch"] + (["mkl"] if packer is not None else []) + (
         ["quant"] if quant is not None else [])
@@ -308,15 +311,23 @@ def plan_for(samples: Sequence[ShapeSample], packer: Packer | None, quant: Quant
         log.info("timing the weight matmul paths (%s) on %d weight shapes at up to %d rows; "
                  "the first start on this host does this once", ", ".join(paths), len(samples),
                  max(ROW_COUNTS))
-        plan = measure(samples, packer, quant,
-                       lambda key: log.info("timed the matmul paths of %s", key))
-        share = contention(waited, started)
-        if share is not None and share > CONTENDED_WAIT:
+        contended: list[float] = []  # the share of time waited, once over CONTENDED_WAIT
+
+        def quiet_so_far(key: str | None = None) -> bool:
+            if key is not None:
+                log.info("timed the matmul paths of %s", key)
+            share = contention(waited, started)
+            if share is not None and share > CONTENDED_WAIT and not contended:
+                contended.append(share)
+            return not contended
+
+        plan = measure(samples, packer, quant, quiet_so_far)
+        if not quiet_so_far():
             log.warning("the matmul paths were timed while other work shared this process's "
                         "CPUs (its threads waited for a CPU %.0f%% of the time): the timings "
                         "are not used or cached; every weight takes its fewest-bytes path "
                         "(%s) for this start and the next start times them again",
-                        share * 100, ", ".join(PREFERENCE))
+                        contended[0] * 100, ", ".join(PREFERENCE))
             plan = MatmulPlan(plan.timings, {})
         else:
             _write(path, plan)
