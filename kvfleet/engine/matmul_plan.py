@@ -298,7 +298,7 @@ def plan_for(samples: Sequence[ShapeSample], packer: Packer | None, quant: Quant
     A measurement taken while other work shared this process's CPUs is neither used nor
     cached: its threads then wait for a CPU at every thread barrier, which the paths suffer
     unequally (an engine that timed its paths beside another one starting picked float32
-    `torch.mm` for its 1-row calls, 4x the bytes, and decoded ~4x slower on every later start
+    `torch.mm` for its 1-row calls, 6x the bytes, and decoded ~4x slower on every later start
     that read the cached plan). The share is checked after each shape, so such a start stops
     timing after the first one; every weight then takes its fewest-bytes path for this start,
     and the next start times the paths again."""

@@ -87,8 +87,8 @@ enum class Format { kQ4_1, kQ8_0 };
 // it will read kPrefetchAhead later. Distances measured in one process, alternating, 2
 // threads: none 5.22 ms, 10 KiB 4.08, 20 KiB 3.96, 40 KiB 4.07, 80 KiB 4.45 (one thread
 // 9.56 / 6.54 / 6.23 / 6.48 / 6.66); session 17's 0.3-2.5 KiB gained nothing. A prefetch
-// never faults, so one past the end of the weights is harmless (it mostly fetches the next
-// matrix, which the step reads next anyway).
+// never faults, so asking past the end of a matrix is harmless (in the engine that is mostly
+// the next matrix, which the step reads next anyway).
 constexpr int64_t kPrefetchAhead = 20 * 1024;
 
 // Prefetches `bytes` bytes starting kPrefetchAhead past p.
