@@ -67,6 +67,17 @@ constexpr int64_t kFewRowsChunk = KVFLEET_FEW_ROWS_CHUNK;
 // threads, AVX-512: 12 vs 19 ms at 1 row, 16 vs 23 at 8, 23 vs 32 at 16; at 103 rows the
 // panels take 86 ms where 16-row passes would take ~150.
 constexpr int64_t kFewRows = KVFLEET_FEW_ROWS;
+
+// Whether `rows` rows (more than 2) take the register path. Each chunk of kFewRowsChunk rows is
+// a pass over the weights, so a last chunk of a few rows costs nearly a whole pass for little
+// work, and there the panels win. Measured on AVX2 (chunks of 8), SmolLM2's 120 layer matmuls,
+// 2 threads, one process, the two paths alternating: panel / register time 1.33-1.43x at 3-8
+// rows, 0.88x at 9 (8 + 1), 0.90x at 10, 0.97x at 12 (8 + 4), 1.14x at 14, 1.02x at 16.
+inline bool register_path(int64_t rows) {
+  const int64_t last = rows % kFewRowsChunk;
+  return rows <= kFewRowsChunk || (rows <= kFewRows && (last == 0 || 2 * last > kFewRowsChunk));
+}
+
 // Bytes of one (16 outputs, one block) group in the packed layouts. Q4_1: d[16], m[16] as
 // float16 (the file's own values), then 16 bytes per pair (j, j + 16) of a block's positions,
 // one byte per output feature (j's code in the low nibble). Q8_0: d[16] as float16, then 16
@@ -391,7 +402,7 @@ void multiply(const float* xp, int64_t x_stride, int64_t m_len, int64_t k_len,
   static_assert(kNarrowRows == 2, "narrow_rows is instantiated for 1 and 2 rows");
   if (m_len == 1) return narrow_rows<F, 1>(xp, x_stride, wp, blocks, n_len, op);
   if (m_len == 2) return narrow_rows<F, 2>(xp, x_stride, wp, blocks, n_len, op);
-  if (m_len <= kFewRows) {
+  if (register_path(m_len)) {
     at::parallel_for(0, n_len / kLanes, 4, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g)
         few_rows<F>(xp, x_stride, wp + g * blocks * group_bytes, blocks, op + g * kLanes,
