@@ -311,23 +311,21 @@ def plan_for(samples: Sequence[ShapeSample], packer: Packer | None, quant: Quant
         log.info("timing the weight matmul paths (%s) on %d weight shapes at up to %d rows; "
                  "the first start on this host does this once", ", ".join(paths), len(samples),
                  max(ROW_COUNTS))
-        contended: list[float] = []  # the share of time waited, once over CONTENDED_WAIT
+        worst = 0.0  # the largest share of time waited for a CPU, checked after each shape
 
-        def quiet_so_far(key: str | None = None) -> bool:
-            if key is not None:
-                log.info("timed the matmul paths of %s", key)
-            share = contention(waited, started)
-            if share is not None and share > CONTENDED_WAIT and not contended:
-                contended.append(share)
-            return not contended
+        def quiet_so_far(key: str) -> bool:
+            nonlocal worst
+            log.info("timed the matmul paths of %s", key)
+            worst = max(worst, contention(waited, started) or 0.0)
+            return worst <= CONTENDED_WAIT
 
         plan = measure(samples, packer, quant, quiet_so_far)
-        if not quiet_so_far():
+        if worst > CONTENDED_WAIT:
             log.warning("the matmul paths were timed while other work shared this process's "
                         "CPUs (its threads waited for a CPU %.0f%% of the time): the timings "
                         "are not used or cached; every weight takes its fewest-bytes path "
                         "(%s) for this start and the next start times them again",
-                        contended[0] * 100, ", ".join(PREFERENCE))
+                        worst * 100, ", ".join(PREFERENCE))
             plan = MatmulPlan(plan.timings, {})
         else:
             _write(path, plan)
