@@ -87,7 +87,7 @@ def instrument(loaded: LoadedModel, timers: Timers) -> Callable[[], None]:
 
 def measure(loaded: LoadedModel, running: int, prompt: int, steps: int) -> None:
     max_tokens = steps + 64
-    # A pool that holds every request to its last token: the default 512 MiB holds ~40 of 370
+    # A pool that holds every request to its last token: the default 512 MiB holds ~31 of 370
     # float32 tokens, and a request preempted or left waiting would make a step look cheap.
     block_size = CacheConfig().block_size
     cache = CacheConfig(num_blocks=running * -(-(prompt + max_tokens) // block_size) + 16)
