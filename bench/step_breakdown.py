@@ -15,7 +15,6 @@ the engine thread, so they add up to the step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import time
 from collections import Counter
@@ -91,10 +90,7 @@ def measure(loaded: LoadedModel, running: int, prompt: int, steps: int) -> None:
     # float32 tokens, and a request preempted or left waiting would make a step look cheap.
     block_size = CacheConfig().block_size
     cache = CacheConfig(num_blocks=running * -(-(prompt + max_tokens) // block_size) + 16)
-    scheduler = SchedulerConfig()
-    scheduler = dataclasses.replace(
-        scheduler, max_num_running=max(running, scheduler.max_num_running))
-    core = build_engine_core(loaded, cache, scheduler)
+    core = build_engine_core(loaded, cache, SchedulerConfig(max_num_running=running))
     rng = random.Random(running)
     vocab = loaded.model.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

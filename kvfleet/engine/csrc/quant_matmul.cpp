@@ -306,15 +306,15 @@ void few_rows(const float* x, int64_t x_stride, const uint8_t* group, int64_t bl
 // 3.14 / 1.23, G = 1 2.78 / 0.86; at 2 rows G = 2 4.79 / 1.45, G = 1 4.38 / 1.22. The v3 build
 // on the same host keeps G = 2 at 1 row (G = 1: layers 3.92 vs 3.65 ms).
 constexpr int64_t kNarrowRows = 2;
-#if defined(__AVX512F__)
-constexpr int64_t kNarrowChains = 1;
-#else
 constexpr int64_t kNarrowChains = 4;  // x 2 halves: accumulators fit 16 ymm on AVX2
-#endif
 
 template <int64_t R>
 constexpr int64_t narrow_groups() {
+#if defined(__AVX512F__)
+  return 1;
+#else
   return std::max<int64_t>(1, kNarrowChains / (kSub * R));
+#endif
 }
 
 // The codes of positions j (low) and j + 16 (high) of a block for one register slice, as
