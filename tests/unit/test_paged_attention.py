@@ -42,7 +42,10 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return F.scaled_dot_product_attention(q[:, None], k, v)[:, 0]
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+# 7 sequences: groups of 2-4 heads at head_dim 64 or 128 take tasks of a whole group (the
+# kernel's grouped path), the rest one task per query head.
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
+                         [(9, 3, 64), (8, 2, 128), (16, 4, 64), (4, 4, 32), (8, 1, 16)])
 def test_matches_sdpa_over_gathered_blocks(
     kernel: Kernel, heads: int, kv_heads: int, head_dim: int
 ) -> None:
@@ -68,9 +71,11 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel: Kernel) ->
     contexts = torch.randint(1, 400, (24,), generator=gen)
     tables = torch.stack([torch.randperm(96, generator=gen)[:25] for _ in range(24)])
     q = torch.randn(24, 9, 64, generator=gen)
+    # 24 sequences run as tasks of a whole query group; one sequence alone on one thread as a
+    # task per query head. A different split of tasks across threads changes nothing either.
     together = kernel.paged_decode_attention(q, k_cache, v_cache, tables, contexts, 0.125)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a different split of tasks across threads changes nothing either
+    torch.set_num_threads(1)
     try:
         for b in (0, 7, 23):
             alone = kernel.paged_decode_attention(

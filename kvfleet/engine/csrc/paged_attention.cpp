@@ -67,11 +67,14 @@ void with_cache_type(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
 // Asks for a head's K or V row of the next block while this block's are read. Blocks sit
 // anywhere in the cache, so the hardware prefetcher, which follows the slot stride within a
 // block, loses the stream at every block boundary; this cut the attention of 32 sequences
-// over 340 positions (30 layers, from DRAM) by ~10 % on one AVX2 core.
+// over 340 positions (30 layers, from DRAM) by ~10 % on one AVX2 core. Into L2 (locality 2,
+// prefetcht1), not L1: a core keeps few L1 misses in flight, and with prefetcht0 the same
+// attention read its cache at 9.7 GB/s a core against 13.1 with prefetcht1 (Zen 4, 1 thread;
+// 2 threads 16.4 -> 20.3 GB/s; prefetcht2 the same as t1, prefetchnta slower).
 template <typename KV>
 inline void prefetch_row(const KV* p, int64_t dim) {
   for (int64_t i = 0; i < dim * static_cast<int64_t>(sizeof(KV)); i += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + i);
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + i, 0, 2);
 }
 
 inline float horizontal_max(Vec v) {
@@ -106,34 +109,41 @@ inline float register_sum(Reg v) {
 #endif
 }
 
-// Every (sequence, query head) task of a decode call, for a head_dim of V * 16. The query and
-// the accumulators are ISA registers (Reg), dim / kRegLanes of them, indexed by compile-time
-// loops so they stay in registers: 16-float Vec arrays indexed at run time went through the
-// stack. A task per query head, not per kv head: with one sequence and 3 kv heads (SmolLM2)
-// the kv-head tasks split 2:1 over 2 threads, the 9 query-head tasks 5:4 (the heads of one
-// group are neighbours, so a thread re-reads their K and V from L1/L2). Each head's arithmetic
-// is the same either way.
-template <int64_t V, typename KV>
+// A decode call's tasks: G query heads of one grouped-query group of one sequence each (G = the
+// group, or 1), for a head_dim of V * 16. The query and the accumulators are ISA registers
+// (Reg), dim / kRegLanes of them a head, indexed by compile-time loops so they stay in
+// registers: 16-float Vec arrays indexed at run time went through the stack. With G > 1 a
+// task reads each K and V row once for its G heads: one task per query head re-read the
+// group's rows from L2 and spent ~40 cycles a position and head (AVX-512, float32 cache). Where
+// G heads' accumulators would not fit the ISA's registers (AVX2, plain SSE), a task takes its
+// heads one after the other over each block instead, re-reading the block's rows from L1.
+// Each head's arithmetic is the same whatever G is, so G is chosen per call for balance: with
+// one sequence and 3 kv heads (SmolLM2), kv-head tasks would split 2:1 over 2 threads.
+template <int64_t V, int64_t G, typename KV>
 void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int64_t kv_heads,
             const KV* kp, const KV* vp, const int64_t* tables, int64_t max_blocks,
             const int64_t* lens, int64_t block_size, float scale, float* op) {
   constexpr int64_t dim = V * kLanes, regs = dim / kRegLanes;
-  const int64_t group = heads / kv_heads;
+  // G heads' accumulators (and, for the scores, their queries) in registers at once.
+  constexpr bool fused = G * regs <= 16;
+  const int64_t group = heads / kv_heads, tasks_per_seq = heads / G;
   const int64_t token_stride = kv_heads * dim;  // floats between slots of a block
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / heads, head = task % heads, h = head / group, ctx = lens[b];
+      const int64_t b = task / tasks_per_seq, head0 = task % tasks_per_seq * G;
+      const int64_t h = head0 / group, ctx = lens[b];
       const int64_t* table = tables + b * max_blocks;
-      const float* qh = qp + b * q_stride + head * dim;
-      // The scores padded to whole vectors with -inf, which the softmax turns into weights of
-      // exactly 0.
+      // Each head's scores padded to whole vectors with -inf, which the softmax turns into
+      // weights of exactly 0; head g's at s + g * width.
       const int64_t chunks = (ctx + kLanes - 1) / kLanes, width = chunks * kLanes;
-      scores.resize(width);
+      scores.resize(G * width);
       float* s = scores.data();
       {
-        Reg qv[regs];
-        for (int64_t i = 0; i < regs; ++i) qv[i] = load_reg(qh + i * kRegLanes);
+        Reg qv[G][regs];
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < regs; ++i)
+            qv[g][i] = load_reg(qp + b * q_stride + (head0 + g) * dim + i * kRegLanes);
         // Block by block: a division per position (t / block_size, t % block_size) cost
         // more than the position's dot product.
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
@@ -141,37 +151,84 @@ void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int
           const int64_t n = std::min(block_size, ctx - t0);
           const KV* next = t0 + block_size < ctx ? kp + table[t0 / block_size + 1] * block_size *
                                                           token_stride + h * dim : k;
-          for (int64_t j = 0; j < n; ++j, k += token_stride) {
-            prefetch_row(next + j * token_stride, dim);
-            Reg prod = qv[0] * load_kv_reg(k);
-            for (int64_t i = 1; i < regs; ++i) prod += qv[i] * load_kv_reg(k + i * kRegLanes);
-            s[t0 + j] = register_sum(prod) * scale;
+          if constexpr (fused) {
+            for (int64_t j = 0; j < n; ++j) {
+              prefetch_row(next + j * token_stride, dim);
+              const KV* row = k + j * token_stride;
+              Reg kr[regs];
+              for (int64_t i = 0; i < regs; ++i) kr[i] = load_kv_reg(row + i * kRegLanes);
+              float dot[G];
+              for (int64_t g = 0; g < G; ++g) {
+                Reg prod = qv[g][0] * kr[0];
+                for (int64_t i = 1; i < regs; ++i) prod += qv[g][i] * kr[i];
+                dot[g] = register_sum(prod) * scale;
+              }
+              for (int64_t g = 0; g < G; ++g) s[g * width + t0 + j] = dot[g];
+            }
+          } else {
+            for (int64_t g = 0; g < G; ++g) {
+              Reg q[regs];
+              for (int64_t i = 0; i < regs; ++i) q[i] = qv[g][i];
+              for (int64_t j = 0; j < n; ++j) {
+                if (g == 0) prefetch_row(next + j * token_stride, dim);
+                const KV* row = k + j * token_stride;
+                Reg prod = q[0] * load_kv_reg(row);
+                for (int64_t i = 1; i < regs; ++i) prod += q[i] * load_kv_reg(row + i * kRegLanes);
+                s[g * width + t0 + j] = register_sum(prod) * scale;
+              }
+            }
           }
         }
-        std::fill(s + ctx, s + width, -INFINITY);
       }
       // Softmax 16 positions at a time (vexp): a scalar exp per position was more than half
       // of a decode step's attention at short contexts.
-      Vec top = load(s);
-      for (int64_t c = 1; c < chunks; ++c) {
-        const Vec x = load(s + c * kLanes);
-        top = vmax(top, x);
+      float inv[G];
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s + g * width;
+        std::fill(sg + ctx, sg + width, -INFINITY);
+        Vec top = load(sg);
+        for (int64_t c = 1; c < chunks; ++c) {
+          const Vec x = load(sg + c * kLanes);
+          top = vmax(top, x);
+        }
+        inv[g] = exp_weights(sg, chunks, horizontal_max(top));
       }
-      const float inv = exp_weights(s, chunks, horizontal_max(top));
-      // The weighted sum of V in registers.
-      Reg acc[regs] = {};
+      // The weighted sums of V in registers.
+      Reg acc[G][regs] = {};
       for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
         const KV* v = vp + table[t0 / block_size] * block_size * token_stride + h * dim;
         const int64_t n = std::min(block_size, ctx - t0);
         const KV* next = t0 + block_size < ctx ? vp + table[t0 / block_size + 1] * block_size *
                                                         token_stride + h * dim : v;
-        for (int64_t j = 0; j < n; ++j, v += token_stride) {
-          prefetch_row(next + j * token_stride, dim);
-          for (int64_t i = 0; i < regs; ++i) acc[i] += s[t0 + j] * load_kv_reg(v + i * kRegLanes);
+        if constexpr (fused) {
+          for (int64_t j = 0; j < n; ++j) {
+            prefetch_row(next + j * token_stride, dim);
+            const KV* row = v + j * token_stride;
+            Reg vr[regs];
+            for (int64_t i = 0; i < regs; ++i) vr[i] = load_kv_reg(row + i * kRegLanes);
+            for (int64_t g = 0; g < G; ++g) {
+              const float w = s[g * width + t0 + j];
+              for (int64_t i = 0; i < regs; ++i) acc[g][i] += w * vr[i];
+            }
+          }
+        } else {
+          for (int64_t g = 0; g < G; ++g) {
+            Reg a[regs];
+            for (int64_t i = 0; i < regs; ++i) a[i] = acc[g][i];
+            const float* w = s + g * width + t0;
+            for (int64_t j = 0; j < n; ++j) {
+              if (g == 0) prefetch_row(next + j * token_stride, dim);
+              const KV* row = v + j * token_stride;
+              for (int64_t i = 0; i < regs; ++i) a[i] += w[j] * load_kv_reg(row + i * kRegLanes);
+            }
+            for (int64_t i = 0; i < regs; ++i) acc[g][i] = a[i];
+          }
         }
       }
-      float* o = op + (b * heads + head) * dim;
-      for (int64_t i = 0; i < regs; ++i) store_reg(o + i * kRegLanes, acc[i] * inv);
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = op + (b * heads + head0 + g) * dim;
+        for (int64_t i = 0; i < regs; ++i) store_reg(o + i * kRegLanes, acc[g][i] * inv[g]);
+      }
     }
   });
 }
@@ -222,17 +279,35 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const float fscale = static_cast<float>(scale);
   with_cache_type(k_cache, v_cache, [&](const auto* kp, const auto* vp) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    // Grouped tasks where a group of 2-4 heads gives every thread several tasks (head_dim 64
+    // or 128: the instantiations are few), one task per query head otherwise.
+    const int64_t group = heads / kv_heads;
+    const bool grouped = group >= 2 && group <= 4 && (dim == 64 || dim == 128) &&
+                         batch * kv_heads >= 4 * at::get_num_threads();
+#define KVFLEET_DECODE_ARGS \
+  qp, q.stride(0), batch, heads, kv_heads, kp, vp, tables, max_blocks, lens, block_size, fscale, op
+#define KVFLEET_DECODE_GROUPED(V)                                   \
+  if (dim == V * kLanes) {                                          \
+    if (group == 2) decode<V, 2, KV>(KVFLEET_DECODE_ARGS);          \
+    if (group == 3) decode<V, 3, KV>(KVFLEET_DECODE_ARGS);          \
+    if (group == 4) decode<V, 4, KV>(KVFLEET_DECODE_ARGS);          \
+  }
+    if (grouped) {
+      KVFLEET_DECODE_GROUPED(4) KVFLEET_DECODE_GROUPED(8)
+      return;
+    }
+#undef KVFLEET_DECODE_GROUPED
     switch (dim / kLanes) {
-#define KVFLEET_DECODE(V)                                                                    \
-  case V:                                                                                    \
-    decode<V, KV>(qp, q.stride(0), batch, heads, kv_heads, kp, vp, tables, max_blocks, lens, \
-                  block_size, fscale, op);                                                   \
+#define KVFLEET_DECODE(V)                       \
+  case V:                                       \
+    decode<V, 1, KV>(KVFLEET_DECODE_ARGS);      \
     break;
       KVFLEET_DECODE(1) KVFLEET_DECODE(2) KVFLEET_DECODE(3) KVFLEET_DECODE(4)
       KVFLEET_DECODE(5) KVFLEET_DECODE(6) KVFLEET_DECODE(7) KVFLEET_DECODE(8)
       KVFLEET_DECODE(9) KVFLEET_DECODE(10) KVFLEET_DECODE(11) KVFLEET_DECODE(12)
       KVFLEET_DECODE(13) KVFLEET_DECODE(14) KVFLEET_DECODE(15) KVFLEET_DECODE(16)
 #undef KVFLEET_DECODE
+#undef KVFLEET_DECODE_ARGS
     }
   });
   return out;
