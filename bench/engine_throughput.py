@@ -12,7 +12,8 @@
 2. Batched decode vs a roof that counts bytes as well as FLOPs. With B requests running
    (B = 1, 8, 32, 64; prompts of --decode-prompt tokens), the time of a pure decode step
    against its bound max(bytes / bandwidth, FLOPs / peak): bandwidth from a STREAM-like triad
-   and peak from a 1024^3 fp32 matmul, both measured here with the same threads; bytes = the
+   and peak from a 1024^3 fp32 matmul, both measured with the same threads just before and
+   just after each B's timed steps (the better of the two, each); bytes = the
    weights as the kernels read them at B rows (`weight_bytes_read`: 4-bit blocks where the
    plan multiplies by them) + the K/V the batch's attention reads at its mean context + the
    float32 logits written; FLOPs = B x the weight matmuls' FLOPs per token. Printed: step
@@ -284,8 +285,6 @@ def main() -> int:
     rss_anon = anonymous_rss()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    peak = peak_matmul_flops()
-    bandwidth = triad_bandwidth()
     flops_per_token = model.config.matmul_flops_per_token()
     decode = {}
     gemm_only = {}
@@ -304,12 +303,18 @@ def main() -> int:
     # Each request's context during the timed steps runs from prompt + 1 to prompt + steps.
     mean_context = args.decode_prompt + 1 + args.decode_steps / 2
     kv_dtype_bytes = 4 if args.kv_cache_dtype == "float32" else 2
+    roofs = {}
     for batch in batches:
+        # The roof measured just before and just after the timed steps, the better of each:
+        # this host's speed drifts 20-40 % within minutes, and one roof for the whole run made
+        # a step's ratio move with the phase the roof happened to be measured in.
+        peak, bandwidth = peak_matmul_flops(), triad_bandwidth()
         decode[batch] = decode_tokens_per_second(core, batch, args.decode_steps,
                                                  model.config.vocab_size, args.decode_prompt)
+        roofs[batch] = max(peak, peak_matmul_flops()), max(bandwidth, triad_bandwidth())
         gemm_only[batch] = gemm_only_tokens_per_second(model, batch)
-        bounds[batch] = StepBound.of(model, batch, mean_context, kv_dtype_bytes, bandwidth,
-                                     peak)
+        bounds[batch] = StepBound.of(model, batch, mean_context, kv_dtype_bytes,
+                                     roofs[batch][1], roofs[batch][0])
         log(f"decode B={batch}: {decode[batch]:.0f} tok/s (GEMMs alone: "
             f"{gemm_only[batch]:.0f} tok/s)")
 
@@ -321,12 +326,13 @@ def main() -> int:
     if hf_tps is not None:
         print(f"HF generate (static batches of {args.hf_batch_size}): {hf_tps:8.1f} tok/s")
         print(f"kvfleet / HF: {kvfleet_tps / hf_tps:.2f}x   (target >= 4x)")
-    print(f"peak fp32 matmul: {peak / 1e9:.1f} GFLOP/s; triad bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s; {flops_per_token / 1e6:.1f} MFLOP/token; decode "
-          f"prompts {args.decode_prompt} tokens, mean context {mean_context:.0f}")
+    print(f"{flops_per_token / 1e6:.1f} MFLOP/token; decode prompts {args.decode_prompt} "
+          f"tokens, mean context {mean_context:.0f}")
     for batch, tps in decode.items():
         b = bounds[batch]
         step = batch / tps
+        print(f"decode, {batch:3d} running: roof {roofs[batch][0] / 1e9:.1f} GFLOP/s (fp32 "
+              f"matmul peak), {roofs[batch][1] / 1e9:.1f} GB/s (triad)")
         print(f"decode, {batch:3d} running: step {step * 1e3:7.2f} ms ({tps:7.1f} tok/s); bound "
               f"{b.seconds * 1e3:6.2f} ms = max(({b.weight_bytes / 1e6:.0f} MB weights + "
               f"{b.kv_bytes / 1e6:.0f} MB K/V + {b.logit_bytes / 1e6:.1f} MB logits) / "
