@@ -3,11 +3,11 @@
 //
 // Decode:
 // The SDPA path gathers every sequence's K and V blocks into a contiguous copy and then reads
-// the copy: two passes over the cache per layer plus a write. Here each (sequence, query head)
-// task walks its block table and reads the cached positions straight from the blocks (the
-// query heads of a grouped-query group are neighbouring tasks and re-read them from L1/L2).
-// Per task: scores for every position, exact softmax (max subtracted), then the weighted sum
-// of V, all in float32, with the query and the accumulators held in registers.
+// the copy: two passes over the cache per layer plus a write. Here each task (a sequence's
+// grouped-query group of heads, or one query head when there are few sequences) walks its
+// block table and reads the cached positions straight from the blocks. Per head: scores for
+// every position, exact softmax (max subtracted), then the weighted sum of V, all in float32,
+// with the query and the accumulators held in registers.
 //
 // Determinism: a task's arithmetic depends only on its own sequence (fixed summation order,
 // explicit vector types rather than compiler-reassociated reductions), so a sequence's output
