@@ -77,6 +77,26 @@ inline void prefetch_row(const KV* p, int64_t dim) {
     __builtin_prefetch(reinterpret_cast<const char*>(p) + i, 0, 2);
 }
 
+// Where a head's rows of the block holding positions t0.. of a sequence start (`offset`
+// elements into each slot), those of the next block (to prefetch; this block's own when it is
+// the last), and how many of the block's slots are in the context.
+template <typename KV>
+struct BlockRows {
+  const KV* rows;
+  const KV* next;
+  int64_t n;
+};
+
+template <typename KV>
+inline BlockRows<KV> block_rows(const KV* cache, const int64_t* table, int64_t t0, int64_t ctx,
+                                int64_t block_size, int64_t token_stride, int64_t offset) {
+  const KV* rows = cache + table[t0 / block_size] * block_size * token_stride + offset;
+  const KV* next = t0 + block_size < ctx
+                       ? cache + table[t0 / block_size + 1] * block_size * token_stride + offset
+                       : rows;
+  return {rows, next, std::min(block_size, ctx - t0)};
+}
+
 inline float horizontal_max(Vec v) {
   float m = v[0];
   for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
@@ -147,10 +167,8 @@ void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int
         // Block by block: a division per position (t / block_size, t % block_size) cost
         // more than the position's dot product.
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-          const KV* k = kp + table[t0 / block_size] * block_size * token_stride + h * dim;
-          const int64_t n = std::min(block_size, ctx - t0);
-          const KV* next = t0 + block_size < ctx ? kp + table[t0 / block_size + 1] * block_size *
-                                                          token_stride + h * dim : k;
+          const auto [k, next, n] = block_rows(kp, table, t0, ctx, block_size, token_stride,
+                                               h * dim);
           if constexpr (fused) {
             for (int64_t j = 0; j < n; ++j) {
               prefetch_row(next + j * token_stride, dim);
@@ -196,10 +214,8 @@ void decode(const float* qp, int64_t q_stride, int64_t batch, int64_t heads, int
       // The weighted sums of V in registers.
       Reg acc[G][regs] = {};
       for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const KV* v = vp + table[t0 / block_size] * block_size * token_stride + h * dim;
-        const int64_t n = std::min(block_size, ctx - t0);
-        const KV* next = t0 + block_size < ctx ? vp + table[t0 / block_size + 1] * block_size *
-                                                        token_stride + h * dim : v;
+        const auto [v, next, n] = block_rows(vp, table, t0, ctx, block_size, token_stride,
+                                             h * dim);
         if constexpr (fused) {
           for (int64_t j = 0; j < n; ++j) {
             prefetch_row(next + j * token_stride, dim);
