@@ -42,8 +42,8 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return F.scaled_dot_product_attention(q[:, None], k, v)[:, 0]
 
 
-# 7 sequences: groups of 2-4 heads at head_dim 64 or 128 take tasks of a whole group (the
-# kernel's grouped path), the rest one task per query head.
+# 7 sequences: on up to 3 threads, groups of 2-4 heads at head_dim 64 or 128 take tasks of a
+# whole group (the kernel's grouped path); the rest one task per query head.
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"),
                          [(9, 3, 64), (8, 2, 128), (16, 4, 64), (4, 4, 32), (8, 1, 16)])
 def test_matches_sdpa_over_gathered_blocks(

@@ -69,8 +69,8 @@ void with_cache_type(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
 // block, loses the stream at every block boundary; this cut the attention of 32 sequences
 // over 340 positions (30 layers, from DRAM) by ~10 % on one AVX2 core. Into L2 (locality 2,
 // prefetcht1), not L1: a core keeps few L1 misses in flight, and with prefetcht0 the same
-// attention read its cache at 9.7 GB/s a core against 13.1 with prefetcht1 (Zen 4, 1 thread;
-// 2 threads 16.4 -> 20.3 GB/s; prefetcht2 the same as t1, prefetchnta slower).
+// attention read its cache at 9.5 GB/s a core against 13.1 with prefetcht1 (Zen 4, 1 thread;
+// 2 threads 17.5 -> 21.5 GB/s; prefetcht2 the same as t1, prefetchnta slower).
 template <typename KV>
 inline void prefetch_row(const KV* p, int64_t dim) {
   for (int64_t i = 0; i < dim * static_cast<int64_t>(sizeof(KV)); i += 64)
