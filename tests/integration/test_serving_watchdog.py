@@ -30,9 +30,12 @@ def test_a_hung_engine_thread_fails_the_probes_and_ends_the_stream_with_an_error
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         started = time.monotonic()
         events = []
-        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
-                "max_tokens": 200, "stream": True,
-                "messages": [{"role": "user", "content": "Count to fifty."}]}) as resp:
+        # A plain completion that ignores EOS, so nothing but the hang can end it within the
+        # 5 steps: a chat answer can end early (a CI run once saw the chat form of this stream
+        # end with finish_reason stop after one content chunk, cause not found).
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "max_tokens": 200, "stream": True, "ignore_eos": True,
+                "prompt": "Count to fifty: 1, 2, 3,"}) as resp:
             assert resp.status_code == 200
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
