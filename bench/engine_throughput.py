@@ -20,6 +20,9 @@
    time / bound (1.0 = at the roof), and the step's weight matmuls alone (the same weight
    objects and calls, nothing else) for comparison.
 3. Engine RSS after the kvfleet run, before HF is loaded (current and peak).
+
+`--int16-activations` runs kvfleet (both parts) with that opt-in: the 4-bit matmuls round their
+input to 16 bits and multiply in integers, so a step may beat the float32 roof.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 def run_kvfleet(model: LoadedModel, workload: Workload, args: argparse.Namespace) -> float:
     core = build_engine_core(model, CacheConfig(), SchedulerConfig(
         max_num_running=args.max_num_running,
-        max_num_batched_tokens=args.max_num_batched_tokens))
+        max_num_batched_tokens=args.max_num_batched_tokens),
+        int16_activations=args.int16_activations)
     llm = LLM.from_core(core, model.tokenizer, model.chat_template)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in workload.output_lens]
@@ -262,6 +266,9 @@ def main() -> int:
                         help="prompt tokens of each decode request (the context the K/V "
                              "read grows from; ~300 makes the K/V a large part of a step)")
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--int16-activations", action="store_true",
+                        help="kvfleet serve --int16-activations (4-bit matmuls in integers; "
+                             "the roof stays float32's, which they can beat)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice); on a shared, "
@@ -299,7 +306,8 @@ def main() -> int:
         num_blocks=max(batches) * -(-max_tokens // block_size) + 16,
         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False)
     core = build_engine_core(model, cache_config,
-                             SchedulerConfig(max_num_running=max(batches)))
+                             SchedulerConfig(max_num_running=max(batches)),
+                             int16_activations=args.int16_activations)
     # Each request's context during the timed steps runs from prompt + 1 to prompt + steps.
     mean_context = args.decode_prompt + 1 + args.decode_steps / 2
     kv_dtype_bytes = 4 if args.kv_cache_dtype == "float32" else 2

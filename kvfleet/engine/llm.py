@@ -77,10 +77,11 @@ class LLM:
                  max_num_running: int = 64, long_prefill_token_threshold: int = 512,
                  policy: str = "fcfs", batch_invariant: bool = False,
                  show_progress: bool = True, device: str = "auto", dtype: str = "auto",
-                 kv_cache_dtype: str = "auto", int8_activations: bool = False) -> None:
+                 kv_cache_dtype: str = "auto", int8_activations: bool = False,
+                 int16_activations: bool = False) -> None:
         """`device` auto|cpu|cuda[:N], `dtype` and `kv_cache_dtype` auto|float32|bfloat16|
-        float16, `int8_activations` as for `kvfleet serve` (see kvfleet.engine.device and
-        `build_engine_core`)."""
+        float16, `int8_activations` and `int16_activations` as for `kvfleet serve` (see
+        kvfleet.engine.device and `build_engine_core`)."""
         from kvfleet.engine import device as placement
         from kvfleet.engine.model.loader import load_model
 
@@ -98,7 +99,8 @@ class LLM:
                                     policy=SchedulingPolicy(policy))
         self.core = build_engine_core(self.model, cache, scheduler,
                                       batch_invariant=batch_invariant,
-                                      int8_activations=int8_activations)
+                                      int8_activations=int8_activations,
+                                      int16_activations=int16_activations)
         self.tokenizer: TokenizerProtocol = self.model.tokenizer
         self.chat_template: ChatTemplateProtocol | None = self.model.chat_template
         self._ids = itertools.count()

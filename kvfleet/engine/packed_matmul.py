@@ -85,6 +85,8 @@ class QuantKernel(Protocol):
 
     def quant_matmul_q8(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
 
+    def quant_matmul_i16(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
+
 
 class WeightMatmul(Protocol):
     """A layer weight that multiplies rows x [M, in] into [M, out]."""
@@ -164,8 +166,12 @@ class QuantWeight:
     ggml_type: str  # a key of QUANT_BLOCK_BYTES
     # Calls of up to this many rows round x to 8 bits per 32-input block and sum in integers
     # (`quant_matmul_q8`, Q4_1 only): ~1.1-1.25x faster at one row on an AVX2 host, llama.cpp's
-    # numerics rather than the float32 weights' exact products, so opt-in (see `with_int8_rows`).
+    # numerics rather than the float32 weights' exact products, so opt-in (see `with_rounding`).
     int8_rows: int = 0
+    # Every other call rounds x to 16 bits per 32-input block and sums code x input pairs in
+    # integers (`quant_matmul_i16`): SmolLM2's weight matmuls 1.1-1.9x faster at 1-64 rows
+    # where the CPU has AVX-512 VNNI (bench/README.md); logits move ~5e-3 from HF's, so opt-in.
+    int16: bool = False
 
     @classmethod
     def pack(cls, blocks: QuantBlocks, in_features: int, kernel: QuantKernel) -> QuantWeight:
@@ -177,11 +183,13 @@ class QuantWeight:
         return cls(pack(blocks.rows.contiguous(), in_features), in_features,
                    blocks.rows.shape[0], kernel, blocks.ggml_type)
 
-    def with_int8_rows(self, rows: int) -> QuantWeight:
-        """The same weight (same packed tensor) with calls of up to `rows` rows on 8-bit
-        activations; a Q8_0 weight stays as it is (that path gained ~8 % on a memory-bound
-        LM head and would round the logits' input)."""
-        return self if self.ggml_type != "Q4_1" else replace(self, int8_rows=rows)
+    def with_rounding(self, int8_rows: int, int16: bool) -> QuantWeight:
+        """The same weight (same packed tensor) rounding x to 8 bits in calls of up to
+        `int8_rows` rows and, if `int16`, to 16 bits in the others. A Q8_0 weight keeps x at
+        least 16 bits (8 bits gained ~8 % on a memory-bound LM head and would round the
+        logits' input much more coarsely)."""
+        return replace(self, int8_rows=int8_rows if self.ggml_type == "Q4_1" else 0,
+                       int16=int16)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T for rows x [M, in]."""
@@ -191,17 +199,20 @@ class QuantWeight:
         rows = x if x.stride(-1) == 1 else x.contiguous()
         if self.int8_rows and x.shape[0] <= self.int8_rows:
             return self.kernel.quant_matmul_q8(rows, self.packed)
+        if self.int16:
+            return self.kernel.quant_matmul_i16(rows, self.packed)
         return self.kernel.quant_matmul(rows, self.packed)
 
 
-def with_int8_activations(weight: WeightMatmul, rows: int) -> WeightMatmul:
-    """`weight` with its Q4_1 path taking calls of up to `rows` rows on 8-bit activations
-    (where a plan routes those calls to the 4-bit kernel); other paths unchanged."""
+def with_activation_rounding(weight: WeightMatmul, int8_rows: int, int16: bool) -> WeightMatmul:
+    """`weight` with its 4-bit-kernel paths rounding x as `QuantWeight.with_rounding` says
+    (where a plan routes those calls to that kernel); other paths unchanged."""
     if isinstance(weight, QuantWeight):
-        return weight.with_int8_rows(rows)
+        return weight.with_rounding(int8_rows, int16)
     if isinstance(weight, RowRoutedWeight):
         return RowRoutedWeight(weight.max_rows, tuple(
-            w.with_int8_rows(rows) if isinstance(w, QuantWeight) else w for w in weight.weights))
+            w.with_rounding(int8_rows, int16) if isinstance(w, QuantWeight) else w
+            for w in weight.weights))
     return weight
 
 

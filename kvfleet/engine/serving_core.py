@@ -133,7 +133,8 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
                                  replace(scheduler_config,
                                          max_prefill_tokens_per_step=prefill_cap or None),
                                  batch_invariant=args.batch_invariant,
-                                 int8_activations=args.int8_activations)
+                                 int8_activations=args.int8_activations,
+                                 int16_activations=args.int16_activations)
         max_context = model.config.max_context
         if args.max_model_len is not None:
             max_context = min(max_context, args.max_model_len)

@@ -94,9 +94,10 @@ def engine_settings(pool: ServingPool) -> dict[str, str]:
         else "--no-enable-prefix-caching",
         "KVFLEET_PREFIX_CACHE_SCOPE": engine.prefix_cache.scope.value,
         "KVFLEET_KV_CACHE_DTYPE": engine.kv_cache_dtype.value,
-        # Read by `kvfleet serve` as the defaults of --int8-activations and
-        # --max-prefill-tokens-per-step.
+        # Read by `kvfleet serve` as the defaults of --int8-activations,
+        # --int16-activations and --max-prefill-tokens-per-step.
         "KVFLEET_INT8_ACTIVATIONS": "1" if engine.int8_activations else "0",
+        "KVFLEET_INT16_ACTIVATIONS": "1" if engine.int16_activations else "0",
         "KVFLEET_MAX_PREFILL_TOKENS_PER_STEP": "auto" if engine.prefill_tokens_per_step is None
         else str(engine.prefill_tokens_per_step),
         "KVFLEET_DRAIN_GRACE_SECONDS": str(DRAIN_SECONDS),

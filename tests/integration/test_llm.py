@@ -93,7 +93,7 @@ def test_int8_activations_stay_close_to_float32_and_refuse_batch_invariance() ->
         return [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
 
     exact = alone()
-    llm.model.model.use_int8_activations(2)
+    llm.model.model.use_activation_rounding(2, False)
     rounded = alone()
     # Measured on this model (bench/kv_dtype.py): ~0.7 of positions agree, about half of the
     # continuations are identical; a wrong nibble or scale would agree on next to none.
@@ -101,5 +101,7 @@ def test_int8_activations_stay_close_to_float32_and_refuse_batch_invariance() ->
                     for a, b in zip(exact, rounded, strict=True)) / len(prompts)
     assert agreement > 0.4, (agreement, exact, rounded)
     assert exact != rounded  # the 8-bit path really ran
-    with pytest.raises(ValueError, match="int8 activations"):
+    with pytest.raises(ValueError, match="--int8-activations round"):
         LLM(show_progress=False, batch_invariant=True, int8_activations=True)
+    with pytest.raises(ValueError, match="drop --int16-activations or --batch-invariant"):
+        LLM(show_progress=False, batch_invariant=True, int16_activations=True)

@@ -135,20 +135,24 @@ def test_args_parse_with_the_engine_command_line() -> None:
 
 
 @pytest.mark.parametrize("enabled", [False, True])
-def test_int8_activations_reach_the_engine_through_the_config_map(
-    enabled: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("field", "variable", "option"), [
+    ("int8Activations", "KVFLEET_INT8_ACTIVATIONS", "int8_activations"),
+    ("int16Activations", "KVFLEET_INT16_ACTIVATIONS", "int16_activations"),
+])
+def test_activation_rounding_reaches_the_engine_through_the_config_map(
+    enabled: bool, field: str, variable: str, option: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     serve = pytest.importorskip("kvfleet.commands.serve")
-    settings = builders.build_config_map(pool(spec__engine__int8Activations=enabled))["data"]
-    assert settings["KVFLEET_INT8_ACTIVATIONS"] == ("1" if enabled else "0")
+    settings = builders.build_config_map(pool(**{f"spec__engine__{field}": enabled}))["data"]
+    assert settings[variable] == ("1" if enabled else "0")
     # The pod gets every ConfigMap key as an environment variable; serve reads this one as
-    # the default of --int8-activations.
-    monkeypatch.setenv("KVFLEET_INT8_ACTIVATIONS", settings["KVFLEET_INT8_ACTIVATIONS"])
+    # the default of its option.
+    monkeypatch.setenv(variable, settings[variable])
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())
-    assert parser.parse_args(["serve"]).int8_activations is enabled
+    assert getattr(parser.parse_args(["serve"]), option) is enabled
     before = _deployment()["spec"]["template"]["metadata"]["annotations"]
-    after = _deployment(spec__engine__int8Activations=True)["spec"]["template"]["metadata"][
+    after = _deployment(**{f"spec__engine__{field}": True})["spec"]["template"]["metadata"][
         "annotations"]
     key = naming.ENGINE_CONFIG_HASH_ANNOTATION
     assert before[key] != after[key]  # switching it restarts the engines

@@ -189,7 +189,8 @@ def test_int8_activations_compute_the_rounded_product(quant: QuantKernel, rows: 
 def test_int8_rows_route_only_the_few_row_calls_of_q4_1_weights(quant: QuantKernel) -> None:
     blocks, _ = quant_matrix("Q4_1", 64, 576, seed=8)
     plain = QuantWeight.pack(blocks, 576, quant)
-    int8 = packed_matmul.with_int8_activations(plain, packed_matmul.INT8_ACTIVATION_ROWS)
+    int8 = packed_matmul.with_activation_rounding(plain, packed_matmul.INT8_ACTIVATION_ROWS,
+                                                  False)
     assert isinstance(int8, QuantWeight) and int8.packed is plain.packed  # no second copy
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(9))
     for rows in (1, 2):
@@ -198,11 +199,90 @@ def test_int8_rows_route_only_the_few_row_calls_of_q4_1_weights(quant: QuantKern
     assert torch.equal(int8.matmul(x), plain.matmul(x))  # 3 rows: the float path
     # A row's result is its own: alone or beside another.
     assert torch.equal(int8.matmul(x[1:2])[0], int8.matmul(x[:2])[1])
-    assert torch.equal(packed_matmul.with_int8_activations(int8, 0).matmul(x[:1]),
+    assert torch.equal(packed_matmul.with_activation_rounding(int8, 0, False).matmul(x[:1]),
                        plain.matmul(x[:1]))
     q8_blocks, _ = quant_matrix("Q8_0", 64, 576, seed=8)
     head = QuantWeight.pack(q8_blocks, 576, quant)
-    assert packed_matmul.with_int8_activations(head, 2) is head  # an 8-bit weight keeps float x
+    # an 8-bit weight keeps float x at 1-2 rows
+    assert packed_matmul.with_activation_rounding(head, 2, False) == head
+
+
+def int16_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
+    """What the 16-bit-activation path computes, in float64 from the raw blocks: x rounded to
+    int16 per 32-input block (scale max|x| / 32767 in float32, ties to even), then per block
+    d * dx * sum q qx (+ m * dx * sum qx for Q4_1)."""
+    q4 = blocks.ggml_type == "Q4_1"
+    raw = blocks.rows.numpy().reshape(blocks.rows.shape[0], -1, 20 if q4 else 34)
+    d = torch.from_numpy(raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64))
+    if q4:
+        m = torch.from_numpy(raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
+        nibbles = torch.from_numpy(raw[:, :, 4:].astype(np.int64))
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=2).double()  # [out, blocks, 32]
+    else:
+        q = torch.from_numpy(raw[:, :, 2:].copy().view(np.int8).astype(np.float64))
+    xb = x.float().view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(dim=2)
+    dx = (amax / 32767).double()
+    # A tensor divided by a tensor: `32767 / amax` is computed as 32767 * (1 / amax) in torch,
+    # one rounding more than the kernel's 32767.f / amax (and a tie's other side now and then).
+    inverse = torch.where(amax > 0, torch.full_like(amax, 32767) / torch.where(amax > 0, amax, 1),
+                          0)
+    qx = torch.round(xb * inverse[..., None]).double()
+    out = (d[None] * dx[:, None] * torch.einsum("rbk,obk->rob", qx, q))
+    if q4:
+        out += m[None] * dx[:, None] * qx.sum(2)[:, None]
+    return out.sum(2)
+
+
+@QUANT_TYPES
+@pytest.mark.parametrize("rows", [1, 5, 33, 70])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 48)])
+def test_int16_activations_compute_the_rounded_product(quant: QuantKernel, ggml_type: str,
+                                                       rows: int, k: int, n: int) -> None:
+    # n = 48: a last panel of 16 features; 5, 33 and 70 rows: chunks and tiles with a last
+    # partial one, on the register path (up to 16 or 64 rows) and on the panels.
+    blocks, weight = quant_matrix(ggml_type, n, k, seed=k + rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, k + 8, generator=gen) * torch.rand(1, k + 8, generator=gen) * 4)
+    x = x[:, :k]  # strided rows
+    x[0, :32] = 0.0  # a block of zeros has scale 0
+    got = quant.quant_matmul_i16(x, QuantWeight.pack(blocks, k, quant).packed)
+    torch.testing.assert_close(got.double(), int16_reference(x, blocks), rtol=1e-5, atol=1e-4)
+    # The rounding of x is the whole difference from the exact product: ~3e-5, 1/200 of the
+    # 8-bit path's.
+    exact = x.double() @ weight.double().t()
+    assert 1e-7 < float((got.double() - exact).norm() / exact.norm()) < 2e-4
+
+
+def test_int16_activations_pass_non_finite_inputs_through(quant: QuantKernel) -> None:
+    blocks, _ = quant_matrix("Q4_1", 32, 64, seed=3)
+    packed = QuantWeight.pack(blocks, 64, quant).packed
+    x = torch.randn(3, 64)
+    x[1, 40] = float("nan")
+    x[2, 3] = float("inf")
+    got = quant.quant_matmul_i16(x, packed)
+    assert torch.isfinite(got[0]).all() and not torch.isfinite(got[1:]).any()
+
+
+def test_int16_takes_every_call_but_the_int8_ones(quant: QuantKernel) -> None:
+    for ggml_type in ("Q4_1", "Q8_0"):
+        blocks, _ = quant_matrix(ggml_type, 64, 576, seed=8)
+        plain = QuantWeight.pack(blocks, 576, quant)
+        int16 = packed_matmul.with_activation_rounding(plain, 0, True)
+        assert isinstance(int16, QuantWeight) and int16.packed is plain.packed
+        x = torch.randn(70, 576, generator=torch.Generator().manual_seed(9))
+        for rows in (1, 2, 9, 70):  # the register path (up to 16 or 64 rows) and the panels
+            assert torch.equal(int16.matmul(x[:rows]), quant.quant_matmul_i16(x[:rows],
+                                                                              plain.packed))
+            assert not torch.equal(int16.matmul(x[:rows]), plain.matmul(x[:rows]))
+        # A row's result is its own, whatever else the call holds and whichever path it takes.
+        assert torch.equal(int16.matmul(x[5:6])[0], int16.matmul(x)[5])
+        assert torch.equal(int16.matmul(x[:9])[5], int16.matmul(x)[5])
+        # With 8-bit rows too, those keep 8 bits (Q4_1) and the rest take 16.
+        both = packed_matmul.with_activation_rounding(plain, 2, True)
+        assert torch.equal(both.matmul(x[:3]), int16.matmul(x[:3]))
+        assert torch.equal(both.matmul(x[:2]), (quant.quant_matmul_q8 if ggml_type == "Q4_1"
+                                                else quant.quant_matmul_i16)(x[:2], plain.packed))
 
 
 def test_quantized_refuses_rows_of_the_wrong_width_and_matrices_it_cannot_take(

@@ -614,6 +614,304 @@ void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const c
               " columns, the weight ", packed.size(1) * kBlock);
 }
 
+// -- 16-bit activations: many rows times Q4_1 / Q8_0 in integer arithmetic -----------------
+//
+// From ~8 rows a step's weight matmuls run at the host's float32 FMA peak (the panel path
+// above), so only arithmetic that does more per instruction goes faster. Here each row is
+// rounded to 16 bits per 32-input block (x ~= dx * qx, qx int16, dx = max|x| / 32767: a
+// relative error ~1.5e-5 of the block's largest input, ~250x finer than llama.cpp's 8-bit
+// activations) and the codes (4-bit unsigned or 8-bit signed, exact as int16) are multiplied
+// by it in pairs: one `madd` (AVX-512BW / AVX2) or `dpwssd` (AVX-512 VNNI) does 2 products
+// and their sum for every 32-bit lane, twice a float32 FMA's work. A block's integer sums are
+// exact; its scales are applied once per block and row:
+//   sum_k (d q_k + m) x_k ~= dx * d * sum_k q_k qx_k + m * dx * sum_k qx_k
+// (the second sum over the rounded x, as in the 8-bit path, so that rounding errors cancel
+// against the whole, centred weight). Each row's result depends only on that row.
+//
+// The two positions of a pair are a block's j and j + 16 (one Q4_1 byte's two codes): a
+// thread widens a panel of 32 output features into int32 lanes holding the pair's codes as
+// two int16 (`I16Panel`), once, then multiplies every row tile of the call by it.
+constexpr int64_t kPairs = kBlock / 2;
+
+// Rows rounded to 16 bits: for row r, block b and j in [0, 16), pairs[(r * blocks + b) * 16
+// + j] holds qx[32b + j] in its low half and qx[32b + j + 16] in its high half; dx[r * blocks
+// + b] the block's scale, sx the same times its sum of qx.
+struct I16Rows {
+  std::vector<int32_t> pairs;
+  std::vector<float> dx, sx;
+};
+
+// kRegLanes floats rounded to the nearest integer (ties to even, as std::nearbyint).
+inline IReg round_to_int(Reg v) {
+#if defined(__AVX512F__)
+  return (IReg)_mm512_cvtps_epi32((__m512)v);
+#elif defined(__AVX2__)
+  return (IReg)_mm256_cvtps_epi32((__m256)v);
+#else
+  return (IReg)_mm_cvtps_epi32((__m128)v);
+#endif
+}
+
+I16Rows quantize_rows_i16(const float* x, int64_t x_stride, int64_t m_len, int64_t blocks) {
+  constexpr int64_t kBlockRegs = kBlock / kRegLanes;
+  I16Rows q{std::vector<int32_t>(m_len * blocks * kPairs), std::vector<float>(m_len * blocks),
+            std::vector<float>(m_len * blocks)};
+  at::parallel_for(0, m_len * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = x + (i / blocks) * x_stride + (i % blocks) * kBlock;
+      Reg v[kBlockRegs], amax = {};
+      IReg finite = IReg{} - 1;
+      for (int64_t s = 0; s < kBlockRegs; ++s) {
+        v[s] = load_reg(xb + s * kRegLanes);
+        const Reg a = (Reg)((IReg)v[s] & 0x7FFFFFFF);
+        amax = a > amax ? a : amax;
+        finite &= a <= 3.4e38f;  // false for inf and NaN
+      }
+      float top = 0.f;
+      bool ok = true;
+      for (int64_t l = 0; l < kRegLanes; ++l) {
+        top = std::max(top, amax[l]);
+        ok = ok && finite[l] != 0;
+      }
+      // A non-finite input makes the block's scale NaN, so it reaches the output as in the
+      // float path instead of being rounded away.
+      const float d = ok ? top / 32767.f : std::nanf(""), id = top > 0.f ? 32767.f / top : 0.f;
+      IReg qx[kBlockRegs], sum = {};
+      for (int64_t s = 0; s < kBlockRegs; ++s) {
+        qx[s] = round_to_int(v[s] * (ok ? id : 0.f));  // |x| * id <= 32767 (+ rounding)
+        sum += qx[s];
+      }
+      int32_t total = 0;
+      for (int64_t l = 0; l < kRegLanes; ++l) total += sum[l];
+      int32_t* pairs = q.pairs.data() + i * kPairs;
+      for (int64_t s = 0; s < kBlockRegs / 2; ++s)
+        *reinterpret_cast<IReg*>(pairs + s * kRegLanes) =
+            (qx[s] & 0xFFFF) | (qx[s + kBlockRegs / 2] << 16);
+      q.dx[i] = d;
+      q.sx[i] = d * static_cast<float>(total);
+    }
+  });
+  return q;
+}
+
+// acc + the sum of each 32-bit lane's two int16 products.
+inline IReg dot_pairs(IReg acc, IReg a, IReg b) {
+#if defined(__AVX512VNNI__)
+  return (IReg)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, (__m512i)b);
+#elif defined(__AVX512BW__)
+  return acc + (IReg)_mm512_madd_epi16((__m512i)a, (__m512i)b);
+#elif defined(__AVX2__)
+  return acc + (IReg)_mm256_madd_epi16((__m256i)a, (__m256i)b);
+#else
+  for (int64_t i = 0; i < kRegLanes; ++i)
+    acc[i] += static_cast<int16_t>(a[i] & 0xFFFF) * static_cast<int16_t>(b[i] & 0xFFFF) +
+              (a[i] >> 16) * (b[i] >> 16);
+  return acc;
+#endif
+}
+
+// One thread's panel of 32 output features: codes[(b * 16 + j) * 32 + n] the pair (j, j + 16)
+// of block b for feature n; d and m (zero for Q8_0) [b * 32 + n] as float32.
+struct I16Panel {
+  std::vector<int32_t> codes;
+  std::vector<float> d, m;
+  explicit I16Panel(int64_t blocks)
+      : codes(blocks * kPairs * kPanel), d(blocks * kPanel), m(blocks * kPanel) {}
+};
+
+// The pairs (j, j + 16) of one packed group's codes for register slice s (features
+// s * kRegLanes ...) as two int16 per lane.
+template <Format F>
+inline IReg code_pairs(const uint8_t* group, int64_t j, int64_t s) {
+  if constexpr (F == Format::kQ4_1) {
+    // Low nibble to bits 0-3, high nibble to bits 16-19 (one AVX-512 ternary-logic op).
+    const IReg c = widen(group + kQ4CodesOffset + j * kLanes + s * kRegLanes);
+    return (c | (c << 12)) & 0x000F000F;
+  } else {
+    const int8_t* q = reinterpret_cast<const int8_t*>(group + kQ8CodesOffset);
+    return (widen(q + j * kLanes + s * kRegLanes) & 0xFFFF) |
+           (widen(q + (j + kPairs) * kLanes + s * kRegLanes) << 16);
+  }
+}
+
+// A block's integer sums into the float accumulator: one expression for every path, so a row
+// gets the same bits whichever path multiplies it.
+template <Format F>
+inline Reg add_block(Reg acc, IReg sums, float dx, float sx, Reg d, Reg m) {
+  acc += to_float(sums) * dx * d;
+  if constexpr (F == Format::kQ4_1) acc += m * sx;
+  return acc;
+}
+
+// Widens 16 output features (`blocks` packed groups from `group`) into panel lanes
+// [lane_offset, lane_offset + 16).
+template <Format F>
+void widen_i16(const uint8_t* group, int64_t blocks, I16Panel& panel, int64_t lane_offset) {
+  constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
+  for (int64_t b = 0; b < blocks; ++b, group += group_bytes) {
+    for (int64_t s = 0; s < kSub; ++s) {
+      const int64_t n = lane_offset + s * kRegLanes;
+      store_reg(panel.d.data() + b * kPanel + n, load_half_reg(group + s * kRegLanes * kScaleBytes));
+      store_reg(panel.m.data() + b * kPanel + n,
+                F == Format::kQ4_1
+                    ? load_half_reg(group + (kLanes + s * kRegLanes) * kScaleBytes)
+                    : Reg{});
+      int32_t* out = panel.codes.data() + b * kPairs * kPanel + n;
+      for (int64_t j = 0; j < kPairs; ++j)
+        *reinterpret_cast<IReg*>(out + j * kPanel) = code_pairs<F>(group, j, s);
+    }
+  }
+}
+
+// out[r, 16 features of one group] for R rows (r0 ...), the codes widened in registers and
+// used at once: for a few rows, widening a panel first cost more than it saved.
+template <Format F, int64_t R>
+void i16_few_rows(const I16Rows& x, int64_t r0, const uint8_t* group, int64_t blocks, float* out,
+                  int64_t out_stride) {
+  constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
+  Reg acc[R][kSub] = {};
+  for (int64_t b = 0; b < blocks; ++b, group += group_bytes) {
+    prefetch_ahead(group, group_bytes);
+    IReg sums[R][kSub] = {};
+    const int32_t* xp = x.pairs.data() + (r0 * blocks + b) * kPairs;
+    for (int64_t j = 0; j < kPairs; ++j) {
+      IReg w[kSub];
+      for (int64_t s = 0; s < kSub; ++s) w[s] = code_pairs<F>(group, j, s);
+      for (int64_t r = 0; r < R; ++r) {
+        const IReg xr = IReg{} + xp[r * blocks * kPairs + j];
+        for (int64_t s = 0; s < kSub; ++s) sums[r][s] = dot_pairs(sums[r][s], w[s], xr);
+      }
+    }
+    for (int64_t s = 0; s < kSub; ++s) {
+      const Reg d = load_half_reg(group + s * kRegLanes * kScaleBytes);
+      const Reg m = F == Format::kQ4_1
+                        ? load_half_reg(group + (kLanes + s * kRegLanes) * kScaleBytes)
+                        : Reg{};
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * blocks + b;
+        acc[r][s] = add_block<F>(acc[r][s], sums[r][s], x.dx[i], x.sx[i], d, m);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t s = 0; s < kSub; ++s)
+      store_reg(out + (r0 + r) * out_stride + s * kRegLanes, acc[r][s]);
+}
+
+template <Format F, int64_t R>
+void i16_few_rows_chunk(const I16Rows& x, int64_t r0, int64_t rows, const uint8_t* group,
+                        int64_t blocks, float* out, int64_t out_stride) {
+  if constexpr (R > 0) {
+    if (rows == R) return i16_few_rows<F, R>(x, r0, group, blocks, out, out_stride);
+    i16_few_rows_chunk<F, R - 1>(x, r0, rows, group, blocks, out, out_stride);
+  }
+}
+
+// out[r, c0 : c0 + C * kRegLanes] for R rows (rows r0 ...) of the quantized x.
+template <Format F, int64_t R, int64_t C>
+void i16_tile(const I16Rows& x, int64_t r0, int64_t blocks, const I16Panel& panel, int64_t c0,
+              float* out, int64_t out_stride) {
+  Reg acc[R][C] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    IReg sums[R][C] = {};
+    const int32_t* w = panel.codes.data() + b * kPairs * kPanel + c0;
+    const int32_t* xp = x.pairs.data() + (r0 * blocks + b) * kPairs;
+    for (int64_t j = 0; j < kPairs; ++j, w += kPanel) {
+      IReg wc[C];
+      for (int64_t c = 0; c < C; ++c) wc[c] = *reinterpret_cast<const IReg*>(w + c * kRegLanes);
+      for (int64_t r = 0; r < R; ++r) {
+        const IReg xr = IReg{} + xp[r * blocks * kPairs + j];
+        for (int64_t c = 0; c < C; ++c) sums[r][c] = dot_pairs(sums[r][c], wc[c], xr);
+      }
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      const Reg d = load_reg(panel.d.data() + b * kPanel + c0 + c * kRegLanes);
+      const Reg m = load_reg(panel.m.data() + b * kPanel + c0 + c * kRegLanes);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * blocks + b;
+        acc[r][c] = add_block<F>(acc[r][c], sums[r][c], x.dx[i], x.sx[i], d, m);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c)
+      store_reg(out + (r0 + r) * out_stride + c0 + c * kRegLanes, acc[r][c]);
+}
+
+// Rows of a panel tile: on AVX-512 VNNI 4, 6 and 8 rows took 27.1 / 27.2 / 27.5 ms at 32
+// rows and 49.3 / 49.8 / 50.7 at 64 (SmolLM2's layer matmuls, 2 threads); on AVX2 the
+// accumulators of 3 rows x 2 registers x (int + float) already fill the 16 ymm.
+#if defined(__AVX512F__)
+constexpr int64_t kI16Rows = 4;
+#else
+constexpr int64_t kI16Rows = 3;
+#endif
+
+template <Format F, int64_t R>
+void i16_rows(const I16Rows& x, int64_t r0, int64_t rows, int64_t blocks, const I16Panel& panel,
+              int64_t valid, float* out, int64_t out_stride) {
+  if constexpr (R > 0) {
+    if (rows != R) return i16_rows<F, R - 1>(x, r0, rows, blocks, panel, valid, out, out_stride);
+    for (int64_t c0 = 0; c0 < valid; c0 += kTileWidth) {
+      if (valid - c0 >= kTileWidth)
+        i16_tile<F, R, kTileRegs>(x, r0, blocks, panel, c0, out, out_stride);
+      else
+        i16_tile<F, R, kSub>(x, r0, blocks, panel, c0, out, out_stride);
+    }
+  }
+}
+
+// Up to kI16FewRows rows take the register path (`i16_few_rows`), kI16FewChunk at a time.
+// Measured on SmolLM2's 120 layer matmuls and LM head, 2 threads, one process, builds taking
+// turns (Zen 4): with AVX-512 VNNI, register / panel time at 8 rows 6.0 / 10.6 ms, 16: 11.2 /
+// 15.8, 32: 24.9 / 27.3, 64: 49.5 / 60.0 (a slow phase), 256: 238 / 223; on the x86-64-v3
+// build (AVX2), chunks of 4 vs 3: 8 rows 12.9 vs 14.0 ms, 16: 24.6 vs 29.9, and at 64 rows
+// the panels (78.8) beat it (92.1).
+#if defined(__AVX512F__)
+#define KVFLEET_I16_FEW_ROWS_DEFAULT 64
+#define KVFLEET_I16_FEW_CHUNK_DEFAULT 8
+#else
+#define KVFLEET_I16_FEW_ROWS_DEFAULT 16
+#define KVFLEET_I16_FEW_CHUNK_DEFAULT 4
+#endif
+#ifndef KVFLEET_I16_FEW_ROWS
+#define KVFLEET_I16_FEW_ROWS KVFLEET_I16_FEW_ROWS_DEFAULT
+#endif
+#ifndef KVFLEET_I16_FEW_CHUNK
+#define KVFLEET_I16_FEW_CHUNK KVFLEET_I16_FEW_CHUNK_DEFAULT
+#endif
+constexpr int64_t kI16FewRows = KVFLEET_I16_FEW_ROWS;
+constexpr int64_t kI16FewChunk = KVFLEET_I16_FEW_CHUNK;
+
+template <Format F>
+void multiply_i16(const I16Rows& x, int64_t m_len, const uint8_t* wp, int64_t blocks,
+                  int64_t n_len, float* op) {
+  constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
+  if (m_len <= kI16FewRows) {
+    at::parallel_for(0, n_len / kLanes, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g)
+        for (int64_t r = 0; r < m_len; r += kI16FewChunk)
+          i16_few_rows_chunk<F, kI16FewChunk>(x, r, std::min(kI16FewChunk, m_len - r),
+                                              wp + g * blocks * group_bytes, blocks,
+                                              op + g * kLanes, n_len);
+    });
+    return;
+  }
+  const int64_t panels = (n_len + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    I16Panel panel(blocks);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel, valid = std::min(kPanel, n_len - n0);
+      for (int64_t half = 0; half * kLanes < valid; ++half)
+        widen_i16<F>(wp + (n0 / kLanes + half) * blocks * group_bytes, blocks, panel,
+                     half * kLanes);
+      for (int64_t r = 0; r < m_len; r += kI16Rows)
+        i16_rows<F, kI16Rows>(x, r, std::min(kI16Rows, m_len - r), blocks, panel, valid, op + n0,
+                           n_len);
+    }
+  });
+}
+
 }  // namespace
 
 // x: [M, K] float32 (rows may be strided); packed: from q4_1_pack. Returns ~x @ W^T, [M, N]
@@ -638,6 +936,22 @@ torch::Tensor quant_matmul_q8(const torch::Tensor& x, const torch::Tensor& packe
     else
       q4_rows_q8<1>(rows, wp, blocks, n_len, op + r * n_len);
   }
+  return out;
+}
+
+// x: [M, K] float32 (rows may be strided); packed: from q4_1_pack or q8_0_pack. Returns
+// ~x @ W^T, [M, N] float32, with x rounded to 16 bits per 32-input block (see above).
+torch::Tensor quant_matmul_i16(const torch::Tensor& x, const torch::Tensor& packed) {
+  check_operands(x, packed, "quant_matmul_i16");
+  const int64_t m_len = x.size(0), blocks = packed.size(1), n_len = packed.size(0) * kLanes;
+  torch::Tensor out = torch::empty({m_len, n_len}, x.options());
+  if (m_len == 0) return out;
+  const I16Rows rows = quantize_rows_i16(x.data_ptr<float>(), x.stride(0), m_len, blocks);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  if (packed.size(2) == kQ4GroupBytes)
+    multiply_i16<Format::kQ4_1>(rows, m_len, wp, blocks, n_len, out.data_ptr<float>());
+  else
+    multiply_i16<Format::kQ8_0>(rows, m_len, wp, blocks, n_len, out.data_ptr<float>());
   return out;
 }
 
@@ -689,5 +1003,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_matmul_q8", &quant_matmul_q8,
         "~x @ W^T with W packed from Q4_1 and x rounded to 8 bits per block (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_matmul_i16", &quant_matmul_i16,
+        "~x @ W^T with W packed from Q4_1 or Q8_0 and x rounded to 16 bits per block",
         py::call_guard<py::gil_scoped_release>());
 }

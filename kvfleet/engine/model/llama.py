@@ -52,7 +52,7 @@ from kvfleet.engine.packed_matmul import (
     TorchWeight,
     WeightMatmul,
     bytes_read,
-    with_int8_activations,
+    with_activation_rounding,
 )
 
 MIN_GEMM_ROWS = 16
@@ -368,15 +368,18 @@ class LlamaModel(nn.Module):
         self._move_to_huge_pages()
         native.return_freed_memory()  # the raw blocks, the transposed copy packing read from
 
-    def use_int8_activations(self, rows: int) -> None:
-        """Layer matmuls of up to `rows` rows whose plan takes the 4-bit kernel round their
-        input to 8 bits per 32-value block from now on (`packed_matmul.QuantWeight.int8_rows`;
-        0 turns it off). The LM head keeps float32 input. Only on packed weights."""
+    def use_activation_rounding(self, int8_rows: int, int16: bool) -> None:
+        """From now on, matmuls whose plan takes the 4-bit kernel round their input: layer
+        matmuls of up to `int8_rows` rows (0: none) to 8 bits per 32-value block and, if
+        `int16`, every other layer and LM-head matmul to 16 bits (`packed_matmul.QuantWeight`).
+        Only on packed weights."""
         if self._packed is None:
-            raise RuntimeError("use_int8_activations: the weights are not packed (an engine "
+            raise RuntimeError("use_activation_rounding: the weights are not packed (an engine "
                                "without batch invariance packs them)")
-        self._packed = [tuple(with_int8_activations(w, rows) for w in layer)
+        self._packed = [tuple(with_activation_rounding(w, int8_rows, int16) for w in layer)
                         for layer in self._packed]
+        if self._lm_head_packed is not None:
+            self._lm_head_packed = with_activation_rounding(self._lm_head_packed, 0, int16)
 
     def _move_to_huge_pages(self) -> None:
         """Every quantized weight into one mapping on huge pages (see `hugepages`): a step
