@@ -335,7 +335,8 @@ def main() -> int:
         print(f"HF generate (static batches of {args.hf_batch_size}): {hf_tps:8.1f} tok/s")
         print(f"kvfleet / HF: {kvfleet_tps / hf_tps:.2f}x   (target >= 4x)")
     print(f"{flops_per_token / 1e6:.1f} MFLOP/token; decode prompts {args.decode_prompt} "
-          f"tokens, mean context {mean_context:.0f}")
+          f"tokens, mean context {mean_context:.0f}; K/V {args.kv_cache_dtype}; 4-bit matmul "
+          f"input {'16-bit (--int16-activations)' if args.int16_activations else 'float32'}")
     for batch, tps in decode.items():
         b = bounds[batch]
         step = batch / tps

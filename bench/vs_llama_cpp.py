@@ -4,7 +4,7 @@ in one run, with guidellm (the vLLM project's benchmark client) as the neutral c
     .venv/bin/python bench/vs_llama_cpp.py                    # ~25 min on 2 cores
         [--threads 2] [--streams 1,4,16,32] [--rates 0.25,0.5,1,2] [--seconds 40]
         [--output-tokens 96] [--slo-ttft 1] [--slo-tpot 0.1] [--out bench/out/vs_llama_cpp]
-        [--only single_32,closed_loop,...] [--int8-activations]
+        [--only single_32,closed_loop,...] [--int8-activations] [--int16-activations]
 
 Both servers stay up; each workload goes to one and then the other (the order alternates
 from workload to workload, so a drift of the host's speed does not always favour one side):
@@ -305,6 +305,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma-separated workload names to run")
     p.add_argument("--int8-activations", action="store_true",
                    help="kvfleet serve --int8-activations (llama.cpp's numerics at 1-2 rows)")
+    p.add_argument("--int16-activations", action="store_true",
+                   help="kvfleet serve --int16-activations (4-bit matmuls in integers)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "vs_llama_cpp")
     return p.parse_args(argv)
 
@@ -315,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gguf = default_model_path()
     max_seqs = max(args.streams)
     commands = {"kvfleet": (["-m", "kvfleet", "serve", "--max-num-seqs", str(max_seqs),
-                             *(["--int8-activations"] if args.int8_activations else [])],
+                             *(["--int8-activations"] if args.int8_activations else []),
+                             *(["--int16-activations"] if args.int16_activations else [])],
                             "/ready")}
     try:
         binary = llama_server.build()
