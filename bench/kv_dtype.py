@@ -1,12 +1,13 @@
-"""KV cache and weight dtypes, and 8-bit activations, on the embedded SmolLM2: greedy agreement
-with float32.
+"""KV cache and weight dtypes, and 8- and 16-bit activations, on the embedded SmolLM2: greedy
+agreement with float32.
 
     .venv/bin/python bench/kv_dtype.py
 
 The same 8 prompts, 48 greedy tokens each (eos ignored), through `LLM` with a float32 model
 and cache, then a bfloat16 and a float16 KV cache, then bfloat16 weights and cache (a GPU's
 default), then `int8_activations` (each prompt alone, so every decode step has the one row
-that path serves; the time is then not comparable with the batches'). Printed per setting:
+that path serves; the time is then not comparable with the batches'), then
+`int16_activations` (the prompts batched, like the others). Printed per setting:
 the wall time, how many continuations are token-identical to float32's, the mean share of
 positions that agree, and where each first differs.
 """
@@ -25,6 +26,7 @@ SETTINGS: dict[str, dict[str, str | bool]] = {
     "float32": {}, "kv-bfloat16": {"kv_cache_dtype": "bfloat16"},
     "kv-float16": {"kv_cache_dtype": "float16"}, "weights+kv-bfloat16": {"dtype": "bfloat16"},
     "int8-activations": {"int8_activations": True},
+    "int16-activations": {"int16_activations": True},
 }
 
 

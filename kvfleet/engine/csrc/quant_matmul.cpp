@@ -1,5 +1,6 @@
 // Weight matmuls straight from GGUF's 4- and 8-bit blocks (Q4_1, Q8_0), dequantized next to
-// the FMAs.
+// the FMAs; and two opt-in paths that round the rows to 8 or 16 bits and multiply the codes by
+// them in integers (at the end of the file).
 //
 // A step's weight matmuls stream every layer's weights; as float32 that is ~420 MB for
 // SmolLM2-135M, so a decode step waits on memory, not arithmetic. Q4_1 keeps 32 weights in 20
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -614,23 +616,25 @@ void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const c
               " columns, the weight ", packed.size(1) * kBlock);
 }
 
-// -- 16-bit activations: many rows times Q4_1 / Q8_0 in integer arithmetic -----------------
+// -- 16-bit activations (opt-in): Q4_1 / Q8_0 times rows in integer arithmetic ------------
 //
-// From ~8 rows a step's weight matmuls run at the host's float32 FMA peak (the panel path
-// above), so only arithmetic that does more per instruction goes faster. Here each row is
-// rounded to 16 bits per 32-input block (x ~= dx * qx, qx int16, dx = max|x| / 32767: a
-// relative error ~1.5e-5 of the block's largest input, ~250x finer than llama.cpp's 8-bit
-// activations) and the codes (4-bit unsigned or 8-bit signed, exact as int16) are multiplied
-// by it in pairs: one `madd` (AVX-512BW / AVX2) or `dpwssd` (AVX-512 VNNI) does 2 products
-// and their sum for every 32-bit lane, twice a float32 FMA's work. A block's integer sums are
-// exact; its scales are applied once per block and row:
+// From ~8 rows a step's weight matmuls run at the host's float32 FMA peak (the paths above),
+// so only arithmetic that does more per instruction goes faster. Here each row is rounded to
+// 16 bits per 32-input block (x ~= dx * qx, qx int16, dx = max|x| / 32767: an error of at
+// most ~1.5e-5 of the block's largest input, ~250x finer than llama.cpp's 8-bit activations)
+// and the codes (4-bit unsigned or 8-bit signed, exact as int16) are multiplied by it in
+// pairs: one `dpwssd` (AVX-512 VNNI) does 2 products and their sum in every 32-bit lane, twice
+// a float32 FMA's work (`madd` + add elsewhere). A block's integer sums are exact; its scales
+// are applied once per block and row:
 //   sum_k (d q_k + m) x_k ~= dx * d * sum_k q_k qx_k + m * dx * sum_k qx_k
 // (the second sum over the rounded x, as in the 8-bit path, so that rounding errors cancel
-// against the whole, centred weight). Each row's result depends only on that row.
+// against the whole, centred weight). Not the float32 weights' products, so opt-in: logits
+// move ~5e-3 (tests/integration/test_hf_parity.py). Each row's result depends only on that
+// row, and is the same on the register path (`i16_few_rows`: codes widened in registers, used
+// at once) and on the panels (`I16Panel`: a thread widens 32 output features once and
+// multiplies every row tile of the call by them).
 //
-// The two positions of a pair are a block's j and j + 16 (one Q4_1 byte's two codes): a
-// thread widens a panel of 32 output features into int32 lanes holding the pair's codes as
-// two int16 (`I16Panel`), once, then multiplies every row tile of the call by it.
+// The two positions of a pair are a block's j and j + 16 (one Q4_1 byte's two codes).
 constexpr int64_t kPairs = kBlock / 2;
 
 // Rows rounded to 16 bits: for row r, block b and j in [0, 16), pairs[(r * blocks + b) * 16
@@ -665,7 +669,7 @@ I16Rows quantize_rows_i16(const float* x, int64_t x_stride, int64_t m_len, int64
         v[s] = load_reg(xb + s * kRegLanes);
         const Reg a = (Reg)((IReg)v[s] & 0x7FFFFFFF);
         amax = a > amax ? a : amax;
-        finite &= a <= 3.4e38f;  // false for inf and NaN
+        finite &= a <= std::numeric_limits<float>::max();  // false for inf and NaN
       }
       float top = 0.f;
       bool ok = true;
