@@ -738,6 +738,13 @@ inline IReg code_pairs(const uint8_t* group, int64_t j, int64_t s) {
   }
 }
 
+// The scales d and m (zero for Q8_0) of one packed group's register slice s, as float32.
+template <Format F>
+inline void scales_at(const uint8_t* group, int64_t s, Reg& d, Reg& m) {
+  d = load_half_reg(group + s * kRegLanes * kScaleBytes);
+  m = F == Format::kQ4_1 ? load_half_reg(group + (kLanes + s * kRegLanes) * kScaleBytes) : Reg{};
+}
+
 // A block's integer sums into the float accumulator: one expression for every path, so a row
 // gets the same bits whichever path multiplies it.
 template <Format F>
@@ -755,11 +762,10 @@ void widen_i16(const uint8_t* group, int64_t blocks, I16Panel& panel, int64_t la
   for (int64_t b = 0; b < blocks; ++b, group += group_bytes) {
     for (int64_t s = 0; s < kSub; ++s) {
       const int64_t n = lane_offset + s * kRegLanes;
-      store_reg(panel.d.data() + b * kPanel + n, load_half_reg(group + s * kRegLanes * kScaleBytes));
-      store_reg(panel.m.data() + b * kPanel + n,
-                F == Format::kQ4_1
-                    ? load_half_reg(group + (kLanes + s * kRegLanes) * kScaleBytes)
-                    : Reg{});
+      Reg d, m;
+      scales_at<F>(group, s, d, m);
+      store_reg(panel.d.data() + b * kPanel + n, d);
+      store_reg(panel.m.data() + b * kPanel + n, m);
       int32_t* out = panel.codes.data() + b * kPairs * kPanel + n;
       for (int64_t j = 0; j < kPairs; ++j)
         *reinterpret_cast<IReg*>(out + j * kPanel) = code_pairs<F>(group, j, s);
@@ -787,10 +793,8 @@ void i16_few_rows(const I16Rows& x, int64_t r0, const uint8_t* group, int64_t bl
       }
     }
     for (int64_t s = 0; s < kSub; ++s) {
-      const Reg d = load_half_reg(group + s * kRegLanes * kScaleBytes);
-      const Reg m = F == Format::kQ4_1
-                        ? load_half_reg(group + (kLanes + s * kRegLanes) * kScaleBytes)
-                        : Reg{};
+      Reg d, m;
+      scales_at<F>(group, s, d, m);
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * blocks + b;
         acc[r][s] = add_block<F>(acc[r][s], sums[r][s], x.dx[i], x.sx[i], d, m);
@@ -872,20 +876,10 @@ void i16_rows(const I16Rows& x, int64_t r0, int64_t rows, int64_t blocks, const 
 // build (AVX2), chunks of 4 vs 3: 8 rows 12.9 vs 14.0 ms, 16: 24.6 vs 29.9, and at 64 rows
 // the panels (78.8) beat it (92.1).
 #if defined(__AVX512F__)
-#define KVFLEET_I16_FEW_ROWS_DEFAULT 64
-#define KVFLEET_I16_FEW_CHUNK_DEFAULT 8
+constexpr int64_t kI16FewRows = 64, kI16FewChunk = 8;
 #else
-#define KVFLEET_I16_FEW_ROWS_DEFAULT 16
-#define KVFLEET_I16_FEW_CHUNK_DEFAULT 4
+constexpr int64_t kI16FewRows = 16, kI16FewChunk = 4;
 #endif
-#ifndef KVFLEET_I16_FEW_ROWS
-#define KVFLEET_I16_FEW_ROWS KVFLEET_I16_FEW_ROWS_DEFAULT
-#endif
-#ifndef KVFLEET_I16_FEW_CHUNK
-#define KVFLEET_I16_FEW_CHUNK KVFLEET_I16_FEW_CHUNK_DEFAULT
-#endif
-constexpr int64_t kI16FewRows = KVFLEET_I16_FEW_ROWS;
-constexpr int64_t kI16FewChunk = KVFLEET_I16_FEW_CHUNK;
 
 template <Format F>
 void multiply_i16(const I16Rows& x, int64_t m_len, const uint8_t* wp, int64_t blocks,
