@@ -171,7 +171,7 @@ def register(subparsers: Any) -> None:
                         default=os.environ.get("KVFLEET_INT16_ACTIVATIONS", "") == "1",
                         help="the 4-bit weight matmuls round their input to 16 bits per 32 "
                              "values and sum in integers: 1.1-1.9x faster matmuls where the "
-                             "CPU has AVX-512 VNNI, logits within ~5e-3 of HF's (see "
+                             "CPU has AVX-512 VNNI, logits within ~7e-3 of HF's (see "
                              "bench/README.md); default "
                              "$KVFLEET_INT16_ACTIVATIONS=1, which the operator sets from a "
                              "pool's engine.int16Activations")

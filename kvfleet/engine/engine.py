@@ -108,7 +108,7 @@ def build_engine_core(model: LoadedModel, cache_config: CacheConfig | None = Non
     `int16_activations`: every other weight matmul on the 4-bit kernel (layers and LM head)
     rounds its input to 16 bits per 32-value block and sums in integers
     (`packed_matmul.QuantWeight.int16`): 1.1-1.9x faster matmuls on AVX-512 VNNI, logits
-    within ~5e-3 of HF's. The same caveats."""
+    within ~7e-3 of HF's. The same caveats."""
     from kvfleet.engine.device import DTYPES
     from kvfleet.engine.fused_ops import load_fused_ops
     from kvfleet.engine.matmul_plan import plan_for

@@ -170,7 +170,7 @@ class QuantWeight:
     int8_rows: int = 0
     # Every other call rounds x to 16 bits per 32-input block and sums code x input pairs in
     # integers (`quant_matmul_i16`): SmolLM2's weight matmuls 1.1-1.9x faster at 1-64 rows
-    # where the CPU has AVX-512 VNNI (bench/README.md); logits move ~5e-3 from HF's, so opt-in.
+    # where the CPU has AVX-512 VNNI (bench/README.md); logits move ~7e-3 from HF's, so opt-in.
     int16: bool = False
 
     @classmethod
