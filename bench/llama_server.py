@@ -2,17 +2,19 @@
 `llama-cpp-python` sdist on PyPI vendors: the yardstick of `bench/vs_llama_cpp.py`.
 
     .venv/bin/python bench/llama_server.py            # build (or find) it, print its path
+    .venv/bin/python bench/llama_server.py --level x86_64_v3   # the AVX2 build (see LEVELS)
 
 The build is cached outside the checkout, keyed by the sdist's version and this CPU's ISA
-flags (`-DGGML_NATIVE=ON` compiles for the host), under `$KVFLEET_LLAMA_CPP_CACHE` or
-`~/.cache/kvfleet/llama.cpp`. It needs cmake, ninja and a C++ compiler (Debian: `apt-get
-install cmake ninja-build g++`); without them `BuildUnavailable` says what is missing, and the
-benchmark skips llama.cpp with that message. Cold: ~12 minutes on 2 cores (748 s measured),
-with progress.
+flags (`-DGGML_NATIVE=ON` compiles for the host) or the level's name, under
+`$KVFLEET_LLAMA_CPP_CACHE` or `~/.cache/kvfleet/llama.cpp`. It needs cmake, ninja and a C++
+compiler (Debian: `apt-get install cmake ninja-build g++`); without them `BuildUnavailable`
+says what is missing, and the benchmark skips llama.cpp with that message. Cold: 7-12 minutes
+on 2 cores (413-748 s measured), with progress.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import shutil
@@ -32,6 +34,19 @@ ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "a
              "avx512_bf16", "avx_vnni", "amx_tile")
 
 
+# The instruction-set levels llama-server is built for: the host's own, or x86-64-v3 (AVX2, FMA,
+# F16C, BMI2, no AVX-512), which an AVX-512 host runs as well: beside kvfleet's x86_64_v3
+# kernels (`KVFLEET_CPU_TARGET`), one host measures both engines at the AVX2 level. Each level:
+# its cmake switches and the CPU flags it needs.
+LEVELS: dict[str, tuple[list[str], set[str]]] = {
+    "native": (["-DGGML_NATIVE=ON"], set()),
+    "x86_64_v3": (["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+                   "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
+                   "-DGGML_AVX_VNNI=OFF"],
+                  {"avx", "avx2", "fma", "f16c", "bmi2"}),
+}
+
+
 class BuildUnavailable(Exception):
     """llama-server cannot be built on this machine; the message says why and what to do."""
 
@@ -47,9 +62,11 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def cache_dir() -> Path:
+def cache_dir(level: str = "native") -> Path:
     root = os.environ.get(CACHE_ENV)
     base = Path(root) if root else Path.home() / ".cache" / "kvfleet" / "llama.cpp"
+    if level != "native":  # fixed flags: the same binary on every host that runs the level
+        return base / f"{LLAMA_CPP_PYTHON_VERSION}-{level}"
     isa = ",".join(f for f in ISA_FLAGS if f in cpu_flags())
     digest = hashlib.sha256(isa.encode()).hexdigest()[:10]
     return base / f"{LLAMA_CPP_PYTHON_VERSION}-{digest}"
@@ -75,9 +92,16 @@ def _run(cmd: list[str], log: Path, cwd: Path, what: str) -> None:
         raise BuildUnavailable(f"{what} failed (exit {proc.returncode}); see {log}")
 
 
-def build() -> Path:
-    """The cached llama-server binary, built first if absent."""
-    folder = cache_dir()
+def build(level: str = "native") -> Path:
+    """The cached llama-server binary for `level` (a key of LEVELS), built first if absent."""
+    if level not in LEVELS:
+        raise BuildUnavailable(f"no llama-server level {level!r}; use one of {', '.join(LEVELS)}")
+    switches, needs = LEVELS[level]
+    lacking = sorted(needs - cpu_flags())
+    if lacking:
+        raise BuildUnavailable(f"this CPU cannot run llama-server's {level} build: it lacks "
+                               f"{', '.join(lacking)}")
+    folder = cache_dir(level)
     binary = folder / "llama-server"
     if binary.is_file():
         return binary
@@ -92,8 +116,9 @@ def build() -> Path:
     log.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="llama-cpp-build-", dir=folder.parent) as tmp:
         work = Path(tmp)
-        _say(f"building llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s "
-             f"vendored llama.cpp into {folder} (log {log}; ~12 min on 2 cores)")
+        _say(f"building llama-server ({level}) from llama-cpp-python "
+             f"{LLAMA_CPP_PYTHON_VERSION}'s vendored llama.cpp into {folder} (log {log}; "
+             "~7-12 min on 2 cores)")
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
               "--quiet", "-d", str(work), f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"],
              log, work, "pip download of the sdist")
@@ -103,7 +128,7 @@ def build() -> Path:
         src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
         build_dir = work / "build"
         _run(["cmake", "-S", str(src), "-B", str(build_dir), "-G", "Ninja",
-              "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+              "-DCMAKE_BUILD_TYPE=Release", *switches, "-DBUILD_SHARED_LIBS=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
               "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
               # No web UI: the prebuilt one is a download this machine cannot make.
@@ -132,8 +157,10 @@ def server_argv(binary: Path, gguf: Path, threads: int, parallel: int, ctx_per_s
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--level", choices=sorted(LEVELS), default="native")
     try:
-        print(build())
+        print(build(parser.parse_args().level))
     except BuildUnavailable as exc:
         print(f"[llama.cpp] {exc}", file=sys.stderr)
         sys.exit(1)

@@ -5,6 +5,7 @@ in one run, with guidellm (the vLLM project's benchmark client) as the neutral c
         [--threads 2] [--streams 1,4,16,32] [--rates 0.25,0.5,1,2] [--seconds 40]
         [--output-tokens 96] [--slo-ttft 1] [--slo-tpot 0.1] [--out bench/out/vs_llama_cpp]
         [--only single_32,closed_loop,...] [--int8-activations] [--int16-activations]
+        [--cpu-level x86_64_v3]
 
 Both servers stay up; each workload goes to one and then the other (the order alternates
 from workload to workload, so a drift of the host's speed does not always favour one side):
@@ -50,6 +51,7 @@ import llama_server
 from serve_bench import ROOT, TOKEN_ID_RANGE, percentiles, server
 from tokenizers import Tokenizer
 
+from kvfleet.engine import native
 from kvfleet.engine.model.loader import default_model_path
 
 GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
@@ -307,12 +309,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="kvfleet serve --int8-activations (llama.cpp's numerics at 1-2 rows)")
     p.add_argument("--int16-activations", action="store_true",
                    help="kvfleet serve --int16-activations (4-bit matmuls in integers)")
+    p.add_argument("--cpu-level", choices=sorted(llama_server.LEVELS), default="native",
+                   help="ISA level of both servers: the host's widest (native), or x86_64_v3 "
+                        "(AVX2 builds of both, which an AVX-512 host runs too)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "vs_llama_cpp")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cpu_level != "native":
+        # kvfleet serve inherits the level through the environment; checked here, so a CPU
+        # that cannot run it stops the run before anything starts.
+        os.environ[native.TARGET_ENV] = args.cpu_level
+        try:
+            native.cpu_target()
+        except native.KernelTargetError as exc:
+            print(f"--cpu-level {args.cpu_level}: {exc}", file=sys.stderr)
+            return 2
     subprocess.run([str(ROOT / "scripts" / "guidellm-env.sh")], check=True)
     gguf = default_model_path()
     max_seqs = max(args.streams)
@@ -321,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              *(["--int16-activations"] if args.int16_activations else [])],
                             "/ready")}
     try:
-        binary = llama_server.build()
+        binary = llama_server.build(args.cpu_level)
         commands["llama.cpp"] = (llama_server.server_argv(
             binary, gguf, args.threads, parallel=max_seqs,
             ctx_per_slot=SHARED_PREFIX_TOKENS + OWN_TOKENS + 2 * args.output_tokens),
@@ -329,8 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except llama_server.BuildUnavailable as exc:
         print(f"[llama.cpp] skipped, kvfleet measured alone: {exc}", flush=True)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in commands}
-    print(f"CPU: {os.cpu_count()} cores; {args.threads} threads per server; model {gguf.name}",
-          flush=True)
+    print(f"CPU: {native.cpu_model()}, {os.cpu_count()} cores; level {args.cpu_level}; "
+          f"{args.threads} threads per server; model {gguf.name}", flush=True)
     with tempfile.TemporaryDirectory(prefix="vs-llama-cpp-") as tmp, ExitStack() as stack:
         urls = {name: stack.enter_context(server(argv, name, args.threads, ready_path=ready))
                 for name, (argv, ready) in commands.items()}
