@@ -67,6 +67,7 @@ class Run:
     tpot: list[float] = field(default_factory=list)
     completed: int = 0
     failed: int = 0
+    unfinished: int = 0  # still running when the window closed (guidellm's "incomplete")
     output_tokens: int = 0  # delivered in the window, finished requests or not
 
     def goodput(self, slo_ttft: float, slo_tpot: float) -> float:
@@ -75,7 +76,8 @@ class Run:
         return good / self.duration
 
     def summary(self, slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
-        return {"completed": self.completed, "failed": self.failed, "duration": self.duration,
+        return {"completed": self.completed, "failed": self.failed,
+                "unfinished": self.unfinished, "duration": self.duration,
                 "output_tok_s": self.output_tokens / self.duration,
                 "ttft": percentiles(self.ttft), "tpot": percentiles(self.tpot),
                 "goodput": self.goodput(slo_ttft, slo_tpot), "ttft_values": self.ttft}
@@ -92,6 +94,7 @@ def runs_of(report: dict[str, Any]) -> list[Run]:
             run.ttft.append(r["time_to_first_token_ms"] / 1e3)
             run.tpot.append((r["inter_token_latency_ms"] or 0.0) / 1e3)
         run.output_tokens += sum(r["output_tokens"] or 0 for r in requests["incomplete"])
+        run.unfinished = len(requests["incomplete"])
         runs.append(run)
     return runs
 
@@ -236,6 +239,13 @@ def report_lines(results: dict[str, dict[str, list[dict[str, Any]]]],
             "higher is better")
         row(f"{rate:g} req/s: output", "poisson", i, lambda s: s["output_tok_s"], "tok/s",
             "higher is better")
+        # Sent = completed + failed + unfinished; about rate x window unless the client fell
+        # behind its schedule and caught up in a burst (then the goodput says little).
+        row(f"{rate:g} req/s: requests sent", "poisson", i,
+            lambda s: s["completed"] + s["failed"] + s.get("unfinished", 0), "req",
+            f"~{rate * args.seconds:.0f} expected")
+        row(f"{rate:g} req/s: failed", "poisson", i, lambda s: s["failed"], "req",
+            "lower is better")
     lines.append(f"== {SHARED_PREFIX_TOKENS + OWN_TOKENS}-token prompts, "
                  f"{SHARED_PREFIX_TOKENS} shared")
     row("TTFT p50 after the first", "shared_prefix", 0, lambda s: s["ttft"]["p50"], "s",
