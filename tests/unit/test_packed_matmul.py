@@ -138,11 +138,12 @@ def test_quantized_a_rows_bits_do_not_depend_on_the_other_rows(
     torch.set_num_threads(1)  # another split of panels across threads changes nothing either
     try:
         for r in (0, 11, 12, 28):
-            # 8 and 14 rows take the register path (no panel buffer), 9 the panels where
-            # registers hold 8 rows (AVX2, SSE: a last chunk of 1 row would cost a whole pass
-            # over the weights), 17 the panels everywhere: the same products of the
-            # dequantized weights in the same order.
-            for n in (8, 9, 14, 17):
+            # 3, 4, 8 and 14 rows take the register path (no panel buffer; 3-4 rows both
+            # register slices of a group at once on AVX2), 9 the panels where registers hold 8
+            # rows (AVX2, SSE: a last chunk of 1 row would cost a whole pass over the
+            # weights), 17 the panels everywhere: the same products of the dequantized weights
+            # in the same order.
+            for n in (3, 4, 8, 9, 14, 17):
                 start = min(r, len(x) - n)  # n rows that hold row r
                 assert torch.equal(weight.matmul(x[start : start + n].clone())[r - start],
                                    together[r])
