@@ -7,29 +7,15 @@ Budget: well under a second.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 
 import pytest
+from bench_modules import load_bench
 
-
-def _load_bench() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "serve_bench.py"
-    spec = importlib.util.spec_from_file_location("serve_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serve_bench"] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_bench("serve_bench")
 
 
 @dataclass

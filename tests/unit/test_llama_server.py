@@ -6,23 +6,12 @@ Budget: well under a second.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from bench_modules import load_bench
 
-
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "llama_server.py"
-    spec = importlib.util.spec_from_file_location("llama_server", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-llama_server = _load()
+llama_server = load_bench("llama_server")
 AVX512_HOST = {"avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl"}
 
 
