@@ -255,8 +255,9 @@ void tail(const float* x, int64_t x_stride, int64_t k_len, const float* panel, f
 // S of the group's kSub register slices a pass, each broadcast of x feeding S multiply-adds.
 // One slice a pass leaves R accumulator chains of one multiply-add a position, and at R <= 4
 // the loop waits on the FMA's latency: on AVX2 (two slices a group) both slices at once
-// multiplied 3-4 rows 1.3-1.5x faster (SmolLM2's layer matmuls, v3 build on a Zen 4 host, one
-// process, taking turns); at 8 rows the 16 accumulators would not fit, and one slice stays.
+// multiplied 3-4 rows 1.27-1.32x faster (SmolLM2's layer matmuls and LM head, v3 builds taking
+// turns in one process on a Zen 4 host); at 8 rows the 16 accumulators would not fit the 16
+// ymm registers, and one slice a pass stays (two passes of 4 rows were 8 % slower).
 template <int64_t R>
 constexpr int64_t slices_per_pass() {
   return kSub > 1 && R * kSub <= 8 ? kSub : 1;
