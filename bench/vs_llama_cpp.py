@@ -54,7 +54,9 @@ from tokenizers import Tokenizer
 from kvfleet.engine import native
 from kvfleet.engine.model.loader import default_model_path
 
-GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
+# guidellm's own interpreter, on a launcher that fixes the start of its Poisson arrivals.
+GUIDELLM = [str(ROOT / ".venv-guidellm" / "bin" / "python"),
+            str(ROOT / "bench" / "guidellm_launch.py")]
 SHARED_PREFIX_TOKENS, OWN_TOKENS = 900, 100
 
 
@@ -122,7 +124,7 @@ class Guidellm:
                      "constraints": [constraint],
                      "outputs": [{"kind": "json", "path": str(out)}]},
             **({"benchmarks": sweep} if sweep else {})}))
-        done = subprocess.run([str(GUIDELLM), "run", "--scenario", str(scenario),
+        done = subprocess.run([*GUIDELLM, "run", "--scenario", str(scenario),
                                "--disable-console-interactive"],
                               capture_output=True, text=True, check=False)
         if done.returncode != 0:

@@ -85,3 +85,42 @@ def test_guidellm_benchmarks_the_server(server: EngineServer, tmp_path: Path,
         assert request["time_to_first_token_ms"] > 0
         assert request["inter_token_latency_ms"] > 0
     assert server.wait_idle()["kvfleet_engine_requests_running"] == 0
+
+
+# Run by guidellm's interpreter: the order in which bench/guidellm_launch.py's Poisson start
+# sets the arrival clock and wakes the workers, with and without the launcher.
+_CLOCK_AT_WAKE = """
+import importlib.util, multiprocessing, sys
+from guidellm.scheduler import strategies
+if sys.argv[1] == "launcher":
+    spec = importlib.util.spec_from_file_location("launch", sys.argv[2])
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+seen = []
+wake = strategies.ThroughputStrategy.init_processes_start
+def recording(self, start_time):
+    seen.append(self._offset.value)  # the clock when the workers are woken
+    wake(self, start_time)
+strategies.ThroughputStrategy.init_processes_start = recording
+poisson = strategies.AsyncPoissonStrategy(rate=2.0)
+poisson.init_processes_timings(worker_count=2, max_concurrency=4,
+                               mp_context=multiprocessing.get_context("spawn"))
+poisson.init_processes_start(1000.0)
+print(seen[0])
+"""
+
+
+def test_the_launcher_sets_the_poisson_clock_before_waking_the_workers() -> None:
+    python = GUIDELLM.parent / "python"
+    if not python.exists():
+        pytest.fail(f"{python} is missing: run scripts/guidellm-env.sh (scripts/test.sh does)")
+    launcher = ROOT / "bench" / "guidellm_launch.py"
+
+    def clock_at_wake(mode: str) -> float:
+        done = subprocess.run([str(python), "-c", _CLOCK_AT_WAKE, mode, str(launcher)],
+                              capture_output=True, text=True, check=True, timeout=120)
+        return float(done.stdout.strip())
+
+    # guidellm 0.8.1 alone wakes its workers with the clock still at -1.0 (arrivals due in
+    # 1970, sent at once); through the launcher the clock is the start time by then.
+    assert clock_at_wake("plain") == -1.0
+    assert clock_at_wake("launcher") == 1000.0
