@@ -87,10 +87,11 @@ def test_guidellm_benchmarks_the_server(server: EngineServer, tmp_path: Path,
     assert server.wait_idle()["kvfleet_engine_requests_running"] == 0
 
 
-# Run by guidellm's interpreter: the order in which bench/guidellm_launch.py's Poisson start
-# sets the arrival clock and wakes the workers, with and without the launcher.
-_CLOCK_AT_WAKE = """
-import importlib.util, multiprocessing, sys
+# Run by guidellm's interpreter, with and without bench/guidellm_launch.py: the arrival clock
+# when a Poisson start wakes the workers, and the first gaps each of two workers draws (each
+# worker process starts with no generator of its own; reset here to play the second one).
+_POISSON_PROBE = """
+import asyncio, importlib.util, json, multiprocessing, sys
 from guidellm.scheduler import strategies
 if sys.argv[1] == "launcher":
     spec = importlib.util.spec_from_file_location("launch", sys.argv[2])
@@ -105,22 +106,34 @@ poisson = strategies.AsyncPoissonStrategy(rate=2.0)
 poisson.init_processes_timings(worker_count=2, max_concurrency=4,
                                mp_context=multiprocessing.get_context("spawn"))
 poisson.init_processes_start(1000.0)
-print(seen[0])
+async def gaps(worker):
+    poisson._random = None
+    times = [await poisson.next_request_time(worker) for _ in range(4)]
+    return [b - a for a, b in zip(times, times[1:])]
+print(json.dumps({"clock_at_wake": seen[0],
+                  "gaps": [asyncio.run(gaps(0)), asyncio.run(gaps(1))]}))
 """
 
 
-def test_the_launcher_sets_the_poisson_clock_before_waking_the_workers() -> None:
+def test_the_launcher_makes_guidellm_poisson_arrivals_poisson() -> None:
     python = GUIDELLM.parent / "python"
     if not python.exists():
         pytest.fail(f"{python} is missing: run scripts/guidellm-env.sh (scripts/test.sh does)")
     launcher = ROOT / "bench" / "guidellm_launch.py"
 
-    def clock_at_wake(mode: str) -> float:
-        done = subprocess.run([str(python), "-c", _CLOCK_AT_WAKE, mode, str(launcher)],
+    def probe(mode: str) -> dict[str, Any]:
+        done = subprocess.run([str(python), "-c", _POISSON_PROBE, mode, str(launcher)],
                               capture_output=True, text=True, check=True, timeout=120)
-        return float(done.stdout.strip())
+        result: dict[str, Any] = json.loads(done.stdout)
+        return result
 
+    plain, launched = probe("plain"), probe("launcher")
     # guidellm 0.8.1 alone wakes its workers with the clock still at -1.0 (arrivals due in
-    # 1970, sent at once); through the launcher the clock is the start time by then.
-    assert clock_at_wake("plain") == -1.0
-    assert clock_at_wake("launcher") == 1000.0
+    # 1970, sent at once), and every worker draws the same gaps (arrivals in runs, one per
+    # worker, at one spacing). Through the launcher the clock is the start time by then and
+    # each worker draws its own gaps.
+    assert plain["clock_at_wake"] == -1.0
+    assert plain["gaps"][0] == plain["gaps"][1]
+    assert launched["clock_at_wake"] == 1000.0
+    assert launched["gaps"][0] != launched["gaps"][1]
+    assert all(gap > 0 for gaps in launched["gaps"] for gap in gaps)
