@@ -67,6 +67,11 @@ class Run:
     duration: float
     ttft: list[float] = field(default_factory=list)  # seconds, successful requests
     tpot: list[float] = field(default_factory=list)
+    # Every request sent in the window: its TTFT, or where no token came before the window
+    # closed, how long it had waited (a lower bound). The TTFT percentiles come from these:
+    # counting the finished requests alone counts, in a closed loop whose requests outlast half
+    # the window, mostly the first wave, and of it the requests that started soonest.
+    ttft_sent: list[float] = field(default_factory=list)
     completed: int = 0
     failed: int = 0
     unfinished: int = 0  # still running when the window closed (guidellm's "incomplete")
@@ -81,8 +86,8 @@ class Run:
         return {"completed": self.completed, "failed": self.failed,
                 "unfinished": self.unfinished, "duration": self.duration,
                 "output_tok_s": self.output_tokens / self.duration,
-                "ttft": percentiles(self.ttft), "tpot": percentiles(self.tpot),
-                "goodput": self.goodput(slo_ttft, slo_tpot), "ttft_values": self.ttft}
+                "ttft": percentiles(self.ttft_sent), "tpot": percentiles(self.tpot),
+                "goodput": self.goodput(slo_ttft, slo_tpot), "ttft_values": self.ttft_sent}
 
 
 def runs_of(report: dict[str, Any]) -> list[Run]:
@@ -95,7 +100,14 @@ def runs_of(report: dict[str, Any]) -> list[Run]:
             run.output_tokens += r["output_tokens"] or 0
             run.ttft.append(r["time_to_first_token_ms"] / 1e3)
             run.tpot.append((r["inter_token_latency_ms"] or 0.0) / 1e3)
-        run.output_tokens += sum(r["output_tokens"] or 0 for r in requests["incomplete"])
+        run.ttft_sent.extend(run.ttft)
+        for r in requests["incomplete"]:
+            run.output_tokens += r["output_tokens"] or 0
+            first, start = r["time_to_first_token_ms"], r["request_start_time"]
+            if first is not None:
+                run.ttft_sent.append(first / 1e3)
+            elif start is not None:  # sent, no token yet
+                run.ttft_sent.append(max(0.0, bench["end_time"] - start))
         run.unfinished = len(requests["incomplete"])
         runs.append(run)
     return runs
