@@ -88,34 +88,42 @@ def test_guidellm_benchmarks_the_server(server: EngineServer, tmp_path: Path,
 
 
 # Run by guidellm's interpreter, with and without bench/guidellm_launch.py: the arrival clock
-# when a Poisson start wakes the workers, and the first gaps each of two workers draws (each
-# worker process starts with no generator of its own; reset here to play the second one).
+# when a Poisson start wakes the workers, and the arrival times when two workers draw in turns
+# and when one draws them all. A worker process starts with no generator of its own; the
+# probe drops the strategy's to play a worker's first draw in another process.
 _POISSON_PROBE = """
 import asyncio, importlib.util, json, multiprocessing, sys
 from guidellm.scheduler import strategies
 if sys.argv[1] == "launcher":
     spec = importlib.util.spec_from_file_location("launch", sys.argv[2])
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
+def clock(strategy):
+    shared = strategy._offset
+    return shared.value if hasattr(shared, "value") else shared[0]
 seen = []
 wake = strategies.ThroughputStrategy.init_processes_start
 def recording(self, start_time):
-    seen.append(self._offset.value)  # the clock when the workers are woken
+    seen.append(clock(self))  # the clock when the workers are woken
     wake(self, start_time)
 strategies.ThroughputStrategy.init_processes_start = recording
-poisson = strategies.AsyncPoissonStrategy(rate=2.0)
-poisson.init_processes_timings(worker_count=2, max_concurrency=4,
-                               mp_context=multiprocessing.get_context("spawn"))
-poisson.init_processes_start(1000.0)
-async def gaps(worker):
-    poisson._random = None
-    times = [await poisson.next_request_time(worker) for _ in range(4)]
-    return [b - a for a, b in zip(times, times[1:])]
-print(json.dumps({"clock_at_wake": seen[0],
-                  "gaps": [asyncio.run(gaps(0)), asyncio.run(gaps(1))]}))
+async def arrivals(workers):
+    poisson = strategies.AsyncPoissonStrategy(rate=2.0)
+    poisson.init_processes_timings(worker_count=2, max_concurrency=4,
+                                   mp_context=multiprocessing.get_context("spawn"))
+    poisson.init_processes_start(1000.0)
+    generators, times = {}, []
+    for worker in workers:
+        poisson._random = generators.get(worker)
+        times.append(await poisson.next_request_time(worker))
+        generators[worker] = poisson._random
+    return times
+print(json.dumps({"clock_at_wake": seen,
+                  "in_turns": asyncio.run(arrivals([0, 1, 0, 1, 0, 1])),
+                  "one_worker": asyncio.run(arrivals([0, 0, 0, 0, 0, 0]))}))
 """
 
 
-def test_the_launcher_makes_guidellm_poisson_arrivals_poisson() -> None:
+def test_the_launcher_makes_guidellm_poisson_arrivals_poisson_and_the_same_for_all() -> None:
     python = GUIDELLM.parent / "python"
     if not python.exists():
         pytest.fail(f"{python} is missing: run scripts/guidellm-env.sh (scripts/test.sh does)")
@@ -127,13 +135,20 @@ def test_the_launcher_makes_guidellm_poisson_arrivals_poisson() -> None:
         result: dict[str, Any] = json.loads(done.stdout)
         return result
 
+    def gaps(times: list[float]) -> list[float]:
+        return [b - a for a, b in zip([1000.0, *times], times, strict=False)]
+
     plain, launched = probe("plain"), probe("launcher")
     # guidellm 0.8.1 alone wakes its workers with the clock still at -1.0 (arrivals due in
-    # 1970, sent at once), and every worker draws the same gaps (arrivals in runs, one per
-    # worker, at one spacing). Through the launcher the clock is the start time by then and
-    # each worker draws its own gaps.
-    assert plain["clock_at_wake"] == -1.0
-    assert plain["gaps"][0] == plain["gaps"][1]
-    assert launched["clock_at_wake"] == 1000.0
-    assert launched["gaps"][0] != launched["gaps"][1]
-    assert all(gap > 0 for gaps in launched["gaps"] for gap in gaps)
+    # 1970, sent at once); every worker draws the same gaps (arrivals in runs of one spacing,
+    # a run per worker); and which worker draws decides the schedule.
+    assert plain["clock_at_wake"] == [-1.0, -1.0]
+    in_turns = gaps(plain["in_turns"])
+    assert in_turns[0::2] == pytest.approx(in_turns[1::2])
+    assert plain["in_turns"] != plain["one_worker"]
+    # Through the launcher: the clock is the start time by then, the schedule is the same
+    # whoever draws, and its gaps are all different, all positive.
+    assert launched["clock_at_wake"] == [1000.0, 1000.0]
+    assert launched["in_turns"] == launched["one_worker"]
+    launched_gaps = gaps(launched["in_turns"])
+    assert len(set(launched_gaps)) == len(launched_gaps) and min(launched_gaps) > 0
