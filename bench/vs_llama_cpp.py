@@ -14,9 +14,12 @@ from workload to workload, so a drift of the host's speed does not always favour
    tok/s = 1 / TPOT);
 2. closed loop at each of --streams concurrent streams, prompts 32-256 tokens, 96 output
    tokens, --seconds each: output tok/s (every token delivered in the window, including those
-   of requests still running at its end), TTFT and TPOT p50/p95;
-3. Poisson arrivals at each of --rates: goodput at the serving bench's SLO (requests with
-   TTFT <= --slo-ttft and TPOT <= --slo-tpot, per second of the window);
+   of requests still running at its end), TTFT p50/p95 (every request sent in the window; one
+   with no token by its close counts its wait so far) and TPOT p50/p95 (finished requests);
+3. Poisson arrivals at each of --rates (guidellm through `guidellm_launch.py`, which makes its
+   arrivals one Poisson process, the same for both servers): goodput at the serving bench's
+   SLO (finished requests with TTFT <= --slo-ttft and TPOT <= --slo-tpot, per second of the
+   window);
 4. a 90 %-shared 1k-token prefix (900 shared + 100 own tokens), one at a time: TTFT p50 of the
    requests after the first.
 
