@@ -12,8 +12,10 @@
 2. Batched decode vs a roof that counts bytes as well as FLOPs. With B requests running
    (B = 1, 8, 32, 64; prompts of --decode-prompt tokens), the time of a pure decode step
    against its bound max(bytes / bandwidth, FLOPs / peak): bandwidth from a STREAM-like triad
-   and peak from a 1024^3 fp32 matmul, both measured with the same threads just before and
-   just after each B's timed steps (the better of the two, each); bytes = the
+   and peak from register-resident float32 multiply-adds at the engine's ISA level
+   (`fma_peak.py`; a 1024^3 `torch.mm` was the peak until session 24, but MKL takes its AVX2
+   code on AMD CPUs: 221 of 543 GFLOP/s on a Zen 5), both measured with the same threads just
+   before and just after each B's timed steps (the better of the two, each); bytes = the
    weights as the kernels read them at B rows (`weight_bytes_read`: 4-bit blocks where the
    plan multiplies by them) + the K/V the batch's attention reads at its mean context + the
    float32 logits written; FLOPs = B x the weight matmuls' FLOPs per token. Printed: step
@@ -39,7 +41,9 @@ from typing import Any
 
 import psutil
 import torch
+from fma_peak import fma_peak_flops, mkl_matmul_flops
 
+from kvfleet.engine import native
 from kvfleet.engine.config import CacheConfig, SchedulerConfig
 from kvfleet.engine.engine import EngineCore, build_engine_core
 from kvfleet.engine.llm import LLM
@@ -132,18 +136,6 @@ def anonymous_rss() -> int:
     except OSError:
         pass
     return 0
-
-
-def peak_matmul_flops(size: int = 1024, repeats: int = 10) -> float:
-    """Best observed fp32 FLOP/s of a square matmul on this machine, now."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    best = 0.0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2 * size**3 / (time.perf_counter() - t))
-    return best
 
 
 def triad_bandwidth(num_floats: int = 1 << 25, repeats: int = 8) -> float:
@@ -311,15 +303,17 @@ def main() -> int:
     # Each request's context during the timed steps runs from prompt + 1 to prompt + steps.
     mean_context = args.decode_prompt + 1 + args.decode_steps / 2
     kv_dtype_bytes = 4 if args.kv_cache_dtype == "float32" else 2
+    target = native.cpu_target()[0]
+    mkl = mkl_matmul_flops()
     roofs = {}
     for batch in batches:
         # The roof measured just before and just after the timed steps, the better of each:
         # this host's speed drifts 20-40 % within minutes, and one roof for the whole run made
         # a step's ratio move with the phase the roof happened to be measured in.
-        peak, bandwidth = peak_matmul_flops(), triad_bandwidth()
+        peak, bandwidth = fma_peak_flops(), triad_bandwidth()
         decode[batch] = decode_tokens_per_second(core, batch, args.decode_steps,
                                                  model.config.vocab_size, args.decode_prompt)
-        roofs[batch] = max(peak, peak_matmul_flops()), max(bandwidth, triad_bandwidth())
+        roofs[batch] = max(peak, fma_peak_flops()), max(bandwidth, triad_bandwidth())
         gemm_only[batch] = gemm_only_tokens_per_second(model, batch)
         bounds[batch] = StepBound.of(model, batch, mean_context, kv_dtype_bytes,
                                      roofs[batch][1], roofs[batch][0])
@@ -337,11 +331,13 @@ def main() -> int:
     print(f"{flops_per_token / 1e6:.1f} MFLOP/token; decode prompts {args.decode_prompt} "
           f"tokens, mean context {mean_context:.0f}; K/V {args.kv_cache_dtype}; 4-bit matmul "
           f"input {'16-bit (--int16-activations)' if args.int16_activations else 'float32'}")
+    print(f"CPU: {native.cpu_identity()}, level {target}; torch.mm 1024^3 "
+          f"{mkl / 1e9:.1f} GFLOP/s (beside the FMA peak of the roof below)")
     for batch, tps in decode.items():
         b = bounds[batch]
         step = batch / tps
         print(f"decode, {batch:3d} running: roof {roofs[batch][0] / 1e9:.1f} GFLOP/s (fp32 "
-              f"matmul peak), {roofs[batch][1] / 1e9:.1f} GB/s (triad)")
+              f"FMA peak, {target}), {roofs[batch][1] / 1e9:.1f} GB/s (triad)")
         print(f"decode, {batch:3d} running: step {step * 1e3:7.2f} ms ({tps:7.1f} tok/s); bound "
               f"{b.seconds * 1e3:6.2f} ms = max(({b.weight_bytes / 1e6:.0f} MB weights + "
               f"{b.kv_bytes / 1e6:.0f} MB K/V + {b.logit_bytes / 1e6:.1f} MB logits) / "

@@ -24,7 +24,7 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 def targets(args: argparse.Namespace) -> list[str]:
     from kvfleet.engine import native
 
-    print(f"CPU: {native.cpu_model()}; levels it runs: {', '.join(native.supported_targets())}")
+    print(f"CPU: {native.cpu_identity()}; levels it runs: {', '.join(native.supported_targets())}")
     return args.targets.split(",") if args.targets else native.supported_targets()
 
 

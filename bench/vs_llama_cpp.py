@@ -370,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except llama_server.BuildUnavailable as exc:
         print(f"[llama.cpp] skipped, kvfleet measured alone: {exc}", flush=True)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {n: {} for n in commands}
-    print(f"CPU: {native.cpu_model()}, {os.cpu_count()} cores; level {args.cpu_level}; "
+    print(f"CPU: {native.cpu_identity()}, {os.cpu_count()} cores; level {args.cpu_level}; "
           f"{args.threads} threads per server; model {gguf.name}", flush=True)
     with tempfile.TemporaryDirectory(prefix="vs-llama-cpp-") as tmp, ExitStack() as stack:
         urls = {name: stack.enter_context(server(argv, name, args.threads, ready_path=ready))

@@ -64,7 +64,7 @@ def _build(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     from kvfleet.engine import native
 
-    print(f"cache: {native.cache_root()}; this CPU ({native.cpu_model()}) runs "
+    print(f"cache: {native.cache_root()}; this CPU ({native.cpu_identity()}) runs "
           f"{', '.join(native.supported_targets())}")
     for target in native.TARGETS:
         for stem in native.STEMS:

@@ -3,10 +3,12 @@
 A path that is fastest on one CPU can be many times slower on another (the 4-bit kernel was
 15x slower than MKL at prefill on an AVX2 host, while ahead on the AVX-512 host it was tuned
 on), so the engine does not assume: at its first start on a host it times every path it has
-(`quant`: the 4-bit/8-bit kernel, `mkl`: MKL-packed float32, `torch`: `torch.mm`) on the
+(`quant`: the 4-bit/8-bit kernel; `quant_wide`: the same kernel taking its register path up to
+`WIDE_REGISTER_ROWS` rows; `mkl`: MKL-packed float32; `torch`: `torch.mm`) on the
 model's real weight shapes at a few row counts, in this process with its threads, and each
 weight then uses the fastest path for the row count of each call. The timings are cached per
-CPU model, ISA level, thread count, kernel sources and torch version
+CPU (model name, family, model and stepping), ISA level, thread count, kernel sources and torch
+version
 (`plan_cache_root()`), so later starts read them, and the table chosen is
 logged. A weight keeps a second representation (e.g. MKL's float32 beside its 4-bit blocks,
 ~4x the bytes) only where the single best path would be more than `SECOND_PATH_GAIN` slower at
@@ -41,16 +43,37 @@ from kvfleet.engine.packed_matmul import (
 log = logging.getLogger(__name__)
 
 # Row counts timed: a decode step at 1-64 running, prefill chunks up to the step's budget.
-ROW_COUNTS = (1, 4, 16, 64, 256, 1024)
+# 32 because the quantized kernel's two ways of multiplying many rows cross between 16 and 64.
+ROW_COUNTS = (1, 4, 16, 32, 64, 256, 1024)
 # The LM head multiplies only the rows that are sampled: at most the running requests.
-LM_HEAD_ROW_COUNTS = (1, 4, 16, 64, 256)
+LM_HEAD_ROW_COUNTS = (1, 4, 16, 32, 64, 256)
+# `quant_wide`: the 4-bit kernel's register path (each weight dequantized in registers once
+# per 16 rows, 8 on AVX2) up to this many rows, where `quant` switches to a panel buffer from
+# 17 rows (AVX2: from 9 unless the last chunk is over half full). On a Zen 5 (2 threads, every
+# layer's weights streamed in turn) the register path took SmolLM2's layer matmuls / LM head at
+# 20 rows 1.28-1.33x / 1.49-1.58x faster, 32 rows 1.17-1.22x / 1.38-1.40x, 64 rows 1.03-1.06x
+# / 1.19-1.21x; its AVX2 build at 12 rows 1.38x / 1.43x, 32 rows 1.09x / 1.15x, but 64 rows
+# 0.93x / 0.97x. The kernel's built-in limits were measured on older hosts: which is faster
+# is a measurement per host and shape, as for the other paths.
+WIDE_REGISTER_ROWS = 64
 # A second representation of a weight must save more than this fraction somewhere.
 SECOND_PATH_GAIN = 0.15
 # Paths from the fewest bytes a call streams to the most: a tie (within SWITCH_GAIN) goes to
-# the earlier one, so timing noise does not move a weight onto a path that reads more.
-PREFERENCE = ("quant", "mkl", "torch")
+# the earlier one, so timing noise does not move a weight onto a path that reads more. Of the
+# two 4-bit ones (the same code up to 16 and past WIDE_REGISTER_ROWS rows), `quant_wide` first:
+# timed alone, a shape's weights stay in cache, where the panels lose less than in a step that
+# streams every layer (gate_up at 32 rows: 8 % slower alone, 17-22 % in the whole pass).
+PREFERENCE = ("quant_wide", "quant", "mkl", "torch")
+# Paths that multiply by one stored weight, so choosing between them costs no memory: the
+# path that stores it.
+STORED_BY = {"quant_wide": "quant"}
+# Between two paths of one stored weight the margin is only for timing noise: no bytes at stake.
+SAME_WEIGHT_GAIN = 0.03
+# Without a measured choice (or where the chosen path cannot be built): the first of these
+# that can be built, the fewest bytes first, with the kernel's built-in row limits.
+FALLBACK = ("quant", "mkl", "torch")
 SWITCH_GAIN = 0.10
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 PLAN_CACHE_ENV = "KVFLEET_PLAN_CACHE"
 # Timings are distrusted when this process's threads spent more than this share of the
 # timing's wall time runnable but without a CPU (other work on the same CPUs). Quiet, the
@@ -100,21 +123,25 @@ class ShapeChoice:
 
 
 def choose(timings: Timings) -> ShapeChoice:
-    """The first path (in PREFERENCE order) that is never more than SECOND_PATH_GAIN slower
-    than the best at any row count, else per row count the fastest path (the preferred one
-    unless another is more than SWITCH_GAIN faster), with the limit between two measured
-    counts at their geometric mean."""
+    """The first stored weight (in PREFERENCE order) whose paths are never more than
+    SECOND_PATH_GAIN slower than the best at any row count, else every path; then per row count
+    the fastest of those paths (`fastest_at`), with the limit between two measured counts at
+    their geometric mean."""
     counts = sorted(timings)
     timed = set.intersection(*(set(timings[r]) for r in counts))
     paths = [p for p in PREFERENCE if p in timed] + sorted(timed - set(PREFERENCE))
     if not paths:
         raise ValueError("no matmul path was timed at every row count")
     best = {r: min(timings[r][p] for p in paths) for r in counts}
-    single = [p for p in paths
-              if all(timings[r][p] <= best[r] * (1 + SECOND_PATH_GAIN) for r in counts)]
-    if single:
-        return ShapeChoice((2**62,), (single[0],))
-    fastest = [fastest_at(timings[r], paths) for r in counts]
+
+    def storing(stored: str) -> list[str]:
+        return [p for p in paths if STORED_BY.get(p, p) == stored]
+
+    single = [stored for stored in dict.fromkeys(STORED_BY.get(p, p) for p in paths)
+              if all(min(timings[r][p] for p in storing(stored))
+                     <= best[r] * (1 + SECOND_PATH_GAIN) for r in counts)]
+    allowed = storing(single[0]) if single else paths
+    fastest = [fastest_at(timings[r], allowed) for r in counts]
     limits: list[int] = []
     chosen: list[str] = []
     for i, path in enumerate(fastest):
@@ -129,9 +156,11 @@ def choose(timings: Timings) -> ShapeChoice:
 
 def fastest_at(by_path: Mapping[str, float], paths: Sequence[str]) -> str:
     """The fastest of `paths` (in preference order), unless the most preferred one is within
-    SWITCH_GAIN of it."""
-    fastest = min(paths, key=by_path.__getitem__)
-    return paths[0] if by_path[paths[0]] <= by_path[fastest] * (1 + SWITCH_GAIN) else fastest
+    SWITCH_GAIN of it (SAME_WEIGHT_GAIN where both read the same stored weight)."""
+    fastest, preferred = min(paths, key=by_path.__getitem__), paths[0]
+    same = STORED_BY.get(fastest, fastest) == STORED_BY.get(preferred, preferred)
+    gain = SAME_WEIGHT_GAIN if same else SWITCH_GAIN
+    return preferred if by_path[preferred] <= by_path[fastest] * (1 + gain) else fastest
 
 
 def candidates(sample: ShapeSample, packer: Packer | None, quant: QuantKernel | None
@@ -143,7 +172,15 @@ def candidates(sample: ShapeSample, packer: Packer | None, quant: QuantKernel | 
         built["mkl"] = lambda: PackedWeight.pack(weight_t, packer)
     blocks = sample.blocks
     if quant is not None and blocks is not None and blocks.fits(sample.shape.in_features):
-        built["quant"] = lambda: QuantWeight.pack(blocks, sample.shape.in_features, quant)
+        packed: list[QuantWeight] = []
+
+        def quant_weight() -> QuantWeight:  # packed once: both quant paths share the tensor
+            if not packed:
+                packed.append(QuantWeight.pack(blocks, sample.shape.in_features, quant))
+            return packed[0]
+
+        built["quant"] = quant_weight
+        built["quant_wide"] = lambda: quant_weight().with_register_rows(WIDE_REGISTER_ROWS)
     return built
 
 
@@ -189,7 +226,7 @@ class MatmulPlan:
             lines.append(f"{key}: " + (" | ".join(
                 f"{choice.paths[i]} up to {limit} rows" if limit < 2**62 else
                 f"{choice.paths[i]}" for i, limit in enumerate(choice.max_rows))
-                if choice is not None else "fewest bytes (" + ", ".join(PREFERENCE) + ")"))
+                if choice is not None else "fewest bytes (" + ", ".join(FALLBACK) + ")"))
             for rows, by_path in sorted(timings.items()):
                 cells = "  ".join(f"{p} {t * 1e3:8.3f} ms" for p, t in sorted(by_path.items()))
                 lines.append(f"    {rows:5d} rows: {cells}")
@@ -252,7 +289,7 @@ def _cache_file(samples: Sequence[ShapeSample], paths: Sequence[str]) -> Path:
     target, _ = native.cpu_target()
     kernels = [native.build_name(stem, target) for stem in ("quant_matmul", "packed_matmul")]
     identity = json.dumps({
-        "version": PLAN_VERSION, "cpu": native.cpu_model(), "target": target,
+        "version": PLAN_VERSION, "cpu": native.cpu_identity(), "target": target,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "kernels": kernels,
         "shapes": [s.shape.key for s in samples], "paths": sorted(paths),
         "rows": [ROW_COUNTS, LM_HEAD_ROW_COUNTS], "gain": SECOND_PATH_GAIN,
@@ -303,7 +340,7 @@ def plan_for(samples: Sequence[ShapeSample], packer: Packer | None, quant: Quant
     timing after the first one; every weight then takes its fewest-bytes path for this start,
     and the next start times the paths again."""
     paths = ["torch"] + (["mkl"] if packer is not None else []) + (
-        ["quant"] if quant is not None else [])
+        ["quant", "quant_wide"] if quant is not None else [])
     path = _cache_file(samples, paths)
     plan = _read(path)
     if plan is None:
@@ -325,13 +362,13 @@ def plan_for(samples: Sequence[ShapeSample], packer: Packer | None, quant: Quant
                         "CPUs (its threads waited for a CPU %.0f%% of the time): the timings "
                         "are not used or cached; every weight takes its fewest-bytes path "
                         "(%s) for this start and the next start times them again",
-                        worst * 100, ", ".join(PREFERENCE))
+                        worst * 100, ", ".join(FALLBACK))
             plan = MatmulPlan(plan.timings, {})
         else:
             _write(path, plan)
             log.info("matmul paths timed in %.1f s (cached in %s)", time.monotonic() - started,
                      path)
-    log.info("weight matmul paths for %s, %s, %d threads:\n%s", native.cpu_model(),
+    log.info("weight matmul paths for %s, %s, %d threads:\n%s", native.cpu_identity(),
              native.cpu_target()[0], torch.get_num_threads(), plan.table())
     return plan
 
@@ -341,7 +378,7 @@ def routed(choice: ShapeChoice, build: Mapping[str, Callable[[], WeightMatmul]]
     """One weight on the paths `choice` names (a path not buildable here falls back to the
     first one that is, in the order quant, mkl, torch)."""
     def make(path: str) -> WeightMatmul:
-        for name in (path, "quant", "mkl", "torch"):
+        for name in (path, STORED_BY.get(path, path), *FALLBACK):
             if name in build:
                 return build[name]()
         raise ValueError("no matmul path can be built for this weight")

@@ -86,6 +86,26 @@ def cpu_model() -> str:
     return "unknown"
 
 
+def cpu_identity() -> str:
+    """The model name with the CPU's family, model and stepping numbers (`/proc/cpuinfo`). A
+    hypervisor may show only a vendor line as the name ("AMD EPYC" for both a Zen 4 and a
+    Zen 5 here), so the numbers tell apart CPUs whose measured speeds differ."""
+    fields = {"model name": "unknown", "cpu family": "?", "model": "?", "stepping": "?"}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in fields and fields[key] in ("unknown", "?"):
+                    fields[key] = value.strip()
+                if not line.strip():  # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    return (f"{fields['model name']}, family {fields['cpu family']} model {fields['model']} "
+            f"stepping {fields['stepping']}")
+
+
 def supported_targets() -> list[str]:
     """The levels this CPU can run, widest first (always ends with "generic")."""
     flags = cpu_flags()

@@ -81,7 +81,8 @@ class QuantKernel(Protocol):
 
     def q8_0_pack(self, raw: torch.Tensor, in_features: int) -> torch.Tensor: ...
 
-    def quant_matmul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
+    def quant_matmul(self, x: torch.Tensor, packed: torch.Tensor,
+                     register_rows: int = 0) -> torch.Tensor: ...
 
     def quant_matmul_q8(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor: ...
 
@@ -172,6 +173,10 @@ class QuantWeight:
     # integers (`quant_matmul_i16`): SmolLM2's weight matmuls 1.1-1.9x faster at 1-64 rows
     # where the CPU has AVX-512 VNNI (bench/README.md); logits move ~7e-3 from HF's, so opt-in.
     int16: bool = False
+    # Calls of up to this many rows dequantize each weight in registers, once per 16 rows (8 on
+    # AVX2), rather than into a panel buffer that all rows share; 0: the kernel's built-in
+    # limit. The matmul plan measures which is faster per host and shape (`with_register_rows`).
+    register_rows: int = 0
 
     @classmethod
     def pack(cls, blocks: QuantBlocks, in_features: int, kernel: QuantKernel) -> QuantWeight:
@@ -191,6 +196,10 @@ class QuantWeight:
         return replace(self, int8_rows=int8_rows if self.ggml_type == "Q4_1" else 0,
                        int16=int16)
 
+    def with_register_rows(self, rows: int) -> QuantWeight:
+        """The same weight (same packed tensor) taking the register path up to `rows` rows."""
+        return replace(self, register_rows=rows)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T for rows x [M, in]."""
         if x.shape[-1] != self.in_features:
@@ -201,7 +210,7 @@ class QuantWeight:
             return self.kernel.quant_matmul_q8(rows, self.packed)
         if self.int16:
             return self.kernel.quant_matmul_i16(rows, self.packed)
-        return self.kernel.quant_matmul(rows, self.packed)
+        return self.kernel.quant_matmul(rows, self.packed, self.register_rows)
 
 
 def with_activation_rounding(weight: WeightMatmul, int8_rows: int, int16: bool) -> WeightMatmul:

@@ -62,6 +62,24 @@ def test_a_near_tie_goes_to_the_path_that_reads_fewer_bytes() -> None:
     assert choose(timings) == ShapeChoice((4, NO_LIMIT), ("torch", "quant"))
 
 
+def test_the_two_ways_of_one_stored_weight_split_by_row_count_at_no_memory_cost() -> None:
+    # quant and quant_wide share the 4-bit blocks: no second representation to pay for, so
+    # each row count takes the faster of the two (ties to quant_wide, the same code there).
+    same = {"quant_wide": 1.0, "quant": 1.0, "mkl": 3.0}
+    timings = {16: same, 32: {"quant_wide": 0.8, "quant": 1.0, "mkl": 2.0}, 256: same}
+    assert choose(timings) == ShapeChoice((NO_LIMIT,), ("quant_wide",))
+    # The panels 5 % faster at 32 rows: enough between two ways of one weight (no bytes at
+    # stake), not between two stored weights (SWITCH_GAIN).
+    timings[32] = {"quant_wide": 1.05, "quant": 1.0, "mkl": 2.0}
+    assert choose(timings) == ShapeChoice((22, 90, NO_LIMIT), ("quant_wide", "quant",
+                                                               "quant_wide"))
+    assert choose({16: {"quant": 1.0, "mkl": 1.0}, 32: {"quant": 1.05, "mkl": 1.0}}
+                  ) == ShapeChoice((NO_LIMIT,), ("quant",))
+    # Neither way within SECOND_PATH_GAIN of MKL at 256 rows: every path competes.
+    timings[256] = {"quant_wide": 2.0, "quant": 2.0, "mkl": 1.0}
+    assert choose(timings).paths == ("quant_wide", "quant", "mkl")
+
+
 def test_a_path_not_timed_at_every_row_count_is_not_chosen() -> None:
     assert choose({1: {"quant": 1.0, "torch": 2.0}, 4: {"torch": 2.0}}).paths == ("torch",)
     with pytest.raises(ValueError, match="no matmul path was timed at every row count"):
@@ -120,7 +138,7 @@ def test_measured_plans_are_cached_per_host_and_logged(
         second = plan_for(samples, None, quant)
     assert measured == [1]  # the second start read the cache
     assert first == second and set(first.timings["o:96x64:Q4_1"]) == {1, 8}
-    assert set(first.timings["o:96x64:Q4_1"][1]) == {"quant", "torch"}
+    assert set(first.timings["o:96x64:Q4_1"][1]) == {"quant", "quant_wide", "torch"}
     assert len(list(tmp_path.glob("*.json"))) == 1
     tables = [r.getMessage() for r in caplog.records if "weight matmul paths for" in r.getMessage()]
     assert len(tables) == 2 and "o:96x64:Q4_1" in tables[0] and "1 rows" in tables[0]
@@ -129,6 +147,29 @@ def test_measured_plans_are_cached_per_host_and_logged(
     if packer is not None:
         plan_for(samples, packer, quant)
         assert measured == [1, 1]
+
+
+def test_two_cpus_of_one_model_name_keep_separate_plans(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Under this workplace's hypervisor a Zen 4 and a Zen 5 both call themselves "AMD EPYC";
+    # their family numbers (25, 26) tell them apart, and their measured speeds differ.
+    monkeypatch.setenv(matmul_plan.PLAN_CACHE_ENV, str(tmp_path))
+    cpuinfo = tmp_path / "cpuinfo"
+    real_open = open
+
+    def fake_open(path: object, *args: object, **kwargs: object) -> object:
+        return real_open(cpuinfo if path == "/proc/cpuinfo" else path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    files = []
+    for family in (25, 26):
+        cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: "
+                           f"{family}\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nstepping\t: 1"
+                           f"\nflags\t\t: fpu avx2\n\nprocessor\t: 1\ncpu family\t: 99\n")
+        assert native.cpu_identity() == f"AMD EPYC, family {family} model 17 stepping 1"
+        files.append(matmul_plan._cache_file([sample()], ["quant", "torch"]))
+    assert files[0] != files[1]
 
 
 def test_a_corrupt_cache_file_is_measured_again(
@@ -220,6 +261,12 @@ def test_without_a_plan_the_fewest_bytes_path_serves(quant: QuantKernel) -> None
     choice = ShapeChoice((NO_LIMIT,), ("quant",))
     built = matmul_plan.routed(choice, matmul_plan.candidates(sample(), None, quant))
     assert isinstance(built, QuantWeight)
+    both = matmul_plan.routed(ShapeChoice((32, NO_LIMIT), ("quant", "quant_wide")),
+                              matmul_plan.candidates(sample(), None, quant))
+    assert isinstance(both, RowRoutedWeight)
+    narrow, wide = both.weights
+    assert isinstance(narrow, QuantWeight) and isinstance(wide, QuantWeight)
+    assert wide.packed is narrow.packed and wide.register_rows == matmul_plan.WIDE_REGISTER_ROWS
     no_quant = matmul_plan.routed(choice, matmul_plan.candidates(sample(), None, None))
     assert isinstance(no_quant, TorchWeight)  # falls back in the order quant, mkl, torch
 

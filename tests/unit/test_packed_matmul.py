@@ -158,6 +158,24 @@ def test_quantized_a_rows_bits_do_not_depend_on_the_other_rows(
         torch.set_num_threads(threads)
 
 
+@QUANT_TYPES
+def test_the_register_path_for_more_rows_gives_the_panels_bits(
+    quant: QuantKernel, ggml_type: str
+) -> None:
+    # `register_rows` (the plan's `quant_wide`) moves 17-64 rows from the panel buffer to
+    # weights dequantized in registers once per chunk of rows: a speed choice, so every row
+    # must keep its bits, including a last chunk of 1 row and the rows past the limit.
+    blocks, _ = quant_matrix(ggml_type, 48, 576, seed=7)
+    panels = QuantWeight.pack(blocks, 576, quant)
+    wide = panels.with_register_rows(64)
+    assert wide.packed is panels.packed  # one stored weight, two ways to multiply by it
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(8))
+    for n in (17, 20, 32, 33, 64, 65, 70):
+        assert torch.equal(wide.matmul(x[:n]), panels.matmul(x[:n]))
+    with pytest.raises(RuntimeError, match="register_rows must be >= 0"):
+        quant.quant_matmul(x[:3], panels.packed, -1)
+
+
 def int8_reference(x: torch.Tensor, blocks: QuantBlocks) -> torch.Tensor:
     """What the 8-bit-activation path computes, in float64 from the raw Q4_1 blocks: x rounded
     to int8 per 32-input block (scale max|x| / 127, ties to even), then per block

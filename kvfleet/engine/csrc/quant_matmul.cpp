@@ -69,7 +69,9 @@ constexpr int64_t kFewRowsChunk = KVFLEET_FEW_ROWS_CHUNK;
 // Up to this many rows skip the panel buffer, in chunks of kFewRowsChunk rows (each chunk
 // dequantizes the group again). Measured on all of SmolLM2's layer matmuls and its LM head, 2
 // threads, AVX-512: 12 vs 19 ms at 1 row, 16 vs 23 at 8, 23 vs 32 at 16; at 103 rows the
-// panels take 86 ms where 16-row passes would take ~150.
+// panels take 86 ms where 16-row passes would take ~150. A caller may set its own limit
+// (`register_rows`): the engine's matmul plan times both per host and shape, and on a Zen 5
+// the register path won up to 64 rows (kvfleet/engine/matmul_plan.py, WIDE_REGISTER_ROWS).
 constexpr int64_t kFewRows = KVFLEET_FEW_ROWS;
 
 // Whether `rows` rows (more than 2) take the register path. Each chunk of kFewRowsChunk rows is
@@ -442,14 +444,17 @@ void narrow_rows(const float* xp, int64_t x_stride, const uint8_t* wp, int64_t b
 }
 
 // x rows [m_len, k_len] (stride x_stride) times the packed weight into out [m_len, n_len].
+// `register_rows` > 0: calls of up to that many rows take the register path (a choice the
+// engine's matmul plan measures per host and shape); 0: `register_path`'s built-in rule.
 template <Format F>
 void multiply(const float* xp, int64_t x_stride, int64_t m_len, int64_t k_len,
-              const uint8_t* wp, int64_t blocks, int64_t n_len, float* op) {
+              const uint8_t* wp, int64_t blocks, int64_t n_len, float* op,
+              int64_t register_rows) {
   constexpr int64_t group_bytes = F == Format::kQ4_1 ? kQ4GroupBytes : kQ8GroupBytes;
   static_assert(kNarrowRows == 2, "narrow_rows is instantiated for 1 and 2 rows");
   if (m_len == 1) return narrow_rows<F, 1>(xp, x_stride, wp, blocks, n_len, op);
   if (m_len == 2) return narrow_rows<F, 2>(xp, x_stride, wp, blocks, n_len, op);
-  if (register_path(m_len)) {
+  if (register_rows > 0 ? m_len <= register_rows : register_path(m_len)) {
     at::parallel_for(0, n_len / kLanes, 4, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g)
         few_rows<F>(xp, x_stride, wp + g * blocks * group_bytes, blocks, op + g * kLanes,
@@ -1008,9 +1013,12 @@ torch::Tensor q8_0_pack(const torch::Tensor& raw, int64_t k_len) {
 }
 
 // x: [M, K] float32 (rows may be strided); packed: from q4_1_pack or q8_0_pack.
-// Returns x @ W^T, [M, N] float32.
-torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& packed) {
+// Returns x @ W^T, [M, N] float32. `register_rows`: see `multiply`.
+torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& packed,
+                           int64_t register_rows) {
   check_operands(x, packed, "quant_matmul");
+  TORCH_CHECK(register_rows >= 0, "quant_matmul: register_rows must be >= 0 (0: the built-in "
+              "choice), got ", register_rows);
   const int64_t m_len = x.size(0), k_len = x.size(1), blocks = packed.size(1);
   const int64_t n_len = packed.size(0) * kLanes;
   torch::Tensor out = torch::empty({m_len, n_len}, x.options());
@@ -1019,9 +1027,9 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& packed) 
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (packed.size(2) == kQ4GroupBytes)
-    multiply<Format::kQ4_1>(xp, x.stride(0), m_len, k_len, wp, blocks, n_len, op);
+    multiply<Format::kQ4_1>(xp, x.stride(0), m_len, k_len, wp, blocks, n_len, op, register_rows);
   else
-    multiply<Format::kQ8_0>(xp, x.stride(0), m_len, k_len, wp, blocks, n_len, op);
+    multiply<Format::kQ8_0>(xp, x.stride(0), m_len, k_len, wp, blocks, n_len, op, register_rows);
   return out;
 }
 
@@ -1029,6 +1037,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_pack", &q4_1_pack, "Re-lay out a GGUF Q4_1 matrix for quant_matmul");
   m.def("q8_0_pack", &q8_0_pack, "Re-lay out a GGUF Q8_0 matrix for quant_matmul");
   m.def("quant_matmul", &quant_matmul, "x @ W^T with W packed from Q4_1 or Q8_0 (float32, CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("register_rows") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_matmul_q8", &quant_matmul_q8,
         "~x @ W^T with W packed from Q4_1 and x rounded to 8 bits per block (float32, CPU)",

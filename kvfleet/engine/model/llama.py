@@ -389,13 +389,14 @@ class LlamaModel(nn.Module):
         weights = [w for layer in self._packed for w in layer]
         if self._lm_head_packed is not None:
             weights.append(self._lm_head_packed)
-        movable = [q for w in weights for q in _parts(w) if isinstance(q, QuantWeight)]
-        moved = dict(zip(map(id, movable), hugepages.gather([w.packed for w in movable]),
-                         strict=True))
+        # By tensor: a weight's two quantized paths (`quant`, `quant_wide`) share one.
+        movable = list({id(q.packed): q.packed for w in weights for q in _parts(w)
+                        if isinstance(q, QuantWeight)}.values())
+        moved = dict(zip(map(id, movable), hugepages.gather(movable), strict=True))
 
         def rehomed(w: WeightMatmul) -> WeightMatmul:
             if isinstance(w, QuantWeight):
-                return dataclasses.replace(w, packed=moved[id(w)])
+                return dataclasses.replace(w, packed=moved[id(w.packed)])
             if isinstance(w, RowRoutedWeight):
                 return dataclasses.replace(w, weights=tuple(map(rehomed, w.weights)))
             return w
