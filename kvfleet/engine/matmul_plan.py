@@ -69,6 +69,7 @@ PREFERENCE = ("quant_wide", "quant", "mkl", "torch")
 STORED_BY = {"quant_wide": "quant"}
 # Between two paths of one stored weight the margin is only for timing noise: no bytes at stake.
 SAME_WEIGHT_GAIN = 0.03
+_FOUR_BIT = {"quant", "quant_wide"}
 # Without a measured choice (or where the chosen path cannot be built): the first of these
 # that can be built, the fewest bytes first, with the kernel's built-in row limits.
 FALLBACK = ("quant", "mkl", "torch")
@@ -142,6 +143,10 @@ def choose(timings: Timings) -> ShapeChoice:
                      <= best[r] * (1 + SECOND_PATH_GAIN) for r in counts)]
     allowed = storing(single[0]) if single else paths
     fastest = [fastest_at(timings[r], allowed) for r in counts]
+    # Past WIDE_REGISTER_ROWS the two 4-bit paths run the same code: one segment, not two.
+    for i in range(1, len(counts)):
+        if counts[i] > WIDE_REGISTER_ROWS and {fastest[i], fastest[i - 1]} <= _FOUR_BIT:
+            fastest[i] = fastest[i - 1]
     limits: list[int] = []
     chosen: list[str] = []
     for i, path in enumerate(fastest):
