@@ -223,9 +223,13 @@ def ratio(a: float, b: float) -> str:
 
 def report_lines(results: dict[str, dict[str, list[dict[str, Any]]]],
                  args: argparse.Namespace) -> list[str]:
-    """The comparison as printed: each figure of each side and kvfleet / llama.cpp."""
+    """The comparison as printed: each figure of each side and kvfleet / llama.cpp, for the
+    workloads that ran (`--only` leaves the others out)."""
     names = list(results)
-    lines = []
+    lines: list[str] = []
+
+    def ran(*keys: str) -> bool:
+        return any(results[n].get(key) for n in names for key in keys)
 
     def row(label: str, key: str, index: int, pick: Any, unit: str, better: str) -> None:
         values = [pick(results[n][key][index]) if results[n].get(key) else math.nan
@@ -234,24 +238,27 @@ def report_lines(results: dict[str, dict[str, list[dict[str, Any]]]],
         rel = ratio(values[0], values[1]) if len(values) == 2 else ""
         lines.append(f"  {label:<34} {cells} {unit:<6} kvfleet/llama.cpp {rel} ({better})")
 
-    lines.append("== one stream")
-    row("TTFT, 32-token cold prompt", "single_32", 0, lambda s: s["ttft"]["p50"], "s",
-        "lower is better")
-    row("decode (1 / TPOT p50)", "single_32", 0, lambda s: 1 / s["tpot"]["p50"], "tok/s",
-        "higher is better")
-    row("TTFT, 1,000-token cold prompt", "single_1000", 0, lambda s: s["ttft"]["p50"], "s",
-        "lower is better")
-    lines.append("== closed loop")
-    for i, streams in enumerate(args.streams):
+    if ran("single_32", "single_1000"):
+        lines.append("== one stream")
+        row("TTFT, 32-token cold prompt", "single_32", 0, lambda s: s["ttft"]["p50"], "s",
+            "lower is better")
+        row("decode (1 / TPOT p50)", "single_32", 0, lambda s: 1 / s["tpot"]["p50"], "tok/s",
+            "higher is better")
+        row("TTFT, 1,000-token cold prompt", "single_1000", 0, lambda s: s["ttft"]["p50"],
+            "s", "lower is better")
+    if ran("closed_loop"):
+        lines.append("== closed loop")
+    for i, streams in enumerate(args.streams if ran("closed_loop") else []):
         row(f"{streams:2d} streams: output", "closed_loop", i, lambda s: s["output_tok_s"],
             "tok/s", "higher is better")
         for stat in ("ttft", "tpot"):
             for p in ("p50", "p95"):
                 row(f"{streams:2d} streams: {stat.upper()} {p}", "closed_loop", i,
                     lambda s, stat=stat, p=p: s[stat][p], "s", "lower is better")
-    lines.append(f"== Poisson arrivals: goodput at TTFT <= {args.slo_ttft:g} s, "
-                 f"TPOT <= {args.slo_tpot * 1e3:g} ms")
-    for i, rate in enumerate(args.rates):
+    if ran("poisson"):
+        lines.append(f"== Poisson arrivals: goodput at TTFT <= {args.slo_ttft:g} s, "
+                     f"TPOT <= {args.slo_tpot * 1e3:g} ms")
+    for i, rate in enumerate(args.rates if ran("poisson") else []):
         row(f"{rate:g} req/s: goodput", "poisson", i, lambda s: s["goodput"], "req/s",
             "higher is better")
         row(f"{rate:g} req/s: output", "poisson", i, lambda s: s["output_tok_s"], "tok/s",
@@ -263,10 +270,11 @@ def report_lines(results: dict[str, dict[str, list[dict[str, Any]]]],
             f"~{rate * args.seconds:.0f} expected")
         row(f"{rate:g} req/s: failed", "poisson", i, lambda s: s["failed"], "req",
             "lower is better")
-    lines.append(f"== {SHARED_PREFIX_TOKENS + OWN_TOKENS}-token prompts, "
-                 f"{SHARED_PREFIX_TOKENS} shared")
-    row("TTFT p50 after the first", "shared_prefix", 0, lambda s: s["ttft"]["p50"], "s",
-        "lower is better")
+    if ran("shared_prefix"):
+        lines.append(f"== {SHARED_PREFIX_TOKENS + OWN_TOKENS}-token prompts, "
+                     f"{SHARED_PREFIX_TOKENS} shared")
+        row("TTFT p50 after the first", "shared_prefix", 0, lambda s: s["ttft"]["p50"], "s",
+            "lower is better")
     return lines
 
 

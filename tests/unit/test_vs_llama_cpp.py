@@ -40,3 +40,15 @@ def test_ttft_counts_every_request_sent_and_goodput_the_finished_ones() -> None:
     assert summary["ttft"]["p50"] < 1.0 < summary["ttft"]["p95"]
     # Goodput: finished within both SLOs (only the first request), per second of window.
     assert summary["goodput"] == 1 / 30.0
+
+
+def test_the_report_leaves_out_the_workloads_that_did_not_run() -> None:
+    # `--only closed_loop`: the other sections once printed as rows of nan.
+    figures = {"output_tok_s": 200.0, "ttft": {"p50": 0.3, "p95": 1.0},
+               "tpot": {"p50": 0.1, "p95": 0.12}}
+    results = {"kvfleet": {"closed_loop": [figures]},
+               "llama.cpp": {"closed_loop": [dict(figures, output_tok_s=100.0)]}}
+    args = vs_llama_cpp.parse_args(["--only", "closed_loop", "--streams", "4"])
+    lines = vs_llama_cpp.report_lines(results, args)
+    assert [line for line in lines if line.startswith("==")] == ["== closed loop"]
+    assert "kvfleet/llama.cpp 2.00x" in lines[1] and not any("nan" in line for line in lines)
