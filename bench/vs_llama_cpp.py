@@ -308,7 +308,8 @@ def plot(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.Nam
                 xlabel="offered rate (req/s)", ylabel="good requests/s")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a panel of a workload not run stays empty
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
