@@ -248,28 +248,28 @@ def report_lines(results: dict[str, dict[str, list[dict[str, Any]]]],
             "s", "lower is better")
     if ran("closed_loop"):
         lines.append("== closed loop")
-    for i, streams in enumerate(args.streams if ran("closed_loop") else []):
-        row(f"{streams:2d} streams: output", "closed_loop", i, lambda s: s["output_tok_s"],
-            "tok/s", "higher is better")
-        for stat in ("ttft", "tpot"):
-            for p in ("p50", "p95"):
-                row(f"{streams:2d} streams: {stat.upper()} {p}", "closed_loop", i,
-                    lambda s, stat=stat, p=p: s[stat][p], "s", "lower is better")
+        for i, streams in enumerate(args.streams):
+            row(f"{streams:2d} streams: output", "closed_loop", i, lambda s: s["output_tok_s"],
+                "tok/s", "higher is better")
+            for stat in ("ttft", "tpot"):
+                for p in ("p50", "p95"):
+                    row(f"{streams:2d} streams: {stat.upper()} {p}", "closed_loop", i,
+                        lambda s, stat=stat, p=p: s[stat][p], "s", "lower is better")
     if ran("poisson"):
         lines.append(f"== Poisson arrivals: goodput at TTFT <= {args.slo_ttft:g} s, "
                      f"TPOT <= {args.slo_tpot * 1e3:g} ms")
-    for i, rate in enumerate(args.rates if ran("poisson") else []):
-        row(f"{rate:g} req/s: goodput", "poisson", i, lambda s: s["goodput"], "req/s",
-            "higher is better")
-        row(f"{rate:g} req/s: output", "poisson", i, lambda s: s["output_tok_s"], "tok/s",
-            "higher is better")
-        # Sent = completed + failed + unfinished; about rate x window unless the client fell
-        # behind its schedule and caught up in a burst (then the goodput says little).
-        row(f"{rate:g} req/s: requests sent", "poisson", i,
-            lambda s: s["completed"] + s["failed"] + s.get("unfinished", 0), "req",
-            f"~{rate * args.seconds:.0f} expected")
-        row(f"{rate:g} req/s: failed", "poisson", i, lambda s: s["failed"], "req",
-            "lower is better")
+        for i, rate in enumerate(args.rates):
+            row(f"{rate:g} req/s: goodput", "poisson", i, lambda s: s["goodput"], "req/s",
+                "higher is better")
+            row(f"{rate:g} req/s: output", "poisson", i, lambda s: s["output_tok_s"],
+                "tok/s", "higher is better")
+            # Sent = completed + failed + unfinished; about rate x window unless the client
+            # fell behind its schedule and caught up in a burst (then the goodput says little).
+            row(f"{rate:g} req/s: requests sent", "poisson", i,
+                lambda s: s["completed"] + s["failed"] + s.get("unfinished", 0), "req",
+                f"~{rate * args.seconds:.0f} expected")
+            row(f"{rate:g} req/s: failed", "poisson", i, lambda s: s["failed"], "req",
+                "lower is better")
     if ran("shared_prefix"):
         lines.append(f"== {SHARED_PREFIX_TOKENS + OWN_TOKENS}-token prompts, "
                      f"{SHARED_PREFIX_TOKENS} shared")

@@ -69,7 +69,6 @@ PREFERENCE = ("quant_wide", "quant", "mkl", "torch")
 STORED_BY = {"quant_wide": "quant"}
 # Between two paths of one stored weight the margin is only for timing noise: no bytes at stake.
 SAME_WEIGHT_GAIN = 0.03
-_FOUR_BIT = {"quant", "quant_wide"}
 # Without a measured choice (or where the chosen path cannot be built): the first of these
 # that can be built, the fewest bytes first, with the kernel's built-in row limits.
 FALLBACK = ("quant", "mkl", "torch")
@@ -136,16 +135,16 @@ def choose(timings: Timings) -> ShapeChoice:
     best = {r: min(timings[r][p] for p in paths) for r in counts}
 
     def storing(stored: str) -> list[str]:
-        return [p for p in paths if STORED_BY.get(p, p) == stored]
+        return [p for p in paths if _stored(p) == stored]
 
-    single = [stored for stored in dict.fromkeys(STORED_BY.get(p, p) for p in paths)
+    single = [stored for stored in dict.fromkeys(map(_stored, paths))
               if all(min(timings[r][p] for p in storing(stored))
                      <= best[r] * (1 + SECOND_PATH_GAIN) for r in counts)]
     allowed = storing(single[0]) if single else paths
     fastest = [fastest_at(timings[r], allowed) for r in counts]
-    # Past WIDE_REGISTER_ROWS the two 4-bit paths run the same code: one segment, not two.
+    # Past WIDE_REGISTER_ROWS the two ways of the 4-bit weight run the same code: one segment.
     for i in range(1, len(counts)):
-        if counts[i] > WIDE_REGISTER_ROWS and {fastest[i], fastest[i - 1]} <= _FOUR_BIT:
+        if counts[i] > WIDE_REGISTER_ROWS and _stored(fastest[i]) == _stored(fastest[i - 1]):
             fastest[i] = fastest[i - 1]
     limits: list[int] = []
     chosen: list[str] = []
@@ -159,12 +158,16 @@ def choose(timings: Timings) -> ShapeChoice:
     return ShapeChoice(tuple(limits), tuple(chosen))
 
 
+def _stored(path: str) -> str:
+    """The path that stores the weight `path` multiplies by."""
+    return STORED_BY.get(path, path)
+
+
 def fastest_at(by_path: Mapping[str, float], paths: Sequence[str]) -> str:
     """The fastest of `paths` (in preference order), unless the most preferred one is within
     SWITCH_GAIN of it (SAME_WEIGHT_GAIN where both read the same stored weight)."""
     fastest, preferred = min(paths, key=by_path.__getitem__), paths[0]
-    same = STORED_BY.get(fastest, fastest) == STORED_BY.get(preferred, preferred)
-    gain = SAME_WEIGHT_GAIN if same else SWITCH_GAIN
+    gain = SAME_WEIGHT_GAIN if _stored(fastest) == _stored(preferred) else SWITCH_GAIN
     return preferred if by_path[preferred] <= by_path[fastest] * (1 + gain) else fastest
 
 
@@ -383,7 +386,7 @@ def routed(choice: ShapeChoice, build: Mapping[str, Callable[[], WeightMatmul]]
     """One weight on the paths `choice` names (a path not buildable here falls back to the
     first one that is, in the order quant, mkl, torch)."""
     def make(path: str) -> WeightMatmul:
-        for name in (path, STORED_BY.get(path, path), *FALLBACK):
+        for name in (path, _stored(path), *FALLBACK):
             if name in build:
                 return build[name]()
         raise ValueError("no matmul path can be built for this weight")

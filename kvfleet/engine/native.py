@@ -63,47 +63,38 @@ class KernelTargetError(ValueError):
     """`KVFLEET_CPU_TARGET` names an unknown level or one this CPU cannot run."""
 
 
-def cpu_flags() -> set[str]:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in `/proc/cpuinfo` (every core of a host shows the same
+    model and flags); empty where it cannot be read."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return set()
+    return fields
+
+
+def cpu_flags() -> set[str]:
+    return set(_cpuinfo().get("flags", "").split())
 
 
 def cpu_model() -> str:
     """The CPU's model name (`/proc/cpuinfo`), or "unknown"."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    return _cpuinfo().get("model name", "unknown")
 
 
 def cpu_identity() -> str:
     """The model name with the CPU's family, model and stepping numbers (`/proc/cpuinfo`). A
     hypervisor may show only a vendor line as the name ("AMD EPYC" for both a Zen 4 and a
     Zen 5 here), so the numbers tell apart CPUs whose measured speeds differ."""
-    fields = {"model name": "unknown", "cpu family": "?", "model": "?", "stepping": "?"}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in fields and fields[key] in ("unknown", "?"):
-                    fields[key] = value.strip()
-                if not line.strip():  # the first processor's block is enough
-                    break
-    except OSError:
-        pass
-    return (f"{fields['model name']}, family {fields['cpu family']} model {fields['model']} "
-            f"stepping {fields['stepping']}")
+    info = _cpuinfo()
+    return (f"{info.get('model name', 'unknown')}, family {info.get('cpu family', '?')} model "
+            f"{info.get('model', '?')} stepping {info.get('stepping', '?')}")
 
 
 def supported_targets() -> list[str]:
