@@ -157,6 +157,7 @@ def test_two_cpus_of_one_model_name_keep_separate_plans(
     # Under this workplace's hypervisor a Zen 4 and a Zen 5 both call themselves "AMD EPYC";
     # their family numbers (25, 26) tell them apart, and their measured speeds differ.
     monkeypatch.setenv(matmul_plan.PLAN_CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(native.TARGET_ENV, raising=False)  # the fake CPU runs only generic
     cpuinfo = tmp_path / "cpuinfo"
     real_open = open
 
