@@ -138,12 +138,12 @@ def test_quantized_a_rows_bits_do_not_depend_on_the_other_rows(
     torch.set_num_threads(1)  # another split of panels across threads changes nothing either
     try:
         for r in (0, 11, 12, 28):
-            # 3, 4, 8 and 14 rows take the register path (no panel buffer; 3-4 rows both
-            # register slices of a group at once on AVX2), 9 the panels where registers hold 8
-            # rows (AVX2, SSE: a last chunk of 1 row would cost a whole pass over the
-            # weights), 17 the panels everywhere: the same products of the dequantized weights
-            # in the same order.
-            for n in (3, 4, 8, 9, 14, 17):
+            # 3, 4, 8, 9 and 12 rows take the register path (no panel buffer; 3-4 rows both
+            # register slices of a group at once on AVX2), 13 the panels where registers hold
+            # 12 rows (AVX2: a last chunk of 1 row would cost a whole pass over the weights),
+            # 9 where they hold 8 (SSE), 14 the register path there (8 + 6), 17 the panels
+            # everywhere: the same products of the dequantized weights in the same order.
+            for n in (3, 4, 8, 9, 12, 13, 14, 17):
                 start = min(r, len(x) - n)  # n rows that hold row r
                 assert torch.equal(weight.matmul(x[start : start + n].clone())[r - start],
                                    together[r])
@@ -170,7 +170,7 @@ def test_the_register_path_for_more_rows_gives_the_panels_bits(
     wide = panels.with_register_rows(64)
     assert wide.packed is panels.packed  # one stored weight, two ways to multiply by it
     x = torch.randn(70, 576, generator=torch.Generator().manual_seed(8))
-    for n in (17, 20, 32, 33, 64, 65, 70):
+    for n in (17, 20, 25, 32, 33, 37, 64, 65, 70):  # last chunks of 1 row: 25, 37 (12 a pass), 33
         assert torch.equal(wide.matmul(x[:n]), panels.matmul(x[:n]))
     with pytest.raises(RuntimeError, match="register_rows must be >= 0"):
         quant.quant_matmul(x[:3], panels.packed, -1)

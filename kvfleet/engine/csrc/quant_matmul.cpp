@@ -39,6 +39,9 @@
 #ifndef KVFLEET_FEW_ROWS_CHUNK
 #define KVFLEET_FEW_ROWS_CHUNK 8
 #endif
+#ifndef KVFLEET_FEW_ROWS_CHUNK_AVX2
+#define KVFLEET_FEW_ROWS_CHUNK_AVX2 12
+#endif
 #ifndef KVFLEET_FEW_ROWS
 #define KVFLEET_FEW_ROWS 16
 #endif
@@ -60,9 +63,18 @@ constexpr int64_t kRows = 6;
 constexpr int64_t kTileRegs = 2;
 constexpr int64_t kTileWidth = kTileRegs * kRegLanes;
 // The register path (`few_rows_times_group`) keeps one register of accumulators per row, plus
-// d, m, the weight and a broadcast: up to 16 rows at once on AVX-512, 8 on AVX2 and SSE.
+// d, m, the weight and a broadcast: up to 16 rows at once on AVX-512 (32 zmm); 12 on AVX2,
+// where 12 accumulators, d, m, the weight and the broadcast fill the 16 ymm (the code mask is
+// read from memory); 8 on SSE. AVX2 took 8 until session 25: with 12, one dequantized weight
+// feeds 12 multiply-adds instead of 8, and SmolLM2's 120 layer matmuls took 3-5 % less at
+// 12-64 rows (12: 12.87 -> 12.03 ms, 32: 32.78 -> 31.63, 64: 65.94 -> 62.37; the LM head
+// 2-3 %), same bits (x86-64-v3 builds taking turns in one process, 2 threads, Zen 5). On
+// AVX-512 more than 16 rows a pass was 1.4-1.7x slower (20 and 24: the rows' x pointers no
+// longer fit the general registers).
 #if defined(__AVX512F__)
 constexpr int64_t kFewRowsChunk = 16;
+#elif defined(__AVX2__)
+constexpr int64_t kFewRowsChunk = KVFLEET_FEW_ROWS_CHUNK_AVX2;
 #else
 constexpr int64_t kFewRowsChunk = KVFLEET_FEW_ROWS_CHUNK;
 #endif
@@ -76,9 +88,11 @@ constexpr int64_t kFewRows = KVFLEET_FEW_ROWS;
 
 // Whether `rows` rows (more than 2) take the register path. Each chunk of kFewRowsChunk rows is
 // a pass over the weights, so a last chunk of a few rows costs nearly a whole pass for little
-// work, and there the panels win. Measured on AVX2 (chunks of 8), SmolLM2's 120 layer matmuls,
-// 2 threads, one process, the two paths alternating: panel / register time 1.33-1.43x at 3-8
-// rows, 0.88x at 9 (8 + 1), 0.90x at 10, 0.97x at 12 (8 + 4), 1.14x at 14, 1.02x at 16.
+// work, and there the panels win. Measured on AVX2 with chunks of 8, SmolLM2's 120 layer
+// matmuls, 2 threads, one process, the two paths alternating: panel / register time
+// 1.33-1.43x at 3-8 rows, 0.88x at 9 (8 + 1), 0.90x at 10, 0.97x at 12 (8 + 4), 1.14x at 14,
+// 1.02x at 16. (With AVX2's chunks of 12 this rule sends 13-16 rows to the panels; the
+// engine's plan also times the register path for them, `quant_wide`.)
 inline bool register_path(int64_t rows) {
   const int64_t last = rows % kFewRowsChunk;
   return rows <= kFewRowsChunk || (rows <= kFewRows && (last == 0 || 2 * last > kFewRowsChunk));
