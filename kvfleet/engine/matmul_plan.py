@@ -106,6 +106,17 @@ class ShapeSample:
     weight_t: torch.Tensor
     blocks: QuantBlocks | None
 
+    def first_outputs(self, count: int) -> ShapeSample:
+        """The weight's first `count` output features (a multiple of 16, the 4-bit kernel's
+        group), under the same shape: to time a large weight's paths with less memory, since
+        each path's copy of it lives while they are timed."""
+        if count % 16 or not 0 < count <= self.shape.out_features:
+            raise ValueError(f"first_outputs: {count} must be a multiple of 16 in "
+                             f"(0, {self.shape.out_features}]")
+        blocks = (None if self.blocks is None
+                  else QuantBlocks(self.blocks.ggml_type, self.blocks.rows[:count]))
+        return ShapeSample(self.shape, self.weight_t[:, :count], blocks)
+
 
 @dataclass(frozen=True, slots=True)
 class ShapeChoice:
@@ -356,6 +367,10 @@ def plan_for(samples: Sequence[ShapeSample], packer: Packer | None, quant: Quant
         log.info("timing the weight matmul paths (%s) on %d weight shapes at up to %d rows; "
                  "the first start on this host does this once", ", ".join(paths), len(samples),
                  max(ROW_COUNTS))
+        for sample in samples:
+            if sample.weight_t.shape[1] < sample.shape.out_features:
+                log.info("%s is timed on its first %d of %d output features", sample.shape.key,
+                         sample.weight_t.shape[1], sample.shape.out_features)
         worst = 0.0  # the largest share of time waited for a CPU, checked after each shape
 
         def quiet_so_far(key: str) -> bool:

@@ -232,6 +232,31 @@ def test_run_queue_wait_counts_the_time_a_thread_waits_for_a_busy_cpu() -> None:
 
 
 @torch.inference_mode()
+def test_a_weight_is_timed_on_its_first_outputs_under_its_own_shape(quant: QuantKernel) -> None:
+    whole = sample("Q8_0", out_features=64)
+    part = whole.first_outputs(32)
+    assert part.shape == whole.shape  # the plan's choice serves the whole weight
+    assert part.weight_t.shape == (96, 32) and torch.equal(part.weight_t, whole.weight_t[:, :32])
+    assert whole.blocks is not None and part.blocks is not None
+    assert part.blocks.ggml_type == "Q8_0" and torch.equal(part.blocks.rows, whole.blocks.rows[:32])
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2))
+    # the part's 4-bit path computes the whole's first 32 outputs
+    torch.testing.assert_close(
+        QuantWeight.pack(part.blocks, 96, quant).matmul(x),
+        QuantWeight.pack(whole.blocks, 96, quant).matmul(x)[:, :32], rtol=0, atol=0)
+    for count in (0, 24, 80):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            whole.first_outputs(count)
+
+
+def test_the_lm_head_is_timed_on_half_its_outputs() -> None:
+    config = tiny_config()
+    model = LlamaModel(config, random_weights(config, seed=5)).eval()
+    head = next(s for s in model.weight_samples() if s.shape.name == "lm_head")
+    assert head.shape.out_features == config.vocab_size
+    assert head.weight_t.shape[1] == config.vocab_size // 2 // 16 * 16
+
+
 def test_a_model_packed_by_a_plan_runs_each_weight_on_its_chosen_paths(
     quant: QuantKernel,
 ) -> None:
