@@ -231,7 +231,6 @@ def test_run_queue_wait_counts_the_time_a_thread_waits_for_a_busy_cpu() -> None:
     assert 0.2 * elapsed < waited_for < elapsed
 
 
-@torch.inference_mode()
 def test_a_weight_is_timed_on_its_first_outputs_under_its_own_shape(quant: QuantKernel) -> None:
     whole = sample("Q8_0", out_features=64)
     part = whole.first_outputs(32)
@@ -257,6 +256,7 @@ def test_the_lm_head_is_timed_on_half_its_outputs() -> None:
     assert head.weight_t.shape[1] == config.vocab_size // 2 // 16 * 16
 
 
+@torch.inference_mode()
 def test_a_model_packed_by_a_plan_runs_each_weight_on_its_chosen_paths(
     quant: QuantKernel,
 ) -> None:
