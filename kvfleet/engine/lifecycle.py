@@ -67,7 +67,7 @@ async def warm_up(engine: AsyncEngine, lifecycle: Lifecycle, prompt_token_ids: t
     spec = GenerationSpec(prompt_token_ids=prompt_token_ids,
                           sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                   ignore_eos=True),
-                          tenant="kvfleet-warmup", cache_scope="kvfleet-warmup")
+                          tenant="kvfleet-warmup", cache_scope="kvfleet-warmup", internal=True)
     stream = await engine.submit(spec)
     events = await stream.result()
     reason = events[-1].finish_reason

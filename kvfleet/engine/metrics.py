@@ -8,6 +8,9 @@ Definitions (DESIGN.md):
     TTFT = first_token_time - arrival_time
     TPOT = (last_token_time - first_token_time) / (output_tokens - 1)   observed only for N > 1
     queue time = first_scheduled_time - arrival_time
+
+Per-request metrics (requests, tokens, latencies) count clients' requests only: the engine's
+warm-up generation before READY is not observed (`GenerationSpec.internal`).
 """
 
 from __future__ import annotations
