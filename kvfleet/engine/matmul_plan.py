@@ -47,14 +47,14 @@ log = logging.getLogger(__name__)
 ROW_COUNTS = (1, 4, 16, 32, 64, 256, 1024)
 # The LM head multiplies only the rows that are sampled: at most the running requests.
 LM_HEAD_ROW_COUNTS = (1, 4, 16, 32, 64, 256)
-# `quant_wide`: the 4-bit kernel's register path (each weight dequantized in registers once
-# per 16 rows, 12 on AVX2) up to this many rows, where `quant` switches to a panel buffer from
-# 17 rows (AVX2: from 13). On a Zen 5 (2 threads, every
-# layer's weights streamed in turn) the register path took SmolLM2's layer matmuls / LM head at
-# 20 rows 1.28-1.33x / 1.49-1.58x faster, 32 rows 1.17-1.22x / 1.38-1.40x, 64 rows 1.03-1.06x
-# / 1.19-1.21x; its AVX2 build (8 rows a pass then) at 12 rows 1.38x / 1.43x, 32 rows 1.09x /
-# 1.15x, but 64 rows 0.93x / 0.97x. The kernel's built-in limits were measured on older
-# hosts: which is faster is a measurement per host and shape, as for the other paths.
+# `quant_wide`: the 4-bit kernel's register path (each weight dequantized in registers once per 16
+# rows, 12 on AVX2) up to this many rows, where `quant` switches to a panel buffer from 17 rows
+# (AVX2: from 13). On a Zen 5 (2 threads, every layer's weights streamed in turn) the register path
+# took SmolLM2's layer matmuls / LM head at 20 rows 1.28-1.33x / 1.49-1.58x faster, 32 rows
+# 1.17-1.22x / 1.38-1.40x, 64 rows 1.03-1.06x / 1.19-1.21x; its AVX2 build (8 rows a pass then) at
+# 12 rows 1.38x / 1.43x, 32 rows 1.09x / 1.15x, but 64 rows 0.93x / 0.97x. The kernel's built-in
+# limits were measured on older hosts: which is faster is a measurement per host and shape, as for
+# the other paths.
 WIDE_REGISTER_ROWS = 64
 # A second representation of a weight must save more than this fraction somewhere.
 SECOND_PATH_GAIN = 0.15

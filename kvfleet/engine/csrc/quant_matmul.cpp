@@ -36,11 +36,12 @@
 
 #include "vec.h"
 
-#ifndef KVFLEET_FEW_ROWS_CHUNK
+#ifndef KVFLEET_FEW_ROWS_CHUNK  // rows a register pass below AVX-512 (see kFewRowsChunk)
+#if defined(__AVX2__)
+#define KVFLEET_FEW_ROWS_CHUNK 12
+#else
 #define KVFLEET_FEW_ROWS_CHUNK 8
 #endif
-#ifndef KVFLEET_FEW_ROWS_CHUNK_AVX2
-#define KVFLEET_FEW_ROWS_CHUNK_AVX2 12
 #endif
 #ifndef KVFLEET_FEW_ROWS
 #define KVFLEET_FEW_ROWS 16
@@ -73,8 +74,6 @@ constexpr int64_t kTileWidth = kTileRegs * kRegLanes;
 // longer fit the general registers).
 #if defined(__AVX512F__)
 constexpr int64_t kFewRowsChunk = 16;
-#elif defined(__AVX2__)
-constexpr int64_t kFewRowsChunk = KVFLEET_FEW_ROWS_CHUNK_AVX2;
 #else
 constexpr int64_t kFewRowsChunk = KVFLEET_FEW_ROWS_CHUNK;
 #endif
