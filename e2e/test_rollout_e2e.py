@@ -404,7 +404,8 @@ def test_silence_pauses_and_a_new_artifact_restarts_from_stable(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
     local_node: str, fake_nodes: list[str], argo_health: ArgoHealth,
 ) -> None:
-    """No traffic at all: the step waits for samples, then pauses saying so, never passes.
+    """No traffic at all: the step waits for samples, then puts its live traffic back on
+    stable and pauses saying so, never passes.
     The artifactRef changed again meanwhile: the rollout restarts from stable with the new
     canary (the previous canary removed, stable untouched)."""
     with _only_the_local_l4_node(kube, kubectl):
@@ -417,8 +418,9 @@ def test_silence_pauses_and_a_new_artifact_restarts_from_stable(
             lambda r: (r.get("status") or {}).get("pauseReason") == "TooFewSamples",
             "paused for want of samples", 180)
         status = paused["status"]
-        assert status["currentWeight"] == 50 and status["counts"]["passed"] == 0
-        assert "no conclusive analysis after" in status["message"]
+        # onTimeout HoldAtZero (the default): live traffic back on stable, canary pods kept.
+        assert status["currentWeight"] == 0 and status["currentStep"] == 0
+        assert "no conclusive analysis in" in status["message"]
         assert all(e["outcome"] == "Waiting" for e in status["evaluations"])
         assert next(c for c in status["conditions"] if c["type"] == "Degraded")["reason"] == \
             "TooFewSamples"

@@ -121,6 +121,15 @@ class Metric(KubeModel):
         description="What no data, NaN or infinity count as: Inconclusive or Fail.")
 
 
+class TimeoutAction(StrEnum):
+    """What a step that could not conclude within `maxWaitSeconds` does (query errors, too
+    few samples, inconclusive results, canary pods that never get Ready)."""
+
+    ROLLBACK = "Rollback"  # final: all traffic to stable, the canary drained and removed
+    HOLD_AT_ZERO = "HoldAtZero"  # live and shadow weight to 0, canary pods kept; resumable
+    HOLD = "Hold"  # pause holding the weight (a person decides)
+
+
 class Analysis(KubeModel):
     """How steps are judged."""
 
@@ -132,8 +141,19 @@ class Analysis(KubeModel):
         default=1, ge=1, le=100, description="Failed evaluations in a step that fail it.")
     max_wait_seconds: int = Field(
         default=600, ge=1, le=86400,
-        description="How long a step may wait for enough samples or a conclusive result "
-        "before the rollout pauses and says why.")
+        description="How long a step may go without a conclusive evaluation (too few "
+        "samples, inconclusive, query errors) or wait for its canary pods to get Ready "
+        "(model download and load included) before onTimeout applies.")
+    on_timeout: TimeoutAction = Field(
+        default=TimeoutAction.HOLD_AT_ZERO,
+        description="What a step does after maxWaitSeconds without a conclusion: HoldAtZero "
+        "(live and shadow traffic back on stable, canary pods kept, Degraded; resume tries "
+        "the step again), Rollback, or Hold (pause keeping the weight).")
+    scrape_delay_seconds: int = Field(
+        default=30, ge=0, le=600,
+        description="How long after a window ends it is queried: at least Prometheus's scrape "
+        "interval plus a margin, so the window's last requests are in it and a query "
+        "repeated after an operator restart gives the same answer.")
     metrics: list[Metric] = Field(
         default_factory=list, max_length=MAX_METRICS,
         description="Metrics; empty: the built-in ones for the SLOs the pool declares.")
@@ -324,8 +344,9 @@ class RolloutStatus(KubeModel):
         default=None, pattern=SHA256_PATTERN, description="Manifest hash being rolled out.")
     canary_artifact: str | None = Field(default=None, description="Its ModelArtifact.")
     rollout_hash: str | None = Field(
-        default=None, description="Digest of the target revision and the policy the rollout "
-        "runs; a change restarts the rollout from stable.")
+        default=None, description="Digest of the policy the rollout runs. An edit applies "
+        "from the current step of a running rollout and never restarts a finished one: a "
+        "rollout is (pool, canaryRevision).")
     started_at: datetime | None = Field(default=None, description="When this rollout began.")
     current_step: int | None = Field(
         default=None, ge=-1, description="Step index; -1 is the shadow phase.")
@@ -334,8 +355,9 @@ class RolloutStatus(KubeModel):
     step_started_at: datetime | None = Field(
         default=None, description="When the current step's traffic took effect (window base).")
     canary_waiting_since: datetime | None = Field(
-        default=None, description="Since when the current step has waited for canary pods "
-        "that cannot be placed (bounded by spec.capacityWaitSeconds).")
+        default=None, description="Since when the current step has waited for its canary "
+        "pods (bounded by spec.capacityWaitSeconds while they cannot be placed, by "
+        "analysis.maxWaitSeconds while they run but are not Ready).")
     pause_reason: str | None = Field(default=None, description="Why the rollout is paused.")
     promote_full: bool = Field(
         default=False, description="A promote-full request is being carried out: the canary "

@@ -28,6 +28,7 @@ import yaml
 from kvfleet.api.crdgen import RESOURCES, build_crd
 from kvfleet.api.labels import ROUTER_APP
 from kvfleet.devcluster.kube import JsonObj, KubeClient
+from kvfleet.devcluster.prometheus import SCRAPE_INTERVAL_S
 
 POOL = "smol"
 TENANT_KEY = "sk-demo-team-a-0123456789abcdef"
@@ -81,7 +82,7 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
             "steps": [{"weight": 50}, {"weight": 100}],
             "analysis": {
                 "intervalSeconds": 4, "warmupSeconds": 10, "maxWaitSeconds": max_wait_seconds,
-                "failureLimit": 2,
+                "failureLimit": 2, "scrapeDelaySeconds": SCRAPE_INTERVAL_S + 1,
                 "metrics": [
                     {"name": "ttft", "slo": "TTFTP95", "versusStable": True, "threshold": 5.0,
                      "minSamples": 12},

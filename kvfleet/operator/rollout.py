@@ -8,10 +8,17 @@ and when to look again. The pool reconciler turns that into Deployments and the 
 the router reads the traffic table. Status is the only memory, so a restart at any point
 resumes the same step and recomputes the same window.
 
+A rollout is (pool, target revision), not a digest of its policy: once it is promoted, rolled
+back or aborted it is final until the pool's artifactRef moves away from that revision (back to
+stable or to another) or a person asks `retry`. A policy edit applies to the next rollout, or to
+the running one from its current step (a new attempt of the step under the new policy).
+
 Invariants (property-tested): stable is never scaled down or restarted by a rollout; a
 promotion needs a passing last evaluation of the 100 % step (unless a person asked for it); a
 failed, waiting, inconclusive or erroring evaluation never advances a step; a query error
-pauses and holds the weight, never rolls back.
+pauses and holds the weight, never rolls back by itself; no policy edit, restart or result
+restarts a finished rollout; every wait that holds canary weight ends after
+`analysis.maxWaitSeconds` with `analysis.onTimeout`.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from kvfleet.api.rollout import (
     RolloutSpec,
     RolloutStatus,
     StepCounts,
+    TimeoutAction,
 )
 from kvfleet.api.servingpool import SLOs, TrafficRole, TrafficTarget
 from kvfleet.operator.conditions import Cond, merge_conditions
@@ -78,12 +86,12 @@ class Decision:
     requeue_seconds: float | None = None
 
 
-def rollout_hash(target: str, spec: RolloutSpec) -> str:
-    """Digest of what a rollout runs: a change restarts it from stable."""
+def policy_hash(spec: RolloutSpec) -> str:
+    """Digest of the policy a rollout runs, to notice an edit (never the rollout's identity:
+    an operator upgrade that adds a default must not look like a new rollout)."""
     policy = spec.to_wire()
     policy.pop("poolRef", None)
-    text = json.dumps({"target": target, "policy": policy}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def step_name(spec: RolloutSpec, step: int | None) -> str:
@@ -104,18 +112,28 @@ def metric_plans(spec: RolloutSpec, slos: SLOs | None, step: int) -> list[Metric
     return plans(spec.analysis.metrics, slos, shadow=step == SHADOW_STEP)
 
 
+def _plannable(view: View, step: int) -> bool:
+    try:
+        metric_plans(view.spec, view.slos, step)
+    except AnalysisConfigError:
+        return False  # `decide` says why in the Rollout's status; nothing to query
+    return True
+
+
 def due_window(view: View, now: datetime) -> Window | None:
-    """The analysis window to query before `decide`, or None."""
+    """The analysis window to query before `decide`, or None. A window is due once it ended
+    `scrapeDelaySeconds` ago, so Prometheus has scraped its last requests."""
     status = view.status
     evaluating = status.phase in RUNNING or (
         status.phase == Phase.PAUSED and status.pause_reason == ANALYSIS_ERROR)
     step = status.current_step
     if (not evaluating or step is None or status.step_started_at is None
             or status.canary_revision != view.target or _promote_full(status)
-            or not _analysed(view.spec, step)):
+            or not _analysed(view.spec, step) or not _plannable(view, step)):
         return None
-    return due(status.step_started_at, view.spec.analysis.interval_seconds,
-               view.spec.analysis.warmup_seconds, _done(status, step), now, step)
+    analysis = view.spec.analysis
+    return due(status.step_started_at, analysis.interval_seconds, analysis.warmup_seconds,
+               _done(status, step), now - timedelta(seconds=analysis.scrape_delay_seconds), step)
 
 
 def baseline_window(status: RolloutStatus, window: Window) -> Window:
@@ -198,7 +216,7 @@ class _Run:
         s.phase = Phase.SHADOW if self.spec.shadow else Phase.PROGRESSING
         s.stable_revision, s.canary_revision = view.stable, view.target
         s.canary_artifact = view.target_artifact
-        s.rollout_hash = rollout_hash(view.target, self.spec)
+        s.rollout_hash = policy_hash(self.spec)
         s.started_at, s.finished_at, s.drain_started_at = self.now, None, None
         s.current_step = SHADOW_STEP if self.spec.shadow else 0
         s.current_weight, s.shadow_percent = 0, 0
@@ -223,6 +241,49 @@ class _Run:
         s.current_weight, s.shadow_percent, s.pause_reason = 0, 0, None
         s.drain_started_at = self.now
         self.event("Warning", reason, message)
+
+    def time_out(self, reason: str, message: str) -> None:
+        """A wait that holds canary weight hit its bound: the policy's declared action."""
+        s, action = self.status, self.spec.analysis.on_timeout
+        if action == TimeoutAction.ROLLBACK:
+            self.back_to_stable(Phase.ROLLING_BACK, f"{message}; rolled back", "RollingBack")
+            self.wake_in(self.spec.drain_seconds)
+        elif action == TimeoutAction.HOLD:
+            self.pause(reason, f"{message}; weight held: resume, promote or abort")
+        else:
+            # The step is no longer effective: a resume makes it so again, with a new window.
+            s.current_weight, s.shadow_percent = 0, 0
+            s.step_started_at, s.counts = None, StepCounts()
+            self.pause(reason, f"{message}; live traffic back on stable, canary pods kept: "
+                       "resume to try the step again, or abort")
+
+    def adopt_policy(self) -> None:
+        """The policy was edited: a running rollout goes on from its current step under it (a
+        new attempt of that step, or, when the steps changed, the last step at or below the
+        weight it had); a finished one is not touched."""
+        s, spec = self.status, self.spec
+        s.rollout_hash = policy_hash(spec)
+        if s.phase not in (*RUNNING, Phase.PAUSED) or s.current_step is None:
+            return
+        step = s.current_step
+        if s.promote_full:
+            new = len(spec.steps) - 1
+        elif step == SHADOW_STEP:
+            new = SHADOW_STEP if spec.shadow is not None else 0
+        else:
+            # Never more live exposure than was judged before the edit.
+            new = max((i for i, st in enumerate(spec.steps) if st.weight <= s.current_weight),
+                      default=0)
+        share = (spec.shadow.percent if spec.shadow else 0) if new == SHADOW_STEP \
+            else spec.steps[new].weight
+        effective = s.step_started_at is not None
+        current = s.shadow_percent if new == SHADOW_STEP else s.current_weight
+        if new != step or (effective and share != current):
+            self.enter_step(new)
+        elif effective:
+            s.step_started_at, s.counts = self.now, StepCounts()
+        self.event("Normal", "PolicyChanged",
+                   f"the Rollout's policy was edited: continuing at {self.where()}")
 
     def pause(self, reason: str, message: str) -> None:
         s = self.status
@@ -321,7 +382,8 @@ class _Run:
             try:
                 metric_plans(spec, self.view.slos, step)
             except AnalysisConfigError as exc:
-                self.pause("NoAnalysisMetrics", f"{self.where()}: {exc}")
+                # Nothing can judge the weight it holds (e.g. the pool's slos were removed).
+                self.time_out("NoAnalysisMetrics", f"{self.where()}: {exc}")
                 return
         if window is not None and results is not None and window.step == step \
                 and window.index not in _done(s, step):
@@ -334,7 +396,8 @@ class _Run:
                 s.pause_reason = None
                 self.event("Normal", "Resumed", f"{self.where()}: analysis runs again")
         if s.phase == Phase.PAUSED:
-            self.wake_in(spec.analysis.interval_seconds)
+            if not self.stalled(step):
+                self.wake_in(spec.analysis.interval_seconds)
             return
         attempt = _attempt(s, step)
         last = attempt[-1] if attempt else None
@@ -357,26 +420,43 @@ class _Run:
             else:
                 s.message = f"{self.where()}: passed; waiting for a promote request"
             return
-        if analysed and last is not None and last.outcome in (Outcome.WAITING,
-                                                              Outcome.INCONCLUSIVE):
-            waited = elapsed - spec.analysis.warmup_seconds
-            if waited >= spec.analysis.max_wait_seconds:
-                reason = "TooFewSamples" if last.outcome == Outcome.WAITING else "Inconclusive"
-                self.pause(reason, f"{self.where()}: no conclusive analysis after "
-                           f"{int(waited)}s: {_explain(last.metrics, last.outcome)}; send "
-                           "traffic, fix the metrics, or promote/abort")
-                return
+        if analysed and self.stalled(step):
+            return
         s.message = f"{self.where()}: " + (
             _explain(last.metrics, last.outcome) if last is not None else
             "analysing" if analysed else f"{int(least - elapsed)}s left")
         if analysed:
-            base = s.step_started_at + timedelta(seconds=spec.analysis.warmup_seconds)
+            base = s.step_started_at + timedelta(seconds=spec.analysis.warmup_seconds
+                                                 + spec.analysis.scrape_delay_seconds)
             done = _done(s, step)
             slot = max(done, default=0) + 1
             self.wake_in((base + timedelta(seconds=slot * spec.analysis.interval_seconds)
                           - self.now).total_seconds() + 0.05)
         if elapsed < least:
             self.wake_in(least - elapsed)
+
+    def stalled(self, step: int) -> bool:
+        """The step has gone `maxWaitSeconds` since its last passing window (or the start of
+        its analysis) without a conclusive one: query errors, too few samples or inconclusive
+        results. Then the timeout action applies and this says True."""
+        s, analysis = self.status, self.spec.analysis
+        attempt = _attempt(s, step)
+        last = attempt[-1] if attempt else None
+        if last is None or last.outcome in (Outcome.PASS, Outcome.FAIL):
+            return False
+        assert s.step_started_at is not None
+        passes = [e.window_end for e in attempt if e.outcome == Outcome.PASS]
+        since = passes[-1] if passes else \
+            s.step_started_at + timedelta(seconds=analysis.warmup_seconds)
+        waited = (self.now - since).total_seconds()
+        if waited < analysis.max_wait_seconds:
+            self.wake_in(analysis.max_wait_seconds - waited)
+            return False
+        reason = {Outcome.WAITING: "TooFewSamples", Outcome.INCONCLUSIVE: "Inconclusive",
+                  Outcome.ERROR: "AnalysisUnavailable"}[last.outcome]
+        self.time_out(reason, f"{self.where()}: no conclusive analysis in {int(waited)}s: "
+                      f"{_explain(last.metrics, last.outcome)}")
+        return True
 
     def make_effective(self) -> None:
         """The step's canary replicas are ready: its traffic takes effect now."""
@@ -409,12 +489,12 @@ def decide(view: View, window: Window | None, results: list[MetricEvaluation] | 
         _settle(run)
     else:
         assert view.target is not None
-        if s.rollout_hash != rollout_hash(view.target, view.spec) and not (
-                s.phase == Phase.PROMOTED and s.canary_revision == view.target):
-            changed = s.phase in ACTIVE and s.canary_revision not in (None, view.target)
+        if s.canary_revision != view.target or s.phase == Phase.IDLE:
+            changed = s.phase in ACTIVE and s.canary_revision is not None
             run.start("artifact changed during a rollout; restarted from stable" if changed
-                      else "policy changed; restarted from stable" if s.phase in ACTIVE
                       else f"artifactRef is now {view.target_artifact}")
+        elif s.rollout_hash != policy_hash(view.spec):
+            run.adopt_policy()
         if view.request is not None:
             run.handle(view.request)
         _progress(run, window, results)
@@ -441,6 +521,15 @@ def _settle(run: _Run) -> None:
                            "Aborted")
     elif s.phase == Phase.PROMOTED and view.stable == s.canary_revision:
         pass
+    elif s.phase in (Phase.ABORTED, Phase.ROLLED_BACK, Phase.ROLLING_BACK) and \
+            view.target is not None:
+        # The artifactRef moved off the finished rollout's revision (a revert in Git): it is
+        # released, and naming that revision again starts a new rollout of it.
+        run.event("Normal", "RolloutReleased",
+                  f"artifactRef is back on the serving revision; the {s.phase.value} rollout "
+                  f"of {s.canary_artifact} is closed")
+        s.phase, s.finished_at = Phase.IDLE, s.finished_at or run.now
+        s.message = f"serving {view.target_artifact}"
     elif s.phase not in ACTIVE and s.phase not in (Phase.ABORTED, Phase.ROLLED_BACK):
         s.phase = Phase.IDLE
         s.message = f"serving {view.target_artifact}" if view.target else \
@@ -472,24 +561,29 @@ def _progress(run: _Run, window: Window | None, results: list[MetricEvaluation] 
 
 
 def _wait_for_canary(run: _Run, needed: int) -> None:
-    """The step waits for its canary replicas; pods that cannot be placed (no free GPU) wait
-    at most spec.capacityWaitSeconds, then the rollout pauses saying what is missing."""
+    """The step waits for its canary replicas, never for ever: pods that cannot be placed (no
+    free GPU) wait at most spec.capacityWaitSeconds, pods that run but are not Ready
+    analysis.maxWaitSeconds; then the timeout action applies, saying what is missing."""
     view, s = run.view, run.status
     s.message = (f"{run.where()}: waiting for canary replicas ({view.canary_ready}/{needed} "
                  "ready)" + (f": {view.canary_problem}" if view.canary_problem else ""))
-    if view.canary_problem is None:
-        s.canary_waiting_since = None  # starting, not stuck: no bound
-        return
     if s.canary_waiting_since is None:
         s.canary_waiting_since = run.now
     waited = (run.now - s.canary_waiting_since).total_seconds()
-    if waited < view.spec.capacity_wait_seconds:
-        run.wake_in(view.spec.capacity_wait_seconds - waited)
+    bound = view.spec.capacity_wait_seconds if view.canary_problem else \
+        view.spec.analysis.max_wait_seconds
+    if waited < bound:
+        run.wake_in(bound - waited)
         return
-    run.pause("InsufficientCapacity",
-              f"{run.where()}: the canary could not be placed in {int(waited)}s "
-              f"({view.canary_problem}); stable serves on; free or add GPUs (or set the "
-              "pool's reserves.deployment) and resume, or abort")
+    if view.canary_problem:
+        run.time_out("InsufficientCapacity",
+                     f"{run.where()}: the canary could not be placed in {int(waited)}s "
+                     f"({view.canary_problem}); stable serves on; free or add GPUs (or set "
+                     "the pool's reserves.deployment) and resume, or abort")
+    else:
+        run.time_out("CanaryNotReady", f"{run.where()}: the canary's pods were not Ready "
+                     f"in {int(waited)}s ({view.canary_ready}/{needed}); see their events "
+                     "and logs")
 
 
 def _actions(run: _Run, decision: Decision) -> None:

@@ -45,7 +45,7 @@ from kvfleet.operator.rollout import (
     baseline_window,
     decide,
     due_window,
-    rollout_hash,
+    policy_hash,
 )
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
@@ -54,7 +54,8 @@ SLO = SLOs(ttft_p95_seconds=0.5, tpot_p95_seconds=0.05, error_rate=0.01)
 
 
 def _spec(**changes: Any) -> RolloutSpec:
-    builder = make_rollout().set("spec.analysis", {"intervalSeconds": 10, "maxWaitSeconds": 60})
+    builder = make_rollout().set("spec.analysis", {"intervalSeconds": 10, "maxWaitSeconds": 60,
+                                                   "scrapeDelaySeconds": 0})
     for path, value in changes.items():
         builder.set(f"spec.{path}", value)
     return builder.obj().spec
@@ -75,10 +76,12 @@ class _Sim:
     decisions: list[Decision] = field(default_factory=list)
     evaluated: list[Window] = field(default_factory=list)
     no_gpu: str | None = None  # canary pods cannot be placed, and why
+    ready_cap: int | None = None  # canary pods beyond this run but never get Ready
+    slos: SLOs | None = field(default_factory=lambda: SLO)
 
     def view(self) -> View:
         return View(spec=self.spec, status=self.status, generation=1, request=self.request,
-                    pool_replicas=self.replicas, slos=SLO, stable=self.stable,
+                    pool_replicas=self.replicas, slos=self.slos, stable=self.stable,
                     target=self.target, target_artifact="qwen3-8b-v2",
                     canary_ready=self.ready if self.ready_revision == self.target else 0,
                     canary_problem=self.no_gpu)
@@ -96,6 +99,8 @@ class _Sim:
         # Between reconciles only the wire form survives (the apiserver's copy).
         self.status = RolloutStatus.model_validate(decision.status.to_wire())
         self.ready = 0 if self.no_gpu else decision.canary_replicas or 0
+        if self.ready_cap is not None:
+            self.ready = min(self.ready, self.ready_cap)
         self.ready_revision = self.target
         if decision.promote:
             self.stable = self.status.canary_revision or self.stable
@@ -161,15 +166,19 @@ def test_shadow_phase_mirrors_without_moving_live_traffic() -> None:
     assert decision.status.current_weight == 0
 
 
-def test_the_window_is_anchored_to_the_step_and_queried_at_its_end() -> None:
-    sim = _Sim(_spec(analysis={"intervalSeconds": 10, "warmupSeconds": 5}))
+def test_the_window_is_anchored_to_the_step_and_queried_at_its_end_once_scraped() -> None:
+    sim = _Sim(_spec(analysis={"intervalSeconds": 10, "warmupSeconds": 5,
+                               "scrapeDelaySeconds": 3}))
     sim.tick()
     sim.tick(1)
     started = sim.status.step_started_at
     assert started is not None
     sim.tick(14)  # 5 s warm-up + 10 s interval: not yet
+    sim.tick(2)  # the window ended 1 s ago, but Prometheus may not have scraped its tail yet
     assert sim.evaluated == []
-    sim.tick(1)  # now the first window is due
+    # The operator asks to be woken when it is due, not a scrape interval too early.
+    assert sim.decisions[-1].requeue_seconds == pytest.approx(2.05)
+    sim.tick(2)  # now the first window is due: still the same window, queried at its end
     [window] = sim.evaluated
     assert window.start == started + timedelta(seconds=5)
     assert window.end == window.start + timedelta(seconds=10)
@@ -228,15 +237,15 @@ def test_auto_rollback_off_pauses_at_the_failed_step_holding_the_weight() -> Non
     assert _table(paused) == {"stable": 90, "canary": 10}
 
 
-def test_prometheus_down_pauses_and_holds_then_resumes_by_itself() -> None:
+def test_prometheus_down_briefly_pauses_and_holds_then_resumes_by_itself() -> None:
     down = {"on": True}
     sim = _Sim(_spec(), outcomes=lambda w: Outcome.ERROR if down["on"] else Outcome.PASS)
     sim.tick()
     sim.tick(1)
-    paused = sim.run(120)
+    paused = sim.run(45)  # under maxWaitSeconds (60)
     assert (paused.status.phase, paused.status.pause_reason) == (Phase.PAUSED, "AnalysisError")
     assert _table(paused) == {"stable": 90, "canary": 10}  # held: neither forward nor back
-    assert paused.status.counts.errors >= 10 and paused.status.counts.failed == 0
+    assert paused.status.counts.errors >= 3 and paused.status.counts.failed == 0
     assert _cond(paused, "Degraded")[0] == "False"
     down["on"] = False
     resumed = sim.run(20)
@@ -244,13 +253,56 @@ def test_prometheus_down_pauses_and_holds_then_resumes_by_itself() -> None:
     assert resumed.status.current_step is not None and resumed.status.current_step >= 1
 
 
+def test_query_errors_past_max_wait_put_live_traffic_back_on_stable_and_say_why() -> None:
+    """A custom query that returns two series, or a wrong --prometheus-url, errors for ever:
+    the canary's weight must not be held without a bound."""
+    down = {"on": True}
+    sim = _Sim(_spec(steps=[{"weight": 50}, {"weight": 100}]),
+               outcomes=lambda w: Outcome.ERROR if down["on"] else Outcome.PASS)
+    sim.tick()
+    sim.tick(1)
+    assert _table(sim.decisions[-1]) == {"stable": 50, "canary": 50}
+    held = sim.run(120)
+    assert (held.status.phase, held.status.pause_reason) == (Phase.PAUSED,
+                                                             "AnalysisUnavailable")
+    assert _table(held) == {"stable": 100}
+    assert held.canary_replicas is not None and held.canary_replicas >= 1  # pods kept
+    assert _cond(held, "Degraded") == ("True", "AnalysisUnavailable")
+    assert "no conclusive analysis in 6" in held.status.message
+    assert "back on stable" in held.status.message
+    assert _events(sim).count("Paused") == 2  # AnalysisError, then the timeout; not per loop
+    # Nothing moves by itself once held at zero, however long it stays.
+    assert sim.run(600).status.current_weight == 0
+    down["on"] = False
+    sim.ask(RequestAction.RESUME, "r1")
+    again = sim.tick(1)
+    assert again.status.phase == Phase.PROGRESSING and _table(again) == {"stable": 50,
+                                                                         "canary": 50}
+    assert sim.run(30).status.phase == Phase.PROMOTED
+
+
+@pytest.mark.parametrize(("action", "phase", "table"), [
+    ("HoldAtZero", Phase.PAUSED, {"stable": 100}),
+    ("Hold", Phase.PAUSED, {"stable": 90, "canary": 10}),
+    ("Rollback", Phase.ROLLING_BACK, {"stable": 100}),
+])
+def test_the_timeout_action_is_the_policys(action: str, phase: Phase,
+                                          table: dict[str, int]) -> None:
+    sim = _Sim(_spec(analysis={"intervalSeconds": 10, "maxWaitSeconds": 30,
+                               "scrapeDelaySeconds": 0, "onTimeout": action}),
+               outcomes=lambda w: Outcome.INCONCLUSIVE)
+    decision = sim.run(40)
+    assert decision.status.phase == phase and _table(decision) == table
+    assert _cond(decision, "Degraded")[0] == "True"
+
+
 def test_too_few_samples_waits_then_pauses_never_passes() -> None:
     sim = _Sim(_spec(), outcomes=lambda w: Outcome.WAITING)
     decision = sim.run(200)
     assert (decision.status.phase, decision.status.pause_reason) == (Phase.PAUSED,
                                                                      "TooFewSamples")
-    assert decision.status.current_step == 0
-    assert "no conclusive analysis after" in decision.status.message
+    assert decision.status.current_step == 0 and _table(decision) == {"stable": 100}
+    assert "no conclusive analysis in 60s" in decision.status.message
     assert _cond(decision, "Degraded") == ("True", "TooFewSamples")
 
 
@@ -265,18 +317,93 @@ def test_a_second_artifact_change_restarts_from_stable() -> None:
     assert "artifact changed during a rollout" in restarted.events[0].message
 
 
-def test_a_policy_edit_restarts_and_a_revert_aborts() -> None:
+def test_a_policy_edit_goes_on_from_the_current_step_never_above_its_weight() -> None:
     sim = _Sim(_spec())
     sim.run(15)
-    old_hash = sim.status.rollout_hash
-    sim.spec = _spec(steps=[{"weight": 25}, {"weight": 100}])
-    restarted = sim.tick(1)
-    assert restarted.status.rollout_hash != old_hash
-    assert restarted.status.current_step == 0
+    sim.tick(1)
+    assert (sim.status.current_step, sim.status.current_weight) == (1, 50)
+    started = sim.status.started_at
+    # A threshold edit: the same step, a new attempt judged under the new policy.
+    sim.spec = _spec(**{"analysis.failureLimit": 2})
+    edited = sim.tick(1)
+    assert (edited.status.current_step, edited.status.current_weight) == (1, 50)
+    assert edited.status.step_started_at == sim.now and edited.status.started_at == started
+    assert "PolicyChanged" in _events(sim) and "RolloutStarted" not in [
+        e.reason for e in edited.events]
+    # New steps: the last one at or below the weight the canary has (25, not 75).
+    sim.spec = _spec(steps=[{"weight": 25}, {"weight": 75}, {"weight": 100}])
+    restepped = sim.tick(1)
+    assert (restepped.status.current_step, _table(restepped)) == (0, {"stable": 75,
+                                                                      "canary": 25})
     sim.target = STABLE  # Git reverted the artifactRef
     reverted = sim.tick(1)
     assert reverted.status.phase == Phase.ABORTED and reverted.traffic == []
     assert "back on the serving revision" in reverted.status.message
+
+
+def test_a_rolled_back_revision_stays_out_whatever_the_policy_or_operator_does() -> None:
+    sim = _Sim(_spec(), outcomes=lambda w: Outcome.FAIL)
+    sim.run(60)
+    assert sim.status.phase == Phase.ROLLED_BACK
+    # A person tunes a threshold; an operator upgrade adds a default (a new policy digest).
+    sim.spec = _spec(**{"analysis.failureLimit": 3})
+    sim.outcomes = lambda w: Outcome.PASS
+    after_edit = sim.run(120)
+    sim.status.rollout_hash = "0" * 16
+    after_upgrade = sim.run(120)
+    for decision in (after_edit, after_upgrade):
+        assert decision.status.phase == Phase.ROLLED_BACK
+        assert decision.traffic == [] and decision.canary_replicas is None
+    assert _events(sim).count("RolloutStarted") == 1
+    # Only a person's retry, or the artifactRef naming it anew, tries it again.
+    assert sim.ask(RequestAction.RETRY, "t1").status.phase == Phase.PROGRESSING
+
+
+def test_naming_a_finished_revision_again_after_a_revert_starts_a_new_rollout() -> None:
+    sim = _Sim(_spec(), outcomes=lambda w: Outcome.FAIL)
+    sim.run(60)
+    assert sim.status.phase == Phase.ROLLED_BACK
+    sim.target = STABLE  # Git reverts the artifactRef: the rolled-back rollout is closed
+    closed = sim.tick(1)
+    assert closed.status.phase == Phase.IDLE and "RolloutReleased" in _events(sim)
+    assert _cond(closed, "Degraded")[0] == "False"
+    sim.target = CANARY  # and a later commit names the revision again, deliberately
+    assert sim.tick(1).status.phase == Phase.PROGRESSING
+    assert _events(sim).count("RolloutStarted") == 2
+
+
+def test_a_promoted_rollout_is_not_restarted_by_a_policy_edit() -> None:
+    sim = _Sim(_spec())
+    sim.run(60)
+    assert sim.status.phase == Phase.PROMOTED and sim.stable == CANARY
+    sim.spec = _spec(steps=[{"weight": 5}, {"weight": 100}])
+    assert sim.run(60).status.phase == Phase.PROMOTED
+    assert _events(sim).count("RolloutStarted") == 1
+
+
+def test_a_canary_that_runs_but_never_gets_ready_is_bounded() -> None:
+    sim = _Sim(_spec(steps=[{"weight": 50}, {"weight": 100}]), replicas=2)
+    sim.run(5)
+    assert (sim.status.current_step, sim.status.current_weight) == (0, 50)
+    sim.ready_cap = 1  # step 2 needs 2 canary replicas; the second never gets Ready
+    waiting = sim.run(60)
+    assert sim.status.current_step == 1
+    assert _table(waiting) == {"stable": 50, "canary": 50}
+    assert "waiting for canary replicas (1/2 ready)" in waiting.status.message
+    held = sim.run(10)
+    assert (held.status.phase, held.status.pause_reason) == (Phase.PAUSED, "CanaryNotReady")
+    assert _table(held) == {"stable": 100} and _cond(held, "Degraded")[0] == "True"
+
+
+def test_removing_the_pools_slos_mid_step_says_so_without_failing_the_reconcile() -> None:
+    sim = _Sim(_spec())
+    sim.run(6)
+    assert sim.status.current_weight == 10
+    sim.slos = None
+    assert due_window(sim.view(), sim.now + timedelta(seconds=30)) is None  # no exception
+    held = sim.tick(30)
+    assert (held.status.phase, held.status.pause_reason) == (Phase.PAUSED, "NoAnalysisMetrics")
+    assert "spec.slos" in held.status.message and _table(held) == {"stable": 100}
 
 
 def test_not_ready_canary_holds_and_reports_capacity() -> None:
@@ -394,6 +521,43 @@ def test_never_promotes_on_a_bad_last_evaluation_and_always_settles(
     assert final in (Phase.PROMOTED, Phase.ROLLED_BACK, Phase.PAUSED, Phase.ABORTED)
 
 
+POLICY_EDITS = st.sampled_from([
+    {}, {"analysis.failureLimit": 2}, {"steps": [{"weight": 25}, {"weight": 100}]},
+    {"shadow": {"percent": 10, "durationSeconds": 5}}, {"analysis.onTimeout": "Rollback"},
+    {"analysis.onTimeout": "Hold"}, {"autoRollback": False}])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(outcomes=st.lists(OUTCOMES, min_size=1, max_size=30),
+       edits=st.lists(st.one_of(st.none(), POLICY_EDITS), max_size=30),
+       lost_writes=st.lists(st.booleans(), max_size=30),
+       gaps=st.lists(st.sampled_from([0.0, 1.0, 5.0, 11.0, 40.0, 70.0]), min_size=1,
+                     max_size=30))
+def test_no_edit_restart_or_result_revives_a_finished_rollout_or_promotes_a_failed_one(
+        outcomes: list[Outcome], edits: list[dict[str, Any] | None], lost_writes: list[bool],
+        gaps: list[float]) -> None:
+    script: Iterator[Outcome] = iter(outcomes)
+    sim = _Sim(_spec(), outcomes=lambda w: next(script, Outcome.FAIL))
+    sim.tick()
+    for i, gap in enumerate(gaps):
+        edit = edits[i] if i < len(edits) else None
+        if edit is not None:
+            sim.spec = _spec(**edit)
+        before = sim.status.model_copy(deep=True)
+        finished = before.phase in (Phase.ROLLED_BACK, Phase.ABORTED)
+        decision = sim.tick(gap)
+        if finished:
+            assert decision.status.phase == before.phase
+            assert decision.traffic == [] and decision.canary_replicas is None
+        if before.phase == Phase.ROLLING_BACK:
+            assert decision.status.phase in (Phase.ROLLING_BACK, Phase.ROLLED_BACK)
+        if decision.status.phase == Phase.PROMOTED and before.phase != Phase.PROMOTED:
+            last = decision.status.evaluations[-1]
+            assert last.outcome == Outcome.PASS and last.step == len(sim.spec.steps) - 1
+        if i < len(lost_writes) and lost_writes[i]:
+            sim.status = before  # the operator died before its status write landed
+
+
 # -- analysis: judging results ------------------------------------------------------------
 
 
@@ -445,10 +609,11 @@ def test_queries_select_the_routers_series_for_the_revision_and_window() -> None
                     f"revision=\"{CANARY[:12]}\",traffic=\"live\"}}[95s])))")
 
 
-def test_rollout_hash_covers_target_and_policy_not_the_pool() -> None:
+def test_policy_hash_covers_the_policy_not_the_pool() -> None:
     spec = _spec()
-    assert rollout_hash(CANARY, spec) != rollout_hash(OTHER, spec)
-    assert rollout_hash(CANARY, spec) != rollout_hash(CANARY, _spec(autoPromote=False))
+    assert policy_hash(spec) != policy_hash(_spec(autoPromote=False))
+    other_pool = RolloutSpec.model_validate({**spec.to_wire(), "poolRef": {"name": "x"}})
+    assert policy_hash(spec) == policy_hash(other_pool)
 
 
 def _cond(decision: Decision, cond_type: str) -> tuple[str, str]:
