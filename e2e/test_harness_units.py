@@ -134,6 +134,7 @@ def test_prometheus_keeps_only_annotated_loopback_pods(tmp_path: Path) -> None:
     keeps = [r for r in job["relabel_configs"] if r.get("action") == "keep"]
     assert [r["regex"] for r in keeps] == ["true", r"127\..*"]
     assert job["kubernetes_sd_configs"][0]["role"] == "pod"
+    assert job["honor_labels"] is True  # the router's `namespace` is its pools', not its own
 
 
 def test_exit_codes_follow_container_runtimes() -> None:

@@ -162,18 +162,19 @@ def test_a_good_artifact_is_promoted_and_a_slow_one_rolled_back(
     assert traffic.failures == [], traffic.failures[:5]
     assert sum(traffic.codes.values()) > 50, traffic.codes
     # The series the analysis read are really in Prometheus, per revision.
-    series = prometheus.query(f'sum by (revision) (kvfleet_router_requests_total{{pool="{POOL}"'
-                              '})')
-    assert {s["metric"]["revision"] for s in series} >= {h[:12] for h in hashes.values()}
-    _dashboard_shows_the_fleet(prometheus)
+    series = prometheus.query('sum by (revision) (kvfleet_router_requests_total{'
+                              f'namespace="{namespace}",pool="{POOL}",outcome="completed"}})')
+    served = {s["metric"]["revision"] for s in series if float(s["value"][1]) > 0}
+    assert served >= {h[:12] for h in hashes.values()}  # (counters start at 0: not enough)
+    _dashboard_shows_the_fleet(prometheus, namespace)
 
 
-def _dashboard_shows_the_fleet(prometheus: PrometheusClient) -> None:
+def _dashboard_shows_the_fleet(prometheus: PrometheusClient, namespace: str) -> None:
     """The chart's Grafana dashboard, queried on the real Prometheus after this traffic: every
     query runs, and the router's and engines' panels have data under the labels Prometheus
     really attaches (the operator runs outside the cluster here, so nothing scrapes it)."""
     empty = []
-    for query in queries(pool=POOL, rate_interval="5m"):
+    for query in queries(pool=POOL, rate_interval="5m", namespace=namespace):
         if not prometheus.query(query.expr) and "kvfleet_operator_" not in query.expr:
             empty.append(query.panel)
     # Nothing was refused before an engine, and every request succeeded.

@@ -27,13 +27,16 @@ from kvfleet.api.rollout import (
     MetricEvaluation,
     MissingData,
     Outcome,
+    OutputAgreement,
     SLOMetric,
 )
 from kvfleet.api.servingpool import SLOs
 
-# The router's series (kvfleet.router.metrics). `pool` is the pool's name. (Templates are
-# joined, not f-strings: their placeholders are written with double braces.)
-_SELECTOR = '{pool="{{pool}}",revision="{{revision}}",traffic="{{traffic}}"'
+# The router's series (kvfleet.router.metrics), selected by the pool's namespace and name (a
+# cluster-wide router serves pools of one name in several namespaces). (Templates are joined,
+# not f-strings: their placeholders are written with double braces.)
+_SELECTOR = ('{namespace="{{namespace}}",pool="{{pool}}",revision="{{revision}}",'
+             'traffic="{{traffic}}"')
 _RANGE = "[{{window}}]"
 
 
@@ -46,10 +49,29 @@ def _count(histogram: str) -> str:
     return "sum(increase(" + histogram + "_count" + _SELECTOR + "}" + _RANGE + "))"
 
 
-_REQUESTS = "sum(increase(kvfleet_router_requests_total" + _SELECTOR + "}" + _RANGE + "))"
-# Server-side failures only: a 4xx is the client's request, not the revision's fault.
+# Requests by what the client got (kvfleet.router.outcome). The requests that judge a revision
+# are all but the client's own errors and departures: those say nothing about the revision,
+# their share depends on the clients, and counting them would dilute the error rate (a client
+# sending bad JSON to the canary would make it look healthier).
+_REQUESTS = ("sum(increase(kvfleet_router_requests_total" + _SELECTOR
+             + ',outcome!~"client_error|client_gone"}' + _RANGE + "))")
+# The revision's failures: an error inside a 200, the engine's own refusals (context, KV
+# capacity, queue full, the router's proof), and no replica answering.
 _ERRORS = ("(sum(increase(kvfleet_router_requests_total" + _SELECTOR
-           + ',code=~"5..|stream_error"}' + _RANGE + ")) or vector(0))")
+           + ',outcome=~"stream_error|revision_refused|upstream_error"}' + _RANGE
+           + ")) or vector(0))")
+
+
+# Greedy probes (kvfleet.router.probes): mirrored whatever the traffic kind, so no traffic label.
+_PROBED = '{namespace="{{namespace}}",pool="{{pool}}",revision="{{revision}}"'
+_AGREEMENT = ("sum(increase(kvfleet_router_probe_tokens_total" + _PROBED + ',kind="agreed"}'
+              + _RANGE + ")) / sum(increase(kvfleet_router_probe_tokens_total" + _PROBED
+              + ',kind="compared"}' + _RANGE + "))")
+_PROBES = ("sum(increase(kvfleet_router_probes_total" + _PROBED + ',outcome="compared"}'
+           + _RANGE + "))")
+# The first probe whose answers differed (a tenant-salted prompt id, the token where they
+# part): named in the evaluation's message when agreement fails.
+FIRST_DIVERGENCE = "max by (probe) (kvfleet_router_probe_first_divergence" + _PROBED + "})"
 
 
 @dataclass(frozen=True)
@@ -67,6 +89,7 @@ BUILTINS = {
     SLOMetric.ERROR_RATE: _Builtin(f"{_ERRORS} / {_REQUESTS}", _REQUESTS, True),
     SLOMetric.E2E_P95: _Builtin(_p95("kvfleet_router_e2e_request_latency_seconds"),
                                 _count("kvfleet_router_e2e_request_latency_seconds"), True),
+    SLOMetric.OUTPUT_AGREEMENT: _Builtin(_AGREEMENT, _PROBES, True),
 }
 # Shadow copies are not streamed to anyone, so TTFT/TPOT have no shadow series; their latency
 # is judged end to end against stable's live requests, allowing this factor.
@@ -86,6 +109,7 @@ class MetricPlan:
     versus_stable: bool
     min_samples: int
     on_missing: MissingData
+    detail_query: str | None = None  # says more when the metric fails (a vector query)
 
 
 @dataclass(frozen=True)
@@ -114,12 +138,26 @@ def _slo_threshold(slo: SLOMetric, slos: SLOs | None) -> float | None:
         SLOMetric.TPOT_P95: slos.tpot_p95_seconds,
         SLOMetric.ERROR_RATE: slos.error_rate,
         SLOMetric.E2E_P95: None,
+        SLOMetric.OUTPUT_AGREEMENT: None,
     }[slo]
 
 
-def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool) -> list[MetricPlan]:
+def _agreement_metric(agreement: OutputAgreement | None, metrics: list[Metric]) -> list[Metric]:
+    """The built-in OutputAgreement gate, unless it is off or the metrics name it already."""
+    if agreement is None or not agreement.enabled or any(
+            m.slo == SLOMetric.OUTPUT_AGREEMENT for m in metrics):
+        return []
+    return [Metric(name="output-agreement", slo=SLOMetric.OUTPUT_AGREEMENT,
+                   threshold=agreement.min_agreement, comparison=Comparison.AT_LEAST,
+                   min_samples=agreement.min_probes)]
+
+
+def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool,
+          agreement: OutputAgreement | None = None) -> list[MetricPlan]:
     """The metrics that judge a step (shadow: the shadow phase). Empty `metrics`: the built-in
-    ones for the SLOs the pool declares. Raises AnalysisConfigError when nothing can judge."""
+    ones for the SLOs the pool declares; `agreement` adds answer agreement with stable (on by
+    default). Raises AnalysisConfigError when nothing can judge."""
+    metrics = list(metrics)
     if not metrics:
         metrics = [Metric(name=f"{slo.value.lower()}", slo=slo) for slo in
                    (SLOMetric.TTFT_P95, SLOMetric.TPOT_P95, SLOMetric.ERROR_RATE)
@@ -127,6 +165,7 @@ def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool) -> list[Met
         if shadow and metrics:
             metrics.append(Metric(name="e2ep95-vs-stable", slo=SLOMetric.E2E_P95,
                                   threshold=SHADOW_E2E_RATIO, versus_stable=True))
+    metrics += _agreement_metric(agreement, metrics)
     out: list[MetricPlan] = []
     for index, metric in enumerate(metrics):
         where = f"spec.analysis.metrics[{index}] ({metric.name})"
@@ -137,6 +176,8 @@ def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool) -> list[Met
             query, samples = builtin.query, builtin.samples
             threshold = metric.threshold if metric.threshold is not None else \
                 _slo_threshold(metric.slo, slos)
+            if threshold is None and metric.slo == SLOMetric.OUTPUT_AGREEMENT:
+                threshold = (agreement or OutputAgreement()).min_agreement
             if threshold is None:
                 raise AnalysisConfigError(
                     f"{where}: {metric.slo.value} has no threshold: set threshold, or the "
@@ -146,9 +187,13 @@ def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool) -> list[Met
                 raise AnalysisConfigError(f"{where}: a query needs a threshold")
             query, threshold = metric.query, metric.threshold
             samples = metric.samples_query or _REQUESTS
-        out.append(MetricPlan(metric.name, query, metric.samples_query or samples, threshold,
-                              metric.comparison, metric.versus_stable, metric.min_samples,
-                              metric.on_missing_data))
+        agreement_gate = metric.slo == SLOMetric.OUTPUT_AGREEMENT
+        # Agreement is already canary against stable, and more of it is better.
+        out.append(MetricPlan(
+            metric.name, query, metric.samples_query or samples, threshold,
+            Comparison.AT_LEAST if agreement_gate else metric.comparison,
+            metric.versus_stable and not agreement_gate, metric.min_samples,
+            metric.on_missing_data, FIRST_DIVERGENCE if agreement_gate else None))
     if not out:
         raise AnalysisConfigError(
             "nothing judges this step: the Rollout's spec.analysis.metrics is empty and the "

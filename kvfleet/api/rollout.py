@@ -62,6 +62,9 @@ class SLOMetric(StrEnum):
     TPOT_P95 = "TPOTP95"
     ERROR_RATE = "ErrorRate"
     E2E_P95 = "E2EP95"
+    # Greedy answer agreement with stable, token by token, over the router's probes
+    # (`kvfleet.router.probes`); its threshold defaults to analysis.outputAgreement.
+    OUTPUT_AGREEMENT = "OutputAgreement"
 
 
 class MissingData(StrEnum):
@@ -130,6 +133,26 @@ class TimeoutAction(StrEnum):
     HOLD = "Hold"  # pause holding the weight (a person decides)
 
 
+class OutputAgreement(KubeModel):
+    """The built-in answer gate: the router mirrors a sample of live requests as greedy probes
+    (temperature 0, capped tokens, never billed, shed under load) to the new revision and to
+    stable and compares the answers token by token. Same weights answer the same; a broken
+    template or tokenizer, or same-shaped wrong weights, do not, at the same speed."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Judge every analysed step (and the shadow phase) on answer agreement. "
+        "Turn off for a rollout that is meant to answer differently (a new model version).")
+    min_agreement: float = Field(
+        default=0.9, ge=0.0, le=1.0,
+        description="Least share of probe tokens that must agree with stable's greedy answer "
+        "(each probe counts its common prefix over the longer answer).")
+    min_probes: int = Field(
+        default=20, ge=1, le=100_000, description="Compared probes a window needs.")
+    probe_percent: int = Field(
+        default=20, ge=1, le=100, description="Percent of live requests mirrored as probes.")
+
+
 class Analysis(KubeModel):
     """How steps are judged."""
 
@@ -157,6 +180,10 @@ class Analysis(KubeModel):
     metrics: list[Metric] = Field(
         default_factory=list, max_length=MAX_METRICS,
         description="Metrics; empty: the built-in ones for the SLOs the pool declares.")
+    output_agreement: OutputAgreement = Field(
+        default_factory=OutputAgreement,
+        description="Greedy answer agreement with stable, judged beside the metrics.",
+        json_schema_extra={"default": {}})
 
 
 class Step(KubeModel):

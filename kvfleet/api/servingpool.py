@@ -232,6 +232,10 @@ class TrafficTarget(KubeModel):
     shadow_percent: int = Field(
         default=0, ge=0, le=100,
         description="For a shadow entry: percent of live requests copied to it.")
+    probe_percent: int = Field(
+        default=0, ge=0, le=100,
+        description="For a canary or shadow entry: percent of live requests mirrored as "
+        "greedy probes to it and to stable, whose answers are compared token by token.")
 
 
 class ServingPoolStatus(KubeModel):

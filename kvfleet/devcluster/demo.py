@@ -88,7 +88,10 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
                      "minSamples": 12},
                     {"name": "tpot", "slo": "TPOTP95", "versusStable": True, "threshold": 3.0,
                      "minSamples": 12},
-                    {"name": "errors", "slo": "ErrorRate", "minSamples": 12}]},
+                    {"name": "errors", "slo": "ErrorRate", "minSamples": 12}],
+                # Every request probed (the demo's answers are 4 tokens): a window of a few
+                # seconds has its 12 greedy comparisons.
+                "outputAgreement": {"probePercent": 100, "minProbes": 12}},
             "drainSeconds": 3,
             "autoPromote": auto_promote,
         },

@@ -25,12 +25,15 @@ class PanelQuery:
         return set(METRIC_NAME.findall(LABEL_PARTS.sub(" ", self.expr)))
 
 
-def queries(pool: str = ".*", rate_interval: str = "1m") -> list[PanelQuery]:
-    """Each panel's queries, `$pool` and `$__rate_interval` replaced as Grafana would."""
+def queries(pool: str = ".*", rate_interval: str = "1m", namespace: str = ".*"
+            ) -> list[PanelQuery]:
+    """Each panel's queries, `$namespace`, `$pool` and `$__rate_interval` replaced as Grafana
+    would."""
     board = json.loads(DASHBOARD.read_text())
     found: list[PanelQuery] = []
     for panel in board["panels"]:
         for target in panel.get("targets", []):
             expr = target["expr"].replace("$__rate_interval", rate_interval)
+            expr = expr.replace("$namespace", namespace)
             found.append(PanelQuery(panel["title"], expr.replace("$pool", pool)))
     return found

@@ -32,6 +32,9 @@ def build_config(api_server: str, ca: Path, client: CertPair) -> dict[str, Any]:
         "scrape_configs": [
             {
                 "job_name": "kubernetes-pods",
+                # A pod's own labels win over the target's: the router's series carry the
+                # ServingPool's `namespace`, not the router pod's (kvfleet.router.metrics).
+                "honor_labels": True,
                 # Accept plain-text exposition served without the Prometheus content type.
                 "fallback_scrape_protocol": "PrometheusText0.0.4",
                 "kubernetes_sd_configs": [

@@ -80,6 +80,7 @@ class StreamEvent:
     text: str
     num_new_tokens: int
     finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()  # the new tokens (the stopping token included)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -513,7 +514,7 @@ class AsyncEngine:
             return None
         event = StreamEvent(
             seq=tracked.seq, text=delta, num_new_tokens=len(new_ids), finish_reason=reason,
-            num_prompt_tokens=request.num_prompt_tokens,
+            token_ids=tuple(new_ids), num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )

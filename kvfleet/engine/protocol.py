@@ -3,10 +3,12 @@ OpenAPI document and every request is validated before it reaches the engine.
 
 Requests follow the OpenAI API; non-OpenAI sampling parameters (`top_k`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `priority`, `skip_special_tokens`) follow vLLM's names.
-kvfleet adds `deadline_seconds`. Fields we accept for compatibility but cannot honour
-(`n > 1`, `logprobs`, penalties, tools, ...) are rejected with a 400 naming the field instead
-of being silently ignored. Unknown fields are rejected too (`extra="forbid"`), so a typo in a
-parameter name is an error, not a silently default-valued request.
+kvfleet adds `deadline_seconds`; `return_token_ids` (vLLM's name) adds each choice's generated
+token ids, which the router's greedy probes compare token by token. Fields we accept for
+compatibility but cannot honour (`n > 1`, `logprobs`, penalties, tools, ...) are rejected with
+a 400 naming the field instead of being silently ignored. Unknown fields are rejected too
+(`extra="forbid"`), so a typo in a parameter name is an error, not a silently default-valued
+request.
 
 Responses add two things to OpenAI's shape:
 - `system_fingerprint` carries the model revision (the artifact hash when known);
@@ -74,6 +76,9 @@ class SamplingFields(_Strict):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(default=None, max_length=256)
+    return_token_ids: bool = Field(
+        default=False, description="vLLM: add the generated token ids to each choice (and "
+        "each streamed chunk's new ones).")
 
     def usage_on_every_chunk(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
@@ -144,6 +149,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: FinishReason | None
     logprobs: None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -177,6 +183,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     finish_reason: FinishReason | None
     logprobs: None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -199,6 +206,7 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     finish_reason: FinishReason | None
     logprobs: None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionStreamChunk(BaseModel):

@@ -380,6 +380,13 @@ def _usage(last: StreamEvent) -> Usage:
                  prompt_tokens_details={"cached_tokens": last.num_cached_tokens})
 
 
+def _ids(body: SamplingFields, events: list[StreamEvent]) -> list[int] | None:
+    """The events' token ids when the request asked for them (`return_token_ids`)."""
+    if not body.return_token_ids:
+        return None
+    return [token for event in events for token in event.token_ids]
+
+
 def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
     """/v1/completions and /v1/chat/completions: a prompt, a spec, a run on the engine."""
 
@@ -403,7 +410,8 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
             return CompletionStreamChunk(
                 id=stream.request_id, created=stream.created, model=model.name,
                 system_fingerprint=model.revision, seq=event.seq,
-                choices=[CompletionChoice(text=event.text, finish_reason=event.finish_reason)],
+                choices=[CompletionChoice(text=event.text, finish_reason=event.finish_reason,
+                                          token_ids=_ids(body, [event]))],
                 usage=_usage(event) if event.finish_reason or every_chunk else None,
             ).model_dump(mode="json", exclude_none=True)
 
@@ -412,7 +420,8 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
                 id=stream.request_id, created=stream.created, model=model.name,
                 system_fingerprint=model.revision,
                 choices=[CompletionChoice(text="".join(e.text for e in events),
-                                          finish_reason=events[-1].finish_reason)],
+                                          finish_reason=events[-1].finish_reason,
+                                          token_ids=_ids(body, events))],
                 usage=_usage(events[-1]))
 
         return await gate.run(request, spec, body.stream, render, finish)
@@ -447,7 +456,8 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
             return ChatCompletionStreamChunk(
                 id=stream.request_id, created=stream.created, model=model.name,
                 system_fingerprint=model.revision, seq=event.seq,
-                choices=[ChatStreamChoice(delta=delta, finish_reason=event.finish_reason)],
+                choices=[ChatStreamChoice(delta=delta, finish_reason=event.finish_reason,
+                                          token_ids=_ids(body, [event]))],
                 usage=_usage(event) if event.finish_reason or every_chunk else None,
             ).model_dump(mode="json", exclude_none=True)
 
@@ -456,7 +466,8 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
             return ChatCompletionResponse(
                 id=stream.request_id, created=stream.created, model=model.name,
                 system_fingerprint=model.revision,
-                choices=[ChatChoice(message=message, finish_reason=events[-1].finish_reason)],
+                choices=[ChatChoice(message=message, finish_reason=events[-1].finish_reason,
+                                    token_ids=_ids(body, events))],
                 usage=_usage(events[-1]))
 
         return await gate.run(request, spec, body.stream, render, finish)

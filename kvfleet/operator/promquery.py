@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from kvfleet.api.analysis import MetricPlan, QueryResult, Window, judge, render
-from kvfleet.api.rollout import MetricEvaluation
+from kvfleet.api.rollout import MetricEvaluation, Outcome
 
 QUERY_TIMEOUT_SECONDS = 10.0
 
@@ -108,7 +108,9 @@ class PromQuery:
                                  one(plan.samples_query, target.canary, target.traffic, window),
                                  at)
             if not plan.versus_stable:
-                return judge(plan, await canary, None)
+                return await self._detail(plan, judge(plan, await canary, None), at,
+                                          one(plan.detail_query or "", target.canary,
+                                              target.traffic, window))
             stable = self.result(one(plan.query, target.stable, "live", baseline),
                                  one(plan.samples_query, target.stable, "live", baseline),
                                  baseline.end.timestamp())
@@ -116,6 +118,24 @@ class PromQuery:
             return judge(plan, got_canary, got_stable)
 
         return list(await asyncio.gather(*(metric(p) for p in plans)))
+
+    async def _detail(self, plan: MetricPlan, result: MetricEvaluation, at: float,
+                      query: str) -> MetricEvaluation:
+        """A failed metric's detail query (e.g. the first diverging probe) in its message:
+        `name=value` of the series' labels and value. A detail that cannot be had is left
+        out; it never changes the outcome."""
+        if plan.detail_query is None or result.outcome != Outcome.FAIL:
+            return result
+        try:
+            body = await self._ask({"query": query, "time": f"{at:.3f}"})
+            series = (body.get("data") or {}).get("result") or []
+            labels, value = series[0]["metric"], float(series[0]["value"][1])
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError,
+                IndexError):
+            return result
+        named = ", ".join(f"{k} {v}" for k, v in sorted(labels.items()))
+        result.message = f"{result.message}; first divergence: {named} at token {value:g}"[:512]
+        return result
 
     async def close(self) -> None:
         if self._session is not None:

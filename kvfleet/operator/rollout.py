@@ -109,7 +109,8 @@ def _analysed(spec: RolloutSpec, step: int) -> bool:
 
 
 def metric_plans(spec: RolloutSpec, slos: SLOs | None, step: int) -> list[MetricPlan]:
-    return plans(spec.analysis.metrics, slos, shadow=step == SHADOW_STEP)
+    return plans(spec.analysis.metrics, slos, shadow=step == SHADOW_STEP,
+                 agreement=spec.analysis.output_agreement)
 
 
 def _plannable(view: View, step: int) -> bool:
@@ -172,18 +173,24 @@ def _needed(view: View, step: int) -> int:
     return max(1, math.ceil(view.pool_replicas * share / 100))
 
 
-def _traffic(status: RolloutStatus) -> list[TrafficTarget]:
+def _traffic(spec: RolloutSpec, status: RolloutStatus) -> list[TrafficTarget]:
+    """The pool's traffic table. While an analysed step has canary or shadow traffic, the
+    routers also mirror greedy probes to the canary and stable (OutputAgreement)."""
     stable, canary = status.stable_revision, status.canary_revision
     if stable is None or canary is None:
         return []
+    agreement = spec.analysis.output_agreement
+    step = status.current_step
+    probe = agreement.probe_percent if agreement.enabled and step is not None and \
+        _analysed(spec, step) and not status.promote_full else 0
     table = [TrafficTarget(revision=stable, role=TrafficRole.STABLE,
                            weight=100 - status.current_weight)]
     if status.current_weight > 0:
         table.append(TrafficTarget(revision=canary, role=TrafficRole.CANARY,
-                                   weight=status.current_weight))
+                                   weight=status.current_weight, probe_percent=probe))
     if status.shadow_percent > 0:
         table.append(TrafficTarget(revision=canary, role=TrafficRole.SHADOW,
-                                   shadow_percent=status.shadow_percent))
+                                   shadow_percent=status.shadow_percent, probe_percent=probe))
     return table
 
 
@@ -592,13 +599,13 @@ def _actions(run: _Run, decision: Decision) -> None:
         step = s.current_step if s.current_step is not None else 0
         decision.canary_replicas = max(_needed(view, step), view.canary_ready if
                                        s.step_started_at is not None else 0)
-        decision.traffic = _traffic(s)
+        decision.traffic = _traffic(view.spec, s)
     elif s.phase in (Phase.ROLLING_BACK, Phase.ABORTED) and s.drain_started_at is not None:
         left = view.spec.drain_seconds - (run.now - s.drain_started_at).total_seconds()
         if left > 0 and s.canary_revision == view.target:
             # In-flight streams finish on the canary; it has no new traffic.
             decision.canary_replicas = max(1, view.canary_ready)
-            decision.traffic = _traffic(s)
+            decision.traffic = _traffic(view.spec, s)
             run.wake_in(left)
             decision.requeue_seconds = run.requeue
         elif s.phase == Phase.ROLLING_BACK:

@@ -118,7 +118,7 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
             continue
         route = PoolRoute(name, TrafficTable.from_status(status),
                           endpoints.get((namespace, label_value(name)), {}),
-                          tokens.get((namespace, label_value(name))))
+                          tokens.get((namespace, label_value(name))), namespace)
         if cluster_wide:
             state.pools[f"{namespace}/{name}"] = route
             names.setdefault(name, []).append(f"{namespace}/{name}")

@@ -8,13 +8,14 @@ comes. A replica that fails before the first byte went to the client is retried 
 that fails mid-stream ends the client's stream with an error event. The quota reservation is
 settled with the engine's own token count when the answer ends or the client goes away. A
 sampled share of requests is copied to the shadow revision in the background (never charged,
-never delaying the live answer, shed first) and compared with the live answer.
+never delaying the live answer, shed first) and compared with the live answer. Every live and
+shadow request is counted by what its client got (kvfleet.router.outcome), which is what the
+Rollout analysis judges a revision by.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -42,7 +43,24 @@ from kvfleet.router.errors import (
     UpstreamFailed,
 )
 from kvfleet.router.metrics import RouterMetrics
+from kvfleet.router.outcome import (
+    TIMED,
+    Answer,
+    Outcome,
+    classify,
+    read_answer,
+    read_frames,
+    stream_outcome,
+)
 from kvfleet.router.picker import EndpointLoad, pick
+from kvfleet.router.probes import (
+    PROBE_MAX_TOKENS,
+    PROBE_TENANT,
+    agreement,
+    answer_ids,
+    probe_body,
+    probe_id,
+)
 from kvfleet.router.quota import QuotaLedger, Reservation
 from kvfleet.router.state import PoolRoute, RouterState, carry_loads
 from kvfleet.router.tokens import TokenCounter, texts_of
@@ -63,6 +81,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 # The engine gauges the replica choice reads from each engine's /metrics.
 LOAD_GAUGES = ("kvfleet_engine_requests_waiting", "kvfleet_engine_requests_running",
                "kvfleet_engine_kv_cache_usage_ratio")
+# (namespace, pool, short revision, traffic): the labels of a revision's request series.
+Labels = tuple[str, str, str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,34 +90,15 @@ class RouterOptions:
     max_attempts: int = 3  # replicas tried before the first byte
     shadow_max_in_flight: int = 8
     shadow_max_tokens: int = 256
+    probe_max_in_flight: int = 4  # greedy probe pairs; more are shed
+    probe_max_tokens: int = PROBE_MAX_TOKENS
+    probe_timeout: float = 60.0
     scrape_interval: float = 0.2
     stale_after: float = 1.0
     connect_timeout: float = 2.0
     # "affinity" (load, then prefix affinity) or "round-robin" (the baseline it is measured
     # against in bench/router_prefix.py).
     pick_policy: str = "affinity"
-
-
-def answer_text(answer: dict[str, Any]) -> str:
-    """The text of a non-streamed chat or completion answer."""
-    choice = answer["choices"][0]
-    message = choice.get("message")
-    return str(message.get("content") or "") if isinstance(message, dict) else str(
-        choice.get("text") or "")
-
-
-def stream_texts(frames: bytes) -> list[str]:
-    """The text pieces of complete SSE frames (chat deltas or completion text)."""
-    pieces = []
-    for line in frames.split(b"\n"):
-        if line.startswith(b"data: {"):
-            with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
-                choice = json.loads(line[6:])["choices"][0]
-                delta = choice.get("delta")
-                piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-                if piece:
-                    pieces.append(str(piece))
-    return pieces
 
 
 def compare(live: str, shadow: str, shadow_capped: bool) -> tuple[str, int | None]:
@@ -113,42 +114,41 @@ def compare(live: str, shadow: str, shadow_capped: bool) -> tuple[str, int | Non
 
 
 class _Relay:
-    """One live stream: the engine's SSE frames passed on as they arrive, usage read from the
-    last one (and the text collected when a shadow answer will be compared with it). `close`
-    releases what the request holds (the upstream connection, the replica's in-flight count,
-    the quota reservation) exactly once, whether the stream ended, failed, or never started."""
+    """One live stream: the engine's SSE frames passed on as they arrive, each complete frame
+    read for the first text (TTFT), an error, the finish reasons and the usage (and the text
+    collected when a shadow answer will be compared with it). `close` releases what the request
+    holds (the upstream connection, the replica's in-flight count, the quota reservation) and
+    counts its outcome exactly once, whether the stream ended, failed, or never started."""
 
     def __init__(self, router: Router, resp: aiohttp.ClientResponse, endpoint: EndpointLoad,
-                 labels: tuple[str, str, str], reservation: Reservation, started: float,
+                 labels: Labels, reservation: Reservation, started: float,
                  live_text: asyncio.Future[str | None] | None) -> None:
         self.router, self.resp, self.endpoint, self.labels = router, resp, endpoint, labels
         self.reservation, self.started, self.live_text = reservation, started, live_text
-        self.first: float | None = None
-        self.generated = 0
-        self.prompt: int | None = None
-        self.code = "200"
+        self.first_byte = False
+        self.first_text: float | None = None
+        self.usage: tuple[int, int] | None = None  # (prompt, completion), the engine's count
+        self.error_code: str | None = None
+        self.finish_reasons: list[str] = []
+        self.lost = False  # the replica was lost mid-stream
+        self.ended = False  # the engine's stream ended (else the client left first)
         self.pieces: list[str] | None = [] if live_text is not None else None
         self.closed = False
 
     async def frames(self) -> AsyncIterator[bytes]:
-        metrics, buffer = self.router.metrics, b""
+        buffer = b""
         try:
             async for chunk in self.resp.content.iter_any():
-                if self.first is None:
-                    self.first = time.monotonic()
-                    metrics.ttft.labels(*self.labels).observe(self.first - self.started)
+                self.first_byte = True
                 buffer += chunk
                 if b"\n\n" in buffer:
                     frames, _, buffer = buffer.rpartition(b"\n\n")
-                    if b'"usage"' in frames and (
-                            usage := self.router._usage_of(frames, self.labels)):
-                        self.prompt, self.generated = usage
-                    if self.pieces is not None:
-                        self.pieces += stream_texts(frames)
+                    self._read(frames)
                 yield chunk
+            self._read(buffer)  # a last frame without its blank line
+            self.ended = True
         except (TimeoutError, aiohttp.ClientError) as exc:
-            self.code = "stream_error"
-            self.pieces = None
+            self.lost = True
             error = {"error": {"message": f"the replica failed mid-stream ({type(exc).__name__})"
                                "; the answer is incomplete", "type": "server_error",
                                "code": "upstream_failed"}}
@@ -156,23 +156,41 @@ class _Relay:
         finally:
             self.close()
 
+    def _read(self, frames: bytes) -> None:
+        """TTFT is the time to the first frame with text: a role-only delta, an empty frame or
+        an error frame is no token the client can show."""
+        want_text = self.first_text is None or self.pieces is not None
+        reading = read_frames(frames, want_text=want_text)
+        if reading.texts and self.first_text is None:
+            self.first_text = time.monotonic()
+            self.router.metrics.ttft.labels(*self.labels).observe(self.first_text - self.started)
+        if self.pieces is not None:
+            self.pieces += reading.texts
+        self.error_code = self.error_code or reading.error_code
+        self.finish_reasons += reading.finish_reasons
+        self.usage = reading.usage or self.usage
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        if self.first is None and self.code == "200":
-            self.code = "client_gone"  # before the first byte reached the client
-        _resolve(self.live_text, "".join(self.pieces) if self.pieces is not None else None)
+        outcome = stream_outcome(self.resp.status, first_byte=self.first_byte,
+                                 ended=self.ended, lost=self.lost, error_code=self.error_code,
+                                 finish_reasons=self.finish_reasons)
+        completed = outcome is Outcome.COMPLETED and self.pieces is not None
+        _resolve(self.live_text, "".join(self.pieces or []) if completed else None)
         self.resp.release()
         self.endpoint.in_flight -= 1
         now = time.monotonic()
-        metrics = self.router.metrics
-        self.router.ledger.settle(self.reservation, self.generated, now, self.prompt)
-        metrics.requests.labels(*self.labels, self.code).inc()
-        metrics.e2e.labels(*self.labels).observe(now - self.started)
-        if self.first is not None and self.generated > 1:
-            metrics.tpot.labels(*self.labels).observe(
-                (now - self.first) / (self.generated - 1))
+        router = self.router
+        prompt, generated = self.usage or (None, 0)
+        router.ledger.settle(self.reservation, generated, now, prompt)
+        if self.usage is not None:
+            router._count_tokens(self.labels, *self.usage)
+        router._record(self.labels, outcome, now - self.started)
+        if self.first_text is not None and generated > 1:
+            router.metrics.tpot.labels(*self.labels).observe(
+                (now - self.first_text) / (generated - 1))
 
 
 class _RelayResponse(StreamingResponse):
@@ -210,6 +228,17 @@ def _resolve(future: asyncio.Future[str | None] | None, value: str | None) -> No
         future.set_result(value)
 
 
+def _shadow_payload(body: dict[str, Any], max_tokens: int) -> bytes:
+    """The shadow copy of a request: not streamed, its max_tokens capped."""
+    shadow_body = {**body, "stream": False}
+    shadow_body.pop("stream_options", None)
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(shadow_body.get(key), int):
+            shadow_body[key] = min(shadow_body[key], max_tokens)
+    shadow_body.setdefault("max_tokens", max_tokens)
+    return json.dumps(shadow_body).encode()
+
+
 class Router:
     def __init__(self, state: RouterState, options: RouterOptions | None = None) -> None:
         self.options = options or RouterOptions()
@@ -218,6 +247,8 @@ class Router:
         self.state = RouterState()
         self._session: aiohttp.ClientSession | None = None
         self._shadow_in_flight = 0
+        self._probes_in_flight = 0
+        self._diverged: set[tuple[str, str, str]] = set()  # first divergence already shown
         self._turn = 0
         self.tokens = TokenCounter(lambda: self.session)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -229,6 +260,8 @@ class Router:
         carry_loads(state, self.state)
         self.state = state
         self.ledger.set_quotas(state.quotas, time.monotonic())
+        self.metrics.declare(state.routed_series())
+        self.metrics.declare_probes(state.probed_series())
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -305,7 +338,7 @@ class Router:
 
     async def handle(self, request: Request) -> Response:
         path = request.url.path
-        pool_name = "-"
+        namespace, pool_name = "-", "-"
         try:
             tenant = self.state.keys.tenant_for(request.headers.get("authorization"))
             raw = await request.body()
@@ -318,7 +351,7 @@ class Router:
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
             pool = self._pool(tenant, body.get("model"))
-            pool_name = pool.name
+            namespace, pool_name = pool.namespace, pool.name
             if pool.table is None:
                 raise NoEndpoint(f"pool {pool.name!r} serves no revision yet")
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or \
@@ -339,7 +372,7 @@ class Router:
             reason = exc.limit if isinstance(exc, QuotaExceeded) else exc.code
             if isinstance(exc, Unauthorized):
                 reason = "unauthorized"
-            self.metrics.rejections.labels(pool_name, reason).inc()
+            self.metrics.rejections.labels(namespace, pool_name, reason).inc()
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
         quota = self.ledger.quota(tenant)
         body.pop("model", None)  # the engine serves one model under its own name
@@ -361,6 +394,8 @@ class Router:
                 live_text = asyncio.get_running_loop().create_future()
             self._spawn(self._shadow(pool, plan.shadow, path, body, headers, text, tenant,
                                      live_text))
+        if plan.probe is not None:
+            self._spawn(self._probe(pool, plan.probe, path, body, text, tenant))
         try:
             return await self._live(pool, plan.live, path, payload, headers, text, tenant,
                                     reservation, bool(body.get("stream")), live_text)
@@ -416,7 +451,7 @@ class Router:
                     headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
                     stream: bool, live_text: asyncio.Future[str | None] | None = None
                     ) -> Response:
-        labels = (pool.name, short_revision(revision), "live")
+        labels = (pool.namespace, pool.name, short_revision(revision), "live")
         started = time.monotonic()
         try:
             if not stream:
@@ -429,25 +464,15 @@ class Router:
                 if status != 200:  # a refusal: a JSON body, not a stream
                     status, data, content_type = await _read_whole(resp, endpoint)
         except RouterError as exc:
-            self.ledger.settle(reservation, 0, time.monotonic(), 0)  # never answered
-            self.metrics.requests.labels(*labels, str(exc.status)).inc()
+            now = time.monotonic()
+            self.ledger.settle(reservation, 0, now, 0)  # never answered
+            self._record(labels, classify(exc.status, exc.code), now - started)
             _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
         out_headers = {REVISION_HEADER: short_revision(revision)}
         if not stream or status != 200:
-            generated, prompt = 0, None
-            if status == 200:
-                with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-                    answer = json.loads(data)
-                    _resolve(live_text, answer_text(answer))
-                    usage = answer["usage"]
-                    generated, prompt = int(usage["completion_tokens"]), int(
-                        usage["prompt_tokens"])
-                    self._count_tokens(labels, prompt, generated)
-                self.metrics.e2e.labels(*labels).observe(time.monotonic() - started)
-            _resolve(live_text, None)  # no text to compare (a refusal, an unreadable body)
-            self.ledger.settle(reservation, generated, time.monotonic(), prompt)
-            self.metrics.requests.labels(*labels, str(status)).inc()
+            self._settle_whole(labels, read_answer(status, data), reservation, started,
+                               live_text)
             return Response(data, status, headers=out_headers,
                             media_type=content_type or "application/json")
         relay = _Relay(self, resp, endpoint, labels, reservation, started, live_text)
@@ -456,73 +481,114 @@ class Router:
             headers={**out_headers, "cache-control": "no-cache"},
             media_type="text/event-stream")
 
-    def _count_tokens(self, labels: tuple[str, str, str], prompt: int, generated: int) -> None:
+    def _settle_whole(self, labels: Labels, answer: Answer, reservation: Reservation,
+                      started: float, live_text: asyncio.Future[str | None] | None) -> None:
+        """A whole answer (or refusal) relayed: its text to the shadow comparison, its tokens
+        to the quota and the metrics, its outcome counted."""
+        now = time.monotonic()
+        _resolve(live_text, answer.text)  # None unless completed: nothing to compare
+        prompt, generated = answer.usage or (None, 0)
+        if answer.usage is not None:
+            self._count_tokens(labels, *answer.usage)
+        self.ledger.settle(reservation, generated, now, prompt)
+        self._record(labels, answer.outcome, now - started)
+
+    def _record(self, labels: Labels, outcome: Outcome, seconds: float) -> None:
+        self.metrics.requests.labels(*labels, outcome.value).inc()
+        if outcome in TIMED:
+            self.metrics.e2e.labels(*labels).observe(seconds)
+
+    def _count_tokens(self, labels: Labels, prompt: int, generated: int) -> None:
         self.metrics.tokens.labels(*labels, "prompt").inc(prompt)
         self.metrics.tokens.labels(*labels, "generation").inc(generated)
-
-    def _usage_of(self, frames: bytes, labels: tuple[str, str, str]
-                  ) -> tuple[int, int] | None:
-        """(prompt, completion) tokens of the frame that carries the usage, if any."""
-        for line in frames.split(b"\n"):
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    usage = json.loads(line[6:])["usage"]
-                    counts = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
-                    self._count_tokens(labels, *counts)
-                    return counts
-        return None
 
     async def _shadow(self, pool: PoolRoute, revision: str, path: str, body: dict[str, Any],
                       headers: dict[str, str], text: str, tenant: str,
                       live_text: asyncio.Future[str | None] | None) -> None:
         """A discarded copy on the shadow revision (non-streaming, capped), compared with the
         live answer of the same request when it is greedy (temperature 0)."""
-        labels = (pool.name, short_revision(revision))
+        labels = (pool.namespace, pool.name, short_revision(revision))
         if self._shadow_in_flight >= self.options.shadow_max_in_flight:
             self.metrics.shadow.labels(*labels, "shed").inc()
             return
         self._shadow_in_flight += 1
         started = time.monotonic()
-        status, outcome, data = "503", "error", b""
         try:
-            limit = self.options.shadow_max_tokens
-            shadow_body = {**body, "stream": False}
-            shadow_body.pop("stream_options", None)
-            for key in ("max_tokens", "max_completion_tokens"):
-                if isinstance(shadow_body.get(key), int):
-                    shadow_body[key] = min(shadow_body[key], limit)
-            shadow_body.setdefault("max_tokens", limit)
             code, data, _ = await self._request(
-                pool, revision, path, json.dumps(shadow_body).encode(),
+                pool, revision, path, _shadow_payload(body, self.options.shadow_max_tokens),
                 {**headers, "x-kvfleet-traffic": "shadow"}, text, tenant)
-            status, outcome = str(code), "answered" if code == 200 else "error"
+            answer = read_answer(code, data)
         except RouterError as exc:
-            status = str(exc.status)
+            answer = Answer(classify(exc.status, exc.code))
         finally:
             self._shadow_in_flight -= 1
-        shadow_labels = (pool.name, short_revision(revision), "shadow")
-        self.metrics.requests.labels(*shadow_labels, status).inc()
-        self.metrics.e2e.labels(*shadow_labels).observe(time.monotonic() - started)
-        shadow_text: str | None = None
-        capped = False
-        if outcome == "answered":
-            with contextlib.suppress(ValueError, KeyError, TypeError, IndexError):
-                answer = json.loads(data)
-                shadow_text = answer_text(answer)
-                capped = answer["choices"][0].get("finish_reason") == "length"
-                usage = answer["usage"]
-                self._count_tokens(shadow_labels, int(usage["prompt_tokens"]),
-                                   int(usage["completion_tokens"]))
-        if outcome == "answered" and live_text is not None and shadow_text is not None:
-            try:
-                live = await asyncio.wait_for(asyncio.shield(live_text), timeout=600)
-            except TimeoutError:
-                live = None
-            if live is not None:
-                outcome, diverged_at = compare(live, shadow_text, capped)
-                if diverged_at is not None:
-                    self.metrics.divergence.labels(*labels).observe(diverged_at)
-        self.metrics.shadow.labels(*labels, outcome).inc()
+        shadow_labels = (*labels, "shadow")
+        self._record(shadow_labels, answer.outcome, time.monotonic() - started)
+        if answer.usage is not None:
+            self._count_tokens(shadow_labels, *answer.usage)
+        compared = await self._compare_shadow(labels, answer, live_text)
+        self.metrics.shadow.labels(*labels, compared).inc()
+
+    async def _compare_shadow(self, labels: tuple[str, str, str], answer: Answer,
+                              live_text: asyncio.Future[str | None] | None) -> str:
+        """The shadow comparison's outcome: "error" when the shadow did not complete,
+        "answered" when there is no live text to compare with, else `compare`'s."""
+        if answer.outcome is not Outcome.COMPLETED:
+            return "error"
+        if live_text is None or answer.text is None:
+            return "answered"
+        try:
+            live = await asyncio.wait_for(asyncio.shield(live_text), timeout=600)
+        except TimeoutError:
+            live = None
+        if live is None:
+            return "answered"
+        compared, diverged_at = compare(live, answer.text, "length" in answer.finish_reasons)
+        if diverged_at is not None:
+            self.metrics.divergence.labels(*labels).observe(diverged_at)
+        return compared
+
+
+    async def _probe(self, pool: PoolRoute, revision: str, path: str, body: dict[str, Any],
+                     text: str, tenant: str) -> None:
+        """This request as a greedy probe to `revision` and to stable, their answers compared
+        token by token (the OutputAgreement gate). Never billed; shed while
+        `probe_max_in_flight` pairs run or either revision has a queue on every replica."""
+        stable = pool.table.stable if pool.table is not None else None
+        if stable is None or stable == revision:
+            return
+        labels = (pool.namespace, pool.name, short_revision(revision))
+        queued = any(all(e.waiting > 0 for e in pool.ready(r)) for r in (revision, stable))
+        if self._probes_in_flight >= self.options.probe_max_in_flight or queued:
+            self.metrics.probes.labels(*labels, "shed").inc()
+            return
+        self._probes_in_flight += 1
+        payload = json.dumps(probe_body(body, self.options.probe_max_tokens)).encode()
+        headers = {TENANT_HEADER: PROBE_TENANT, "content-type": "application/json",
+                   "x-kvfleet-traffic": "probe"}
+        if pool.router_token is not None:
+            headers[ROUTER_TOKEN_HEADER] = pool.router_token
+        try:
+            answers: list[Any] = await asyncio.wait_for(asyncio.gather(
+                *(self._request(pool, r, path, payload, headers, text, PROBE_TENANT)
+                  for r in (revision, stable)), return_exceptions=True),
+                self.options.probe_timeout)
+        except TimeoutError:
+            answers = [None, None]
+        finally:
+            self._probes_in_flight -= 1
+        canary, baseline = (answer_ids(a[0], a[1]) if isinstance(a, tuple) else None
+                            for a in answers)
+        if canary is None or baseline is None:
+            self.metrics.probes.labels(*labels, "error").inc()
+            return
+        agreed, compared = agreement(canary, baseline)
+        self.metrics.probes.labels(*labels, "compared").inc()
+        self.metrics.probe_tokens.labels(*labels, "agreed").inc(agreed)
+        self.metrics.probe_tokens.labels(*labels, "compared").inc(compared)
+        if agreed < compared and labels not in self._diverged:
+            self._diverged.add(labels)
+            self.metrics.first_divergence.labels(*labels, probe_id(tenant, text)).set(agreed)
 
 
 def build_app(router: Router, ready: Callable[[], bool] = lambda: True) -> Starlette:

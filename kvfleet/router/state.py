@@ -5,8 +5,10 @@ loop).
 
 The config file (YAML; keys are what `kubectl get -o yaml` shows for the same facts):
 
+    namespace: llm                         # the pools' namespace in metrics (default "default")
     pools:
       - name: smollm                       # what clients send as `model`
+        namespace: llm                     # this pool's, if not the file's
         status:                            # a ServingPool's status: servingRevision, traffic
           servingRevision: <64 hex>
           traffic: [{revision: <64 hex>, role: stable, weight: 90}, ...]
@@ -49,6 +51,9 @@ class PoolRoute:
     # short revision -> endpoints; EndpointLoad objects are kept across updates (their load).
     endpoints: dict[str, list[EndpointLoad]] = field(default_factory=dict)
     router_token: str | None = None
+    # The ServingPool's namespace: a label on every router series, so two pools of one name
+    # (a cluster-wide router) are two series and the analysis selects the Rollout's own.
+    namespace: str = "default"
 
     def ready(self, revision: str) -> list[EndpointLoad]:
         return self.endpoints.get(short_revision(revision), [])
@@ -62,6 +67,27 @@ class RouterState:
 
     def all_endpoints(self) -> list[EndpointLoad]:
         return [e for pool in self.pools.values() for eps in pool.endpoints.values() for e in eps]
+
+    def routed_series(self) -> set[tuple[str, str, str, str]]:
+        """(namespace, pool, short revision, traffic) of every revision a traffic table sends
+        requests to: stable and canary get live traffic, the shadow revision shadow copies."""
+        series = set()
+        for pool in self.pools.values():  # a cluster-wide router's aliases: one series each
+            table = pool.table
+            if table is None:
+                continue
+            for revision in (table.stable, table.canary):
+                if revision is not None:
+                    series.add((pool.namespace, pool.name, short_revision(revision), "live"))
+            if table.shadow is not None:
+                series.add((pool.namespace, pool.name, short_revision(table.shadow), "shadow"))
+        return series
+
+    def probed_series(self) -> set[tuple[str, str, str]]:
+        """(namespace, pool, short revision) of every revision probed against stable."""
+        return {(pool.namespace, pool.name, short_revision(pool.table.probe))
+                for pool in self.pools.values()
+                if pool.table is not None and pool.table.probe is not None}
 
 
 def carry_loads(new: RouterState, old: RouterState) -> None:
@@ -89,6 +115,7 @@ def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
     if not isinstance(data, dict):
         raise ConfigError("the router config must be a mapping with `pools` and `tenants`")
     state = RouterState()
+    namespace = str(data.get("namespace") or "default")
     for i, entry in enumerate(data.get("pools") or []):
         where = f"pools[{i}]"
         if not isinstance(entry, dict) or not entry.get("name"):
@@ -102,7 +129,7 @@ def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
                      for rev, addresses in (entry.get("endpoints") or {}).items()}
         state.pools[str(entry["name"])] = PoolRoute(
             str(entry["name"]), TrafficTable.from_status(status), endpoints,
-            _read_token(entry, where, base))
+            _read_token(entry, where, base), str(entry.get("namespace") or namespace))
     keys: dict[str, str] = {}
     for i, entry in enumerate(data.get("tenants") or []):
         where = f"tenants[{i}]"

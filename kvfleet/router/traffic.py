@@ -6,6 +6,8 @@ conversation changes revision at most once during a canary (and never back unles
 aborted). The session key is the request's `user` field or its `x-session-id` header, else the
 request id (then each request is its own conversation). Shadow copies are picked by a second
 hash with another salt, so which requests are mirrored does not follow the canary split.
+Greedy probes (answer agreement, `kvfleet.router.probes`) are picked by a third salt, per
+request, so every tenant and conversation is sampled, whichever revision answers it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def bucket(*parts: str) -> int:
 class RoutePlan:
     live: str  # revision (manifest hash) that answers the client
     shadow: str | None  # revision that gets a discarded copy, if any
+    probe: str | None = None  # revision whose greedy answer is compared with stable's
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,8 @@ class TrafficTable:
     canary_weight: int = 0
     shadow: str | None = None
     shadow_percent: int = 0
+    probe: str | None = None  # the revision probed against stable (canary or shadow)
+    probe_percent: int = 0
 
     @classmethod
     def from_status(cls, status: ServingPoolStatus | None) -> TrafficTable | None:
@@ -49,17 +54,21 @@ class TrafficTable:
             return cls(status.serving_revision) if status.serving_revision else None
         canary = entries.get(TrafficRole.CANARY)
         shadow = entries.get(TrafficRole.SHADOW)
+        probed = next((t for t in (canary, shadow) if t is not None and t.probe_percent > 0
+                       and t.revision != stable.revision), None)
         return cls(
             stable=stable.revision,
             canary=canary.revision if canary is not None and canary.weight > 0 else None,
             canary_weight=canary.weight if canary is not None else 0,
             shadow=shadow.revision if shadow is not None and shadow.shadow_percent > 0 else None,
             shadow_percent=shadow.shadow_percent if shadow is not None else 0,
+            probe=probed.revision if probed is not None else None,
+            probe_percent=probed.probe_percent if probed is not None else 0,
         )
 
     @property
     def revisions(self) -> set[str]:
-        return {r for r in (self.stable, self.canary, self.shadow) if r is not None}
+        return {r for r in (self.stable, self.canary, self.shadow, self.probe) if r is not None}
 
     def route(self, pool: str, tenant: str, session: str, request_id: str) -> RoutePlan:
         live = self.stable
@@ -70,4 +79,7 @@ class TrafficTable:
         if self.shadow is not None and self.shadow != live and \
                 bucket("shadow", pool, request_id) < self.shadow_percent:
             shadow = self.shadow
-        return RoutePlan(live, shadow)
+        probe = None
+        if self.probe is not None and bucket("probe", pool, request_id) < self.probe_percent:
+            probe = self.probe
+        return RoutePlan(live, shadow, probe)

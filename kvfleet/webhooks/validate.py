@@ -212,7 +212,8 @@ def validate_rollout(new: Rollout, old: Rollout | None, *, pool: ServingPool | N
         (False, any(step.analysis for step in spec.steps))) if analysed]
     for shadow, _ in phases:
         try:
-            plans(spec.analysis.metrics, pool.spec.slos, shadow=shadow)
+            plans(spec.analysis.metrics, pool.spec.slos, shadow=shadow,
+                  agreement=spec.analysis.output_agreement)
         except AnalysisConfigError as exc:
             errors.append(FieldError("spec.analysis.metrics", "consistency",
                                      f"{'shadow phase' if shadow else 'canary steps'}: {exc}"))

@@ -215,6 +215,68 @@ def test_shadow_copies_are_served_discarded_and_not_charged(
     router.reconfigure(config(engines, 50, 0, token_file))
 
 
+TOPICS = ["Kubernetes", "volcanoes", "jazz", "coffee", "chess", "the moon", "bread", "TCP"]
+
+
+def probing(engines: dict[str, EngineServer], token_file: Path) -> dict[str, Any]:
+    """Half the conversations to the canary, and every request probed on both revisions."""
+    data = config(engines, 50, 0, token_file)
+    for entry in data["pools"][0]["status"]["traffic"]:
+        if entry["role"] == "canary":
+            entry["probePercent"] = 100
+    return data
+
+
+def probe_score(router: RouterProcess, revision: str) -> tuple[float, float]:
+    """(agreed, compared) probe tokens after a chat per topic, once every probe settled."""
+    before = router.metric("kvfleet_router_probes_total", revision=revision[:12])
+    for i, topic in enumerate(TOPICS):
+        resp = chat(router, KEY_A, user=f"probe-{revision[:4]}-{i}", temperature=0.8,
+                    max_tokens=16,
+                    messages=[{"role": "user", "content": f"Explain {topic} in a sentence."}])
+        assert resp.status_code == 200, resp.text
+    deadline = time.monotonic() + 120
+    while router.metric("kvfleet_router_probes_total", revision=revision[:12]) < \
+            before + len(TOPICS):
+        assert time.monotonic() < deadline, "the probes did not settle"
+        time.sleep(0.2)
+    return (router.metric("kvfleet_router_probe_tokens_total", revision=revision[:12],
+                          kind="agreed"),
+            router.metric("kvfleet_router_probe_tokens_total", revision=revision[:12],
+                          kind="compared"))
+
+
+def test_greedy_probes_agree_on_the_same_weights_and_not_on_perturbed_ones(
+    router: RouterProcess, engines: dict[str, EngineServer], token_file: Path,
+) -> None:
+    """The OutputAgreement gate's evidence from real engines: two replicas of the same model
+    (each batched as its load has it) agree on every probe token; the same model with one norm
+    tensor scaled (same shapes, same speed) agrees on few."""
+    from kvfleet.api.gguf_artifact import embedded_gguf_path
+    from kvfleet.devcluster.perturb import scale_norm
+
+    router.reconfigure(probing(engines, token_file))
+    agreed, compared = probe_score(router, CANARY)
+    assert compared >= len(TOPICS) and agreed == compared
+    assert router.metric("kvfleet_router_probes_total", outcome="error") == 0
+    with tempfile.TemporaryDirectory(prefix="kvfleet-perturbed-") as tmp:
+        wrong = scale_norm(embedded_gguf_path(), Path(tmp) / "wrong.gguf")
+        with running_server("--model", str(wrong), "--kv-cache-memory-mib", "64",
+                            "--router-token-file", str(token_file), "--revision", "c" * 12,
+                            torch_threads=1) as perturbed:
+            swapped = {STABLE: engines[STABLE], CANARY: perturbed}
+            router.reconfigure(probing(swapped, token_file))
+            before = router.metric("kvfleet_router_probe_tokens_total", revision=CANARY[:12],
+                                   kind="agreed"), compared
+            agreed, compared = probe_score(router, CANARY)
+            score = (agreed - before[0]) / (compared - before[1])
+            assert score < 0.5, score  # the default gate wants 0.9
+            first = router.metric("kvfleet_router_probe_first_divergence",
+                                  revision=CANARY[:12])
+            assert first < 16
+    router.reconfigure(config(engines, 50, 0, token_file))
+
+
 def test_prompt_tokens_are_counted_with_the_pools_tokenizer(
     router: RouterProcess, engines: dict[str, EngineServer],
 ) -> None:

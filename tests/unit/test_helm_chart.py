@@ -195,6 +195,8 @@ def test_pod_monitors_scrape_each_component_on_its_named_port(tmp_path: Path) ->
         assert monitor["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
         ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
         assert monitor["podMetricsEndpoints"][0]["port"] in ports
+    # The router's `namespace` label is the pool's, kept over the router pod's namespace.
+    assert monitors["kvfleet-router"]["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
     engines = monitors["kvfleet-engines"]["spec"]
     assert engines["selector"]["matchLabels"] == {"app.kubernetes.io/component": ENGINE_COMPONENT}
     assert engines["podMetricsEndpoints"][0]["port"] == ENGINE_PORT_NAME

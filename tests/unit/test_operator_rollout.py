@@ -396,7 +396,7 @@ def test_a_canary_that_runs_but_never_gets_ready_is_bounded() -> None:
 
 
 def test_removing_the_pools_slos_mid_step_says_so_without_failing_the_reconcile() -> None:
-    sim = _Sim(_spec())
+    sim = _Sim(_spec(**{"analysis.outputAgreement": {"enabled": False}}))
     sim.run(6)
     assert sim.status.current_weight == 10
     sim.slos = None
@@ -605,8 +605,33 @@ def test_queries_select_the_routers_series_for_the_revision_and_window() -> None
     text = render(ttft.query, pool="chat", namespace="llm", revision=CANARY, traffic="live",
                   window=window)
     assert text == ("histogram_quantile(0.95, sum by (le) (increase("
-                    "kvfleet_router_time_to_first_token_seconds_bucket{pool=\"chat\","
+                    "kvfleet_router_time_to_first_token_seconds_bucket{namespace=\"llm\","
+                    "pool=\"chat\","
                     f"revision=\"{CANARY[:12]}\",traffic=\"live\"}}[95s])))")
+
+
+def test_answer_agreement_judges_every_analysed_step_by_default() -> None:
+    spec = _spec()
+    [agree] = [p for p in plans(spec.analysis.metrics, SLO, shadow=True,
+                                agreement=spec.analysis.output_agreement)
+               if p.name == "output-agreement"]
+    assert (agree.threshold, agree.comparison, agree.min_samples) == (0.9, Comparison.AT_LEAST,
+                                                                      20)
+    assert not agree.versus_stable and agree.detail_query is not None
+    text = render(agree.query, pool="chat", namespace="llm", revision=CANARY, traffic="shadow",
+                  window=Window(0, 1, T0, T0 + timedelta(seconds=8)))
+    assert 'kind="agreed"' in text and "traffic" not in text  # probes have no traffic kind
+    off = _spec(**{"analysis.outputAgreement": {"enabled": False}})
+    assert all(p.name != "output-agreement" for p in plans(
+        off.analysis.metrics, SLO, shadow=False, agreement=off.analysis.output_agreement))
+    # The table asks the routers for probes while an analysed step has canary traffic.
+    sim = _Sim(spec)
+    sim.tick()
+    [canary] = [t for t in sim.tick(1).traffic if t.role == TrafficRole.CANARY]
+    assert canary.probe_percent == 20
+    sim = _Sim(off)
+    sim.tick()
+    assert all(t.probe_percent == 0 for t in sim.tick(1).traffic)
 
 
 def test_policy_hash_covers_the_policy_not_the_pool() -> None:
@@ -628,7 +653,8 @@ def test_every_builtin_query_renders_to_promql_without_placeholders() -> None:
         for template in (plan.query, plan.samples_query):
             text = render(template, pool="chat", namespace="llm", revision=CANARY,
                           traffic="live", window=window)
-            assert "{{" not in text and "[8s]" in text and "{pool=\"chat\"," in text, text
+            assert "{{" not in text and "[8s]" in text, text
+            assert '{namespace="llm",pool="chat",' in text, text
             assert text.count("(") == text.count(")"), text
 
 

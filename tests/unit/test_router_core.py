@@ -212,6 +212,10 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
     assert [e.address for e in state.pools["p"].ready(STABLE)] == ["127.0.0.1:1"]
     assert state.keys.tenant_for(f"Bearer {KEY}") == "a"
     assert state.quotas["a"][1].limits.requests_per_minute == 5
+    assert state.pools["p"].namespace == "default"  # a file that names no namespace
+    named = parse_config({"namespace": "llm", "pools": [{"name": "p"},
+                                                        {"name": "q", "namespace": "ops"}]})
+    assert [named.pools[n].namespace for n in "pq"] == ["llm", "ops"]
 
 
 def engine_pod(name: str, pool: str, revision: str, ip: str, ready: bool = True,
@@ -247,6 +251,7 @@ def test_cluster_objects_become_the_routing_state() -> None:
          engine_pod("p3", "smol", STABLE[:12], "10.0.0.3", namespace="other")],
         [secret("k", "team-a", KEY)], [token], quotas, cluster_wide=False)
     route = state.pools["smol"]
+    assert route.namespace == "llm"  # every router series is labelled with it
     assert [e.address for e in route.ready(STABLE)] == ["10.0.0.1:8000"]  # Ready pods only
     assert route.router_token == "t" * 32
     assert state.keys.tenant_for(f"Bearer {KEY}") == "team-a"
@@ -255,6 +260,9 @@ def test_cluster_objects_become_the_routing_state() -> None:
                                pool_object("solo", "other")], [], [], [], [],
                               cluster_wide=True)
     assert set(wide.pools) == {"llm/smol", "other/smol", "other/solo", "solo"}
+    # Two pools of one name are two series: each route carries its own namespace.
+    assert {n: wide.pools[n].namespace for n in wide.pools} == {
+        "llm/smol": "llm", "other/smol": "other", "other/solo": "other", "solo": "other"}
 
 
 def test_the_router_manifests_on_disk_are_the_generated_ones() -> None:
@@ -283,7 +291,8 @@ def test_engines_export_the_gauges_an_inference_pool_endpoint_picker_reads() -> 
 
 
 def test_shadow_answers_are_compared_as_far_as_the_shadow_cap_allows() -> None:
-    from kvfleet.router.server import compare, stream_texts
+    from kvfleet.router.outcome import read_frames
+    from kvfleet.router.server import compare
 
     assert compare("The sky is blue.", "The sky is blue.", False) == ("identical", None)
     assert compare("The sky is blue.", "The sky is red.", False) == ("diverged", 11)
@@ -291,7 +300,7 @@ def test_shadow_answers_are_compared_as_far_as_the_shadow_cap_allows() -> None:
     assert compare("The sky is blue.", "The sky", False) == ("length", None)  # stopped early
     frames = (b'id: 0\ndata: {"choices":[{"delta":{"role":"assistant","content":"Hi"}}]}\n\n'
               b'id: 1\ndata: {"choices":[{"text":" there"}]}\n\ndata: [DONE]')
-    assert stream_texts(frames) == ["Hi", " there"]
+    assert read_frames(frames).texts == ["Hi", " there"]
 
 
 def test_the_prompt_estimate_is_corrected_to_the_engines_count() -> None:

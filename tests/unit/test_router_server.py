@@ -1,5 +1,6 @@
-"""The router's HTTP edge against a fake engine on loopback (the real engine: the integration
-tests): what reaches the engine, and what a failing engine leaves behind."""
+"""The router's HTTP edge against a fake engine on loopback, and against the real engine's HTTP
+app over a fake core (the real model: the integration tests): what reaches the engine, what a
+failing engine leaves behind, and what each answer is counted as (its outcome)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,67 @@ import pytest_asyncio
 from aiohttp import web
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from kvfleet.router.outcome import Outcome
 from kvfleet.router.server import Router, build_app
 from kvfleet.router.state import parse_config
 
 REVISION = "a" * 64
 KEY = "sk-team-a-0123456789abcdef"
+NAMESPACE = "llm"
+LIVE = {"namespace": NAMESPACE, "pool": "smol", "revision": REVISION[:12], "traffic": "live"}
+# What the fake engine streams, by the prompt: a role-only delta at once, then (after ROLE_GAP)
+# text, then how the answer ends.
+ROLE_GAP = 0.2
+
+
+def frame(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def chunk(text: str | None = None, finish: str | None = None, role: bool = False,
+          usage: int | None = None) -> bytes:
+    delta: dict[str, str] = {"role": "assistant"} if role else {}
+    if text is not None:
+        delta["content"] = text
+    body: dict[str, Any] = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = {"prompt_tokens": 3, "completion_tokens": usage}
+    return frame(body)
+
+
+STREAMS = {
+    "error-frame": [chunk("Hel"), chunk("lo"),
+                    frame({"error": {"message": "step failed", "type": "server_error",
+                                     "code": "internal_error"}})],
+    "finish-error": [chunk("Hel"), chunk("", finish="error", usage=1)],
+    "fine": [chunk("Hel"), chunk("lo"), chunk("", finish="stop", usage=2)],
+}
+# Refusals as the engine writes them (kvfleet.engine.server.error_response).
+REFUSALS = {"too-long": (400, "context_length_exceeded"),
+            "bad-params": (400, "invalid_request_error"),
+            "queue": (429, "queue_full")}
+
+
+async def stream(request: web.Request, content: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(chunk(role=True))
+    await asyncio.sleep(ROLE_GAP)
+    for data in STREAMS[content]:
+        await resp.write(data)
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+async def whole(content: str) -> web.Response:
+    if content in REFUSALS:
+        status, code = REFUSALS[content]
+        return web.json_response({"error": {"message": content, "type": "invalid_request_error",
+                                            "param": None, "code": code}}, status=status)
+    finish = "error" if content == "finish-error" else "stop"
+    return web.json_response({"id": "x", "choices": [{"message": {"content": "ok"},
+                                                      "finish_reason": finish}],
+                              "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
 
 
 @pytest_asyncio.fixture
@@ -35,8 +92,10 @@ async def upstream() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
             assert request.transport is not None
             request.transport.close()  # the replica goes away mid-answer
             return resp
-        return web.json_response({"id": "x", "choices": [{"message": {"content": "ok"}}],
-                                  "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+        content = body["messages"][0]["content"]
+        if body.get("stream") and content in STREAMS:
+            return await stream(request, content)
+        return await whole(content)
 
     async def tokenizer_json(_: web.Request) -> web.Response:
         return web.Response(text=word_tokenizer().to_str(), content_type="application/json")
@@ -63,6 +122,7 @@ def word_tokenizer() -> Tokenizer:
 
 def make_router(address: str) -> Router:
     return Router(parse_config({
+        "namespace": NAMESPACE,
         "pools": [{"name": "smol", "status": {"servingRevision": REVISION},
                    "endpoints": {REVISION: [address]}, "routerToken": "t" * 32}],
         "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {
@@ -142,6 +202,7 @@ async def test_a_shadow_copy_whose_replica_fails_is_counted_and_releases_its_slo
     address, _ = upstream
     shadow = "b" * 64
     router = Router(parse_config({
+        "namespace": NAMESPACE,
         "pools": [{"name": "smol", "status": {"servingRevision": REVISION, "traffic": [
             {"revision": REVISION, "role": "stable", "weight": 100},
             {"revision": shadow, "role": "shadow", "shadowPercent": 100}]},
@@ -152,7 +213,209 @@ async def test_a_shadow_copy_whose_replica_fails_is_counted_and_releases_its_slo
         await asyncio.gather(*router._tasks)
         assert router._shadow_in_flight == 0
         text = router.metrics.exposition().decode()
-        assert 'kvfleet_router_shadow_comparisons_total{outcome="error",pool="smol",' \
-            f'revision="{shadow[:12]}"}} 1.0' in text
+        assert 'kvfleet_router_shadow_comparisons_total{namespace="llm",outcome="error",' \
+            f'pool="smol",revision="{shadow[:12]}"}} 1.0' in text
+        # The shadow's replica went away mid-answer: no engine answered.
+        assert sample(router, "kvfleet_router_requests_total", traffic="shadow",
+                      revision=shadow[:12], outcome="upstream_error") == 1
     finally:
         await router.close()
+
+
+REQUESTS = "kvfleet_router_requests_total"
+TTFT = "kvfleet_router_time_to_first_token_seconds"
+TPOT = "kvfleet_router_time_per_output_token_seconds"
+E2E = "kvfleet_router_e2e_request_latency_seconds"
+
+
+def sample(router: Router, name: str, **labels: str) -> float | None:
+    """A sample of the router's registry, by default the live stable series of `llm/smol`."""
+    return router.metrics.registry.get_sample_value(name, {**LIVE, **labels})
+
+
+def observed(router: Router, histogram: str) -> float:
+    """How many times the live stable series of a histogram was observed."""
+    return sample(router, histogram + "_count") or 0
+
+
+def outcomes(router: Router, **labels: str) -> dict[str, float]:
+    """The outcomes counted so far (the zeros every outcome starts at left out)."""
+    counts = {o.value: sample(router, REQUESTS, **labels, outcome=o.value) for o in Outcome}
+    return {o: n for o, n in counts.items() if n}
+
+
+@pytest.mark.asyncio
+async def test_an_error_frame_inside_a_200_is_a_stream_error_and_never_the_first_token(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    address, _ = upstream
+    router = make_router(address)
+    try:
+        resp = await post(router, "error-frame", stream=True)
+        assert resp.status_code == 200
+        assert '"code": "internal_error"' in resp.text  # the client sees the error frame
+        assert outcomes(router) == {"stream_error": 1}
+        # Timed at the first text, not at the role-only delta sent ROLE_GAP before it.
+        assert observed(router, TTFT) == 1
+        assert (sample(router, TTFT + "_sum") or 0) >= ROLE_GAP
+        assert observed(router, E2E) == 1
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+async def test_finish_reason_error_is_a_stream_error_streamed_or_not(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    address, _ = upstream
+    router = make_router(address)
+    try:
+        for streamed in (True, False):
+            assert (await post(router, "finish-error", stream=streamed)).status_code == 200
+        assert outcomes(router) == {"stream_error": 2}
+        assert observed(router, E2E) == 2  # non-streamed answers are timed too
+        assert observed(router, TPOT) == 0  # one token: no time between tokens
+        assert (await post(router, "fine", stream=True)).status_code == 200
+        assert outcomes(router) == {"stream_error": 2, "completed": 1}
+        assert observed(router, TPOT) == 1
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+async def test_the_engines_refusals_count_against_the_revision_or_the_client(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    address, _ = upstream
+    router = make_router(address)
+    try:
+        too_long = await post(router, "too-long", stream=True)
+        assert too_long.status_code == 400  # passed on as the engine wrote it
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        assert (await post(router, "queue")).status_code == 429
+        assert (await post(router, "bad-params")).status_code == 400
+        assert outcomes(router) == {"revision_refused": 2, "client_error": 1}
+        # The revision's refusals are timed (a revision that refuses its slow prompts must
+        # not look fast for it); the client's own bad request is not.
+        assert observed(router, E2E) == 2
+        assert observed(router, TTFT) == 0
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+async def test_a_body_that_is_not_json_is_refused_before_any_revision_is_charged(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    address, seen = upstream
+    router = make_router(address)
+    try:
+        transport = httpx.ASGITransport(app=build_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            resp = await client.post("/v1/chat/completions", content=b"{not json",
+                                     headers={"authorization": f"Bearer {KEY}"})
+        assert resp.status_code == 400 and not seen
+        assert router.metrics.registry.get_sample_value(
+            "kvfleet_router_rejections_total",
+            {"namespace": "-", "pool": "-", "reason": "invalid_request"}) == 1
+        assert outcomes(router) == {}
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+async def test_every_outcome_counts_from_zero_for_each_revision_a_table_routes_to() -> None:
+    stable, canary, shadow, next_canary = "a" * 64, "b" * 64, "c" * 64, "d" * 64
+
+    def config(canary_revision: str) -> dict[str, Any]:
+        return {"namespace": NAMESPACE, "pools": [{"name": "smol", "status": {
+            "servingRevision": stable, "traffic": [
+                {"revision": stable, "role": "stable", "weight": 90},
+                {"revision": canary_revision, "role": "canary", "weight": 10},
+                {"revision": shadow, "role": "shadow", "shadowPercent": 10}]}}]}
+
+    router = Router(parse_config(config(canary)))
+    try:
+        for revision, traffic in ((stable, "live"), (canary, "live"), (shadow, "shadow")):
+            for outcome in Outcome:
+                assert sample(router, REQUESTS, revision=revision[:12], traffic=traffic,
+                              outcome=outcome.value) == 0, (revision, traffic, outcome)
+        # Only the traffic a revision can get: no live series for the shadow revision.
+        assert sample(router, REQUESTS, revision=shadow[:12], outcome="completed") is None
+        router.update(parse_config(config(next_canary)))
+        assert sample(router, REQUESTS, revision=next_canary[:12], outcome="stream_error") == 0
+    finally:
+        await router.close()
+
+
+@pytest_asyncio.fixture
+async def engine() -> AsyncIterator[tuple[str, Any]]:
+    """The real engine's HTTP app on loopback, over a fake core with a 64-token context."""
+    import uvicorn
+    from server_fakes import chat_template, make_engine
+
+    from kvfleet.engine.lifecycle import Lifecycle, warm_up
+    from kvfleet.engine.server import ServerSettings, Serving, create_app
+
+    core_engine, core = make_engine(max_context=64)
+    core_engine.start()
+    lifecycle = Lifecycle()
+    await warm_up(core_engine, lifecycle, (1, 2, 3))
+    app = create_app(Serving(lifecycle, core_engine, chat_template()),
+                     ServerSettings(router_token="t" * 32))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"127.0.0.1:{port}", core
+    finally:
+        server.should_exit = True
+        await task
+        await core_engine.stop()
+
+
+async def idle(core: Any) -> None:
+    """Until the fake core has stopped stepping."""
+    while True:
+        steps = core.num_steps
+        await asyncio.sleep(0.05)
+        if core.num_steps == steps:
+            return
+
+
+@pytest.mark.asyncio
+async def test_the_real_engines_answers_get_their_outcomes(engine: tuple[str, Any]) -> None:
+    address, core = engine
+    router = make_router(address)
+    try:
+        ok = await post(router, "hi", stream=True, max_tokens=3)
+        assert ok.status_code == 200 and "[DONE]" in ok.text
+        assert outcomes(router) == {"completed": 1}
+        assert observed(router, TTFT) == 1
+        too_long = await post(router, "hi " * 40, max_tokens=8)  # 120 tokens > 64
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        unsupported = await post(router, "hi", n=2)
+        assert unsupported.json()["error"]["code"] == "unsupported_parameter"
+        assert outcomes(router) == {"completed": 1, "revision_refused": 1, "client_error": 1}
+        for streamed in (True, False):
+            await idle(core)  # (after a failed step the engine steps once more, idle)
+            core.fail_next_step = True  # the engine ends the answer with finish_reason error
+            failed = await post(router, "hi", stream=streamed, max_tokens=3)
+            assert failed.status_code == 200 and '"error"' in failed.text
+        assert outcomes(router)["stream_error"] == 2
+        assert observed(router, TTFT) == 1  # the error frames carried no text
+    finally:
+        await router.close()
+    wrong_token = Router(parse_config({
+        "namespace": NAMESPACE,
+        "pools": [{"name": "smol", "status": {"servingRevision": REVISION},
+                   "endpoints": {REVISION: [address]}, "routerToken": "x" * 32}],
+        "tenants": [{"tenant": "team-a", "keys": [KEY]}]}))
+    try:
+        assert (await post(wrong_token, "hi")).status_code == 401
+        assert outcomes(wrong_token) == {"revision_refused": 1}
+    finally:
+        await wrong_token.close()

@@ -103,6 +103,24 @@ async def test_stream_has_monotonic_seq_and_final_usage(served: Served) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_return_token_ids_gives_the_generated_ids_streamed_or_not(
+        served: Served, path: str) -> None:
+    prompt: dict[str, Any] = {"prompt": "abc"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    plain = (await served.client.post(path, json={**prompt, "max_tokens": 7})).json()
+    assert "token_ids" not in plain["choices"][0] or plain["choices"][0]["token_ids"] is None
+    whole = (await served.client.post(path, json={**prompt, "max_tokens": 7,
+                                                  "return_token_ids": True})).json()
+    ids = whole["choices"][0]["token_ids"]
+    assert len(ids) == whole["usage"]["completion_tokens"] == 7
+    r = await served.client.post(path, json={**prompt, "max_tokens": 7, "stream": True,
+                                             "return_token_ids": True})
+    _, payloads, _ = sse_events(r.text)
+    assert [t for p in payloads for t in p["choices"][0].get("token_ids", [])] == ids
+
+
+@pytest.mark.asyncio
 async def test_chat_renders_template_and_streams_role_first(served: Served) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     r = await served.client.post("/v1/chat/completions",
@@ -172,7 +190,7 @@ async def test_vllm_extras_reach_the_sampling_params(served: Served) -> None:
     # The stop token is counted in usage but not shown (vLLM's convention).
     assert r.json()["usage"]["completion_tokens"] == 5
     assert r.json()["choices"][0] == {"index": 0, "text": "hell", "finish_reason": "stop",
-                                      "logprobs": None}
+                                      "logprobs": None, "token_ids": None}
     request = next(r for r in served.core.requests.values() if r.priority == 3)
     params = request.sampling_params
     assert (params.top_k, params.min_tokens, params.ignore_eos, params.seed) == (5, 2, True, 7)

@@ -130,7 +130,8 @@ def test_quota_tenant_is_immutable_and_borrowing_needs_limits() -> None:
 def test_rollout_that_could_never_judge_a_step_is_refused() -> None:
     no_slos = make_pool().obj()
     with_slos = make_pool().set("spec.slos", {"ttftP95Seconds": 0.5}).obj()
-    rollout = make_rollout().set("spec.analysis.metrics", []).obj()
+    rollout = make_rollout().set("spec.analysis.metrics", []).set(
+        "spec.analysis.outputAgreement", {"enabled": False}).obj()
     [error] = validate_rollout(rollout, None, pool=no_slos)
     assert error.field == "spec.analysis.metrics"
     assert "pool declares no spec.slos" in error.message
@@ -140,6 +141,9 @@ def test_rollout_that_could_never_judge_a_step_is_refused() -> None:
     assert validate_rollout(rollout.model_copy(update={"spec": rollout.spec.model_copy(
         update={"steps": make_rollout().set("spec.steps", steps).obj().spec.steps})}),
         None, pool=no_slos) == []
+    # Answer agreement (on by default) judges a step even without SLOs.
+    agreeing = make_rollout().set("spec.analysis.metrics", []).obj()
+    assert validate_rollout(agreeing, None, pool=no_slos) == []
 
 
 def test_rollout_references_and_immutable_refs() -> None:
