@@ -165,8 +165,7 @@ class Analysis(KubeModel):
     max_wait_seconds: int = Field(
         default=600, ge=1, le=86400,
         description="How long a step may go without a conclusive evaluation (too few "
-        "samples, inconclusive, query errors) or wait for its canary pods to get Ready "
-        "(model download and load included) before onTimeout applies.")
+        "samples, inconclusive, query errors) before onTimeout applies.")
     on_timeout: TimeoutAction = Field(
         default=TimeoutAction.HOLD_AT_ZERO,
         description="What a step does after maxWaitSeconds without a conclusion: HoldAtZero "
@@ -248,9 +247,9 @@ class RolloutSpec(KubeModel):
         description="Return all traffic to stable when a step fails; false: pause instead.")
     capacity_wait_seconds: int = Field(
         default=600, ge=1, le=86400,
-        description="How long the canary may wait for GPUs (its pods unschedulable) before "
-        "the rollout pauses with InsufficientCapacity, weight held and stable untouched; free "
-        "or add GPUs (or set the pool's reserves.deployment) and resume, or abort.")
+        description="How long a step may wait for its canary pods to be placed (free GPUs) "
+        "and Ready (model download and load) before analysis.onTimeout applies "
+        "(InsufficientCapacity or CanaryNotReady); stable is untouched.")
     drain_seconds: int = Field(
         default=30, ge=0, le=3600,
         description="How long a revision that lost its traffic keeps running for its "
@@ -383,8 +382,7 @@ class RolloutStatus(KubeModel):
         default=None, description="When the current step's traffic took effect (window base).")
     canary_waiting_since: datetime | None = Field(
         default=None, description="Since when the current step has waited for its canary "
-        "pods (bounded by spec.capacityWaitSeconds while they cannot be placed, by "
-        "analysis.maxWaitSeconds while they run but are not Ready).")
+        "pods to be placed and Ready (bounded by spec.capacityWaitSeconds).")
     pause_reason: str | None = Field(default=None, description="Why the rollout is paused.")
     promote_full: bool = Field(
         default=False, description="A promote-full request is being carried out: the canary "

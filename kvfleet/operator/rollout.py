@@ -569,16 +569,16 @@ def _progress(run: _Run, window: Window | None, results: list[MetricEvaluation] 
 
 def _wait_for_canary(run: _Run, needed: int) -> None:
     """The step waits for its canary replicas, never for ever: pods that cannot be placed (no
-    free GPU) wait at most spec.capacityWaitSeconds, pods that run but are not Ready
-    analysis.maxWaitSeconds; then the timeout action applies, saying what is missing."""
+    free GPU), or that run but are not Ready (a model download and load can take minutes),
+    wait at most spec.capacityWaitSeconds; then the timeout action applies, saying what is
+    missing."""
     view, s = run.view, run.status
     s.message = (f"{run.where()}: waiting for canary replicas ({view.canary_ready}/{needed} "
                  "ready)" + (f": {view.canary_problem}" if view.canary_problem else ""))
     if s.canary_waiting_since is None:
         s.canary_waiting_since = run.now
     waited = (run.now - s.canary_waiting_since).total_seconds()
-    bound = view.spec.capacity_wait_seconds if view.canary_problem else \
-        view.spec.analysis.max_wait_seconds
+    bound = view.spec.capacity_wait_seconds
     if waited < bound:
         run.wake_in(bound - waited)
         return

@@ -382,7 +382,8 @@ def test_a_promoted_rollout_is_not_restarted_by_a_policy_edit() -> None:
 
 
 def test_a_canary_that_runs_but_never_gets_ready_is_bounded() -> None:
-    sim = _Sim(_spec(steps=[{"weight": 50}, {"weight": 100}]), replicas=2)
+    sim = _Sim(_spec(steps=[{"weight": 50}, {"weight": 100}], capacityWaitSeconds=60),
+               replicas=2)
     sim.run(5)
     assert (sim.status.current_step, sim.status.current_weight) == (0, 50)
     sim.ready_cap = 1  # step 2 needs 2 canary replicas; the second never gets Ready

@@ -4,6 +4,7 @@ answers the same or not): what each engine is asked, what is counted, what is ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from aiohttp_fakes import serving
 
 from kvfleet.router.probes import PROBE_TENANT, probe_id
 from kvfleet.router.server import Router, build_app
@@ -21,7 +23,7 @@ KEY = "sk-team-a-0123456789abcdef"
 PROBED = {"namespace": "llm", "pool": "smol", "revision": CANARY[:12]}
 
 
-async def _engine(ids: list[int], seen: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:
+def _engine(ids: list[int], seen: list[dict[str, Any]]) -> web.Application:
     async def chat(request: web.Request) -> web.Response:
         body = await request.json()
         seen.append({"body": body, "headers": dict(request.headers)})
@@ -32,22 +34,17 @@ async def _engine(ids: list[int], seen: list[dict[str, Any]]) -> tuple[web.AppRu
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"127.0.0.1:{port}"
+    return app
 
 
 @pytest_asyncio.fixture
 async def engines() -> AsyncIterator[dict[str, Any]]:
     seen: dict[str, list[dict[str, Any]]] = {"stable": [], "same": [], "wrong": []}
     answers = {"stable": [1, 2, 3, 4], "same": [1, 2, 3, 4], "wrong": [1, 9, 9, 9]}
-    runners = {name: await _engine(answers[name], seen[name]) for name in answers}
-    yield {"seen": seen, **{name: address for name, (_, address) in runners.items()}}
-    for runner, _ in runners.values():
-        await runner.cleanup()
+    async with contextlib.AsyncExitStack() as stack:
+        ports = {name: await stack.enter_async_context(serving(_engine(ids, seen[name])))
+                 for name, ids in answers.items()}
+        yield {"seen": seen, **{name: f"127.0.0.1:{port}" for name, port in ports.items()}}
 
 
 def _router(stable: str, canary: str, probe_percent: int = 100) -> Router:
