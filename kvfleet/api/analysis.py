@@ -28,6 +28,7 @@ from kvfleet.api.rollout import (
     MissingData,
     Outcome,
     OutputAgreement,
+    PromptLengthSplit,
     SLOMetric,
 )
 from kvfleet.api.servingpool import SLOs
@@ -40,13 +41,13 @@ _SELECTOR = ('{namespace="{{namespace}}",pool="{{pool}}",revision="{{revision}}"
 _RANGE = "[{{window}}]"
 
 
-def _p95(histogram: str) -> str:
+def _p95(histogram: str, matchers: str = "") -> str:
     return ("histogram_quantile(0.95, sum by (le) (increase(" + histogram + "_bucket"
-            + _SELECTOR + "}" + _RANGE + ")))")
+            + _SELECTOR + matchers + "}" + _RANGE + ")))")
 
 
-def _count(histogram: str) -> str:
-    return "sum(increase(" + histogram + "_count" + _SELECTOR + "}" + _RANGE + "))"
+def _count(histogram: str, matchers: str = "") -> str:
+    return "sum(increase(" + histogram + "_count" + _SELECTOR + matchers + "}" + _RANGE + "))"
 
 
 # Requests by what the client got (kvfleet.router.outcome). The requests that judge a revision
@@ -81,14 +82,14 @@ class _Builtin:
     shadow: bool  # the router records it for shadow copies too
 
 
+TTFT = "kvfleet_router_time_to_first_token_seconds"
+TPOT = "kvfleet_router_time_per_output_token_seconds"
+E2E = "kvfleet_router_e2e_request_latency_seconds"
 BUILTINS = {
-    SLOMetric.TTFT_P95: _Builtin(_p95("kvfleet_router_time_to_first_token_seconds"),
-                                 _count("kvfleet_router_time_to_first_token_seconds"), False),
-    SLOMetric.TPOT_P95: _Builtin(_p95("kvfleet_router_time_per_output_token_seconds"),
-                                 _count("kvfleet_router_time_per_output_token_seconds"), False),
+    SLOMetric.TTFT_P95: _Builtin(_p95(TTFT), _count(TTFT), False),
+    SLOMetric.TPOT_P95: _Builtin(_p95(TPOT), _count(TPOT), False),
     SLOMetric.ERROR_RATE: _Builtin(f"{_ERRORS} / {_REQUESTS}", _REQUESTS, True),
-    SLOMetric.E2E_P95: _Builtin(_p95("kvfleet_router_e2e_request_latency_seconds"),
-                                _count("kvfleet_router_e2e_request_latency_seconds"), True),
+    SLOMetric.E2E_P95: _Builtin(_p95(E2E), _count(E2E), True),
     SLOMetric.OUTPUT_AGREEMENT: _Builtin(_AGREEMENT, _PROBES, True),
 }
 # Shadow copies are not streamed to anyone, so TTFT/TPOT have no shadow series; their latency
@@ -110,6 +111,11 @@ class MetricPlan:
     min_samples: int
     on_missing: MissingData
     detail_query: str | None = None  # says more when the metric fails (a vector query)
+    # False: too few samples is NotJudged (the metric does not count) rather than Waiting.
+    required: bool = True
+    # Versus stable, at most: a canary at most this much over stable (in the metric's units)
+    # passes whatever the ratio.
+    slack: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -152,11 +158,31 @@ def _agreement_metric(agreement: OutputAgreement | None, metrics: list[Metric]) 
                    min_samples=agreement.min_probes)]
 
 
+def _class_plans(split: PromptLengthSplit | None, *, shadow: bool) -> list[MetricPlan]:
+    """Per prompt-length class, canary p95 over stable's: time to first token (streamed live
+    requests: shadow copies have none) and end to end (streamed or not)."""
+    if split is None or not split.enabled:
+        return []
+    out = []
+    for name, values in split.classes():
+        matchers = ',prompt_class=~"' + "|".join(values) + '"'
+        for metric, histogram in (("ttftp95", TTFT), ("e2ep95", E2E)):
+            if shadow and histogram == TTFT:
+                continue
+            out.append(MetricPlan(
+                f"{metric}-{name}", _p95(histogram, matchers), _count(histogram, matchers),
+                split.max_ratio, Comparison.AT_MOST, True, split.min_samples,
+                MissingData.INCONCLUSIVE, required=False, slack=split.min_difference_seconds))
+    return out
+
+
 def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool,
-          agreement: OutputAgreement | None = None) -> list[MetricPlan]:
+          agreement: OutputAgreement | None = None,
+          split: PromptLengthSplit | None = None) -> list[MetricPlan]:
     """The metrics that judge a step (shadow: the shadow phase). Empty `metrics`: the built-in
-    ones for the SLOs the pool declares; `agreement` adds answer agreement with stable (on by
-    default). Raises AnalysisConfigError when nothing can judge."""
+    ones for the SLOs the pool declares; `agreement` adds answer agreement with stable and
+    `split` latency per prompt-length class against stable (both on by default). Raises
+    AnalysisConfigError when nothing can judge."""
     metrics = list(metrics)
     if not metrics:
         metrics = [Metric(name=f"{slo.value.lower()}", slo=slo) for slo in
@@ -194,6 +220,10 @@ def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool,
             Comparison.AT_LEAST if agreement_gate else metric.comparison,
             metric.versus_stable and not agreement_gate, metric.min_samples,
             metric.on_missing_data, FIRST_DIVERGENCE if agreement_gate else None))
+    # Alone, the classes could only ever be NotJudged or judged: they never make a step
+    # judgeable by themselves.
+    if out:
+        out += _class_plans(split, shadow=shadow)
     if not out:
         raise AnalysisConfigError(
             "nothing judges this step: the Rollout's spec.analysis.metrics is empty and the "
@@ -266,7 +296,7 @@ def judge(plan: MetricPlan, canary: QueryResult, stable: QueryResult | None) -> 
     short = [(who, r.samples) for who, r in (("canary", canary), ("stable", stable))
              if r is not None and r.samples < plan.min_samples]
     if short:
-        result.outcome = Outcome.WAITING
+        result.outcome = Outcome.WAITING if plan.required else Outcome.NOT_JUDGED
         result.message = ", ".join(f"{who} {n}/{plan.min_samples} samples" for who, n in short)
         return result
     missing = Outcome.FAIL if plan.on_missing == MissingData.FAIL else Outcome.INCONCLUSIVE
@@ -276,6 +306,7 @@ def judge(plan: MetricPlan, canary: QueryResult, stable: QueryResult | None) -> 
         return result
     value = canary.value
     assert value is not None
+    over = math.inf  # how far the canary is over stable, in the metric's units
     if stable is not None:
         if not _finite(stable.value):
             result.outcome = missing
@@ -283,15 +314,20 @@ def judge(plan: MetricPlan, canary: QueryResult, stable: QueryResult | None) -> 
                                            f"{stable.value}")
             return result
         assert stable.value is not None
+        over = value - stable.value
         # 0/0: both revisions equally good; x/0: the canary is infinitely worse.
         ratio_of_zero = 1.0 if value == 0 else math.inf
         value = ratio_of_zero if stable.value == 0 else value / stable.value
     result.value = value if math.isfinite(value) else None
     passed = _passes(value, plan.threshold, plan.comparison)
-    result.outcome = Outcome.PASS if passed else Outcome.FAIL
     what = f"{plan.name}{' canary/stable' if stable is not None else ''} {value:.4g}"
     symbol = _SYMBOL[plan.comparison] if passed else _NEGATED[plan.comparison]
     result.message = f"{what} {symbol} {plan.threshold:g}"
+    if not passed and stable is not None and plan.slack > 0 and over <= plan.slack and \
+            plan.comparison in (Comparison.AT_MOST, Comparison.LESS_THAN):
+        passed = True
+        result.message += f", but only {over:.3g} over stable (<= {plan.slack:g})"
+    result.outcome = Outcome.PASS if passed else Outcome.FAIL
     return result
 
 
@@ -300,7 +336,9 @@ _SEVERITY = [Outcome.PASS, Outcome.WAITING, Outcome.INCONCLUSIVE, Outcome.ERROR,
 
 def overall(metrics: list[MetricEvaluation]) -> Outcome:
     """The evaluation's outcome: any Fail fails it; else an Error, Inconclusive or Waiting
-    metric makes it that; Pass only when every metric passed (and there is at least one)."""
-    if not metrics:
-        return Outcome.INCONCLUSIVE
-    return max((m.outcome for m in metrics), key=_SEVERITY.index)
+    metric makes it that; Pass only when every judged metric passed (and there is at least
+    one). NotJudged metrics (optional, too few samples) do not count."""
+    judged = [m.outcome for m in metrics if m.outcome != Outcome.NOT_JUDGED]
+    if not judged:
+        return Outcome.WAITING if metrics else Outcome.INCONCLUSIVE
+    return max(judged, key=_SEVERITY.index)

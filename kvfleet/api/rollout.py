@@ -153,6 +153,70 @@ class OutputAgreement(KubeModel):
         default=20, ge=1, le=100, description="Percent of live requests mirrored as probes.")
 
 
+# The prompt-length classes the router labels its latency histograms with (`prompt_class`:
+# the least edge at or above the prompt's token count, or "inf"). A Rollout's class edges are
+# chosen among these, so a class is a set of the router's classes and no series is re-labelled.
+PROMPT_CLASS_EDGES = (256, 512, 1024, 2048, 4096, 8192, 16384)
+PROMPT_CLASS_OVER = "inf"
+
+
+# An evaluation's metrics: the declared ones, answer agreement, and two per prompt class.
+MAX_EVALUATED = MAX_METRICS + 1 + 2 * (len(PROMPT_CLASS_EDGES) + 1)
+
+
+def prompt_class(prompt_tokens: int) -> str:
+    """The router's `prompt_class` label of a prompt of `prompt_tokens` tokens."""
+    return next((str(e) for e in PROMPT_CLASS_EDGES if prompt_tokens <= e), PROMPT_CLASS_OVER)
+
+
+class PromptLengthSplit(KubeModel):
+    """Latency judged per prompt-length class, canary against stable: a revision slow only on
+    long prompts hides in a p95 over all traffic when long prompts are a few percent of it.
+    Each class is judged on its own time to first token (streamed) and end-to-end latency
+    (streamed or not), once both revisions have `minSamples` requests of that class in the
+    window; a class with fewer is not judged (it never blocks nor passes a step)."""
+
+    enabled: bool = Field(default=True, description="Judge latency per prompt-length class.")
+    edges: list[int] = Field(
+        default_factory=lambda: [512, 4096], min_length=1, max_length=len(PROMPT_CLASS_EDGES),
+        description="Upper prompt-token edges of the classes, strictly increasing, each one "
+        f"of {', '.join(map(str, PROMPT_CLASS_EDGES))}; a last class takes longer prompts.",
+        json_schema_extra={"default": [512, 4096]})
+    max_ratio: float = Field(
+        default=1.5, gt=1.0, le=100.0,
+        description="Most a class's canary p95 may be over stable's (canary/stable).")
+    min_samples: int = Field(
+        default=20, ge=1, le=100_000,
+        description="Requests of a class each revision needs in the window for it to count.")
+    min_difference_seconds: float = Field(
+        default=0.25, ge=0.0, le=3600.0,
+        description="A class passes whatever its ratio while its canary p95 is at most this "
+        "much over stable's: a ratio of two small latencies is mostly noise.")
+
+    @field_validator("edges")
+    @classmethod
+    def _edges(cls, edges: list[int]) -> list[int]:
+        unknown = [e for e in edges if e not in PROMPT_CLASS_EDGES]
+        if unknown:
+            raise ValueError(f"edges {unknown} are not prompt classes the router labels; "
+                             f"choose among {list(PROMPT_CLASS_EDGES)}")
+        if any(b <= a for a, b in itertools.pairwise(edges)):
+            raise ValueError(f"edges must strictly increase, got {edges}")
+        return edges
+
+    def classes(self) -> list[tuple[str, list[str]]]:
+        """(class name, the router's prompt_class values in it), shortest first: e.g.
+        ("le512", ["256", "512"]), ("le4096", [...]), ("over4096", [..., "inf"])."""
+        labels = [*map(str, PROMPT_CLASS_EDGES), PROMPT_CLASS_OVER]
+        out, lower = [], 0
+        for edge in self.edges:
+            out.append((f"le{edge}", [v for v in labels[:-1] if lower < int(v) <= edge]))
+            lower = edge
+        out.append((f"over{lower}", [v for v in labels if v == PROMPT_CLASS_OVER
+                                     or int(v) > lower]))
+        return out
+
+
 class Analysis(KubeModel):
     """How steps are judged."""
 
@@ -182,6 +246,11 @@ class Analysis(KubeModel):
     output_agreement: OutputAgreement = Field(
         default_factory=OutputAgreement,
         description="Greedy answer agreement with stable, judged beside the metrics.",
+        json_schema_extra={"default": {}})
+    by_prompt_length: PromptLengthSplit = Field(
+        default_factory=PromptLengthSplit,
+        description="Latency per prompt-length class, canary against stable, judged beside "
+        "the metrics.",
         json_schema_extra={"default": {}})
 
 
@@ -319,13 +388,16 @@ class Outcome(StrEnum):
     WAITING = "Waiting"  # too few samples
     INCONCLUSIVE = "Inconclusive"  # no data, NaN
     ERROR = "Error"  # Prometheus unreachable, bad query: says nothing about the canary
+    # An optional metric (a prompt-length class) with too few samples: it does not count.
+    NOT_JUDGED = "NotJudged"
 
 
 class MetricEvaluation(KubeModel):
     """One metric in one evaluation."""
 
     name: str = Field(description="Metric name.")
-    outcome: Outcome = Field(description="Pass, Fail, Waiting, Inconclusive or Error.")
+    outcome: Outcome = Field(
+        description="Pass, Fail, Waiting, Inconclusive, Error or NotJudged.")
     value: float | None = Field(default=None, description="Canary value, or canary/stable.")
     canary_value: float | None = Field(default=None, description="Canary value.")
     stable_value: float | None = Field(default=None, description="Stable value.")
@@ -346,7 +418,7 @@ class Evaluation(KubeModel):
     window_end: datetime = Field(description="End of the window: the query time.")
     outcome: Outcome = Field(description="The evaluation's outcome (worst of its metrics).")
     metrics: list[MetricEvaluation] = Field(
-        default_factory=list, max_length=MAX_METRICS, description="Per metric.")
+        default_factory=list, max_length=MAX_EVALUATED, description="Per metric.")
 
 
 class StepCounts(KubeModel):

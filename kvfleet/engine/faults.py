@@ -8,8 +8,12 @@ every request, the first included (TTFT, TPOT and end-to-end latency grow; the r
 in flight, so a drain waits for them as for any slow request); `error_rate` (0-1) is the share
 of requests answered 500 internal_error; `stall_after` (steps) makes the engine thread hang
 after that many steps past warm-up, as a stuck kernel or a deadlock would (the watchdog's
-case: probes fail, streams end with an error). The engine logs a warning at start when a fault
-applies to it.
+case: probes fail, streams end with an error); `stream_error_rate` (0-1) is the share of
+streamed requests that end, after their first tokens, with `finish_reason: "error"` under their
+HTTP 200, as an engine step that throws ends them; `long_prompt_delay` (seconds per prompt
+token) is waited before a request whose prompt is over `long_prompt_tokens` (default 1024)
+starts, for each token over it: a revision slow on long prompts only. The engine logs a
+warning at start when a fault applies to it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import random
 from dataclasses import dataclass
 
 FAULTS_ENV = "KVFLEET_ENGINE_FAULTS"
+KNOWN = ("token_delay", "error_rate", "stall_after", "stream_error_rate", "long_prompt_delay",
+         "long_prompt_tokens")
 
 
 @dataclass(frozen=True)
@@ -25,13 +31,24 @@ class Faults:
     token_delay: float = 0.0
     error_rate: float = 0.0
     stall_after: float = 0.0  # steps; 0: never
+    stream_error_rate: float = 0.0
+    long_prompt_delay: float = 0.0  # seconds per prompt token over long_prompt_tokens
+    long_prompt_tokens: float = 1024.0
 
     @property
     def active(self) -> bool:
-        return self.token_delay > 0 or self.error_rate > 0 or self.stall_after > 0
+        return (self.token_delay > 0 or self.error_rate > 0 or self.stall_after > 0
+                or self.stream_error_rate > 0 or self.long_prompt_delay > 0)
 
     def fail_now(self) -> bool:
         return self.error_rate > 0 and random.random() < self.error_rate
+
+    def fail_stream_now(self) -> bool:
+        return self.stream_error_rate > 0 and random.random() < self.stream_error_rate
+
+    def prompt_delay(self, prompt_tokens: int) -> float:
+        """Seconds to wait before a prompt of `prompt_tokens` starts."""
+        return max(0.0, prompt_tokens - self.long_prompt_tokens) * self.long_prompt_delay
 
 
 def faults_for(spec: str, revision: str | None) -> Faults:
@@ -46,16 +63,16 @@ def faults_for(spec: str, revision: str | None) -> Faults:
         values: dict[str, float] = {}
         for item in filter(None, (s.strip() for s in settings.split(","))):
             key, _, value = item.partition("=")
-            if key not in ("token_delay", "error_rate", "stall_after"):
-                raise ValueError(f"{FAULTS_ENV}: unknown fault {key!r} (token_delay, "
-                                 "error_rate, stall_after)")
+            if key not in KNOWN:
+                raise ValueError(f"{FAULTS_ENV}: unknown fault {key!r} ({', '.join(KNOWN)})")
             try:
                 values[key] = float(value)
             except ValueError:
                 raise ValueError(f"{FAULTS_ENV}: {key}={value!r} is not a number") from None
         faults = Faults(**values)
-        if faults.token_delay < 0 or not 0 <= faults.error_rate <= 1 or faults.stall_after < 0:
-            raise ValueError(f"{FAULTS_ENV}: token_delay >= 0, 0 <= error_rate <= 1 and "
-                             "stall_after >= 0")
+        if min(faults.token_delay, faults.stall_after, faults.long_prompt_delay,
+               faults.long_prompt_tokens) < 0 or not (
+                0 <= faults.error_rate <= 1 and 0 <= faults.stream_error_rate <= 1):
+            raise ValueError(f"{FAULTS_ENV}: rates are 0-1, the other faults >= 0")
         return faults
     return Faults()

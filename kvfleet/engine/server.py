@@ -357,12 +357,17 @@ class _Gate:
                   render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]],
                   finish: Callable[[RequestStream, list[StreamEvent]], Any]) -> Response:
         engine = self.loaded()
-        if self.cfg.faults.fail_now():
+        faults = self.cfg.faults
+        if faults.fail_now():
             raise ApiError("internal_error", "injected fault ($KVFLEET_ENGINE_FAULTS)")
+        if delay := faults.prompt_delay(len(spec.prompt_token_ids)):
+            await asyncio.sleep(delay)
         stream = await engine.submit(spec)
         engine.attach(stream)
         if stream_mode:
-            return _EngineStream(engine, stream, render)
+            return _EngineStream(engine, stream, render,
+                                 fail_after=FAULT_STREAM_EVENTS if faults.fail_stream_now()
+                                 else None)
         try:
             events = await _result_or_disconnect(request, stream)
         finally:
@@ -539,6 +544,11 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
     return app
 
 
+# An injected stream error (faults.stream_error_rate) ends a stream at this event: after
+# its first tokens, as a step that throws mid-generation does.
+FAULT_STREAM_EVENTS = 3
+
+
 class _EngineStream(StreamingResponse):
     """The SSE answer of one engine stream, which lets go of the stream however the response
     ends: finished, the client gone mid-stream, or gone before the first byte. In the last
@@ -546,8 +556,9 @@ class _EngineStream(StreamingResponse):
     request would generate to max_tokens for nobody (tests/unit/test_server_api.py)."""
 
     def __init__(self, engine: AsyncEngine, stream: RequestStream,
-                 render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]]) -> None:
-        super().__init__(_sse(stream, render), media_type="text/event-stream",
+                 render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]],
+                 fail_after: int | None = None) -> None:
+        super().__init__(_sse(stream, render, fail_after), media_type="text/event-stream",
                          headers={"x-request-id": stream.request_id})
         self._engine, self._stream = engine, stream
 
@@ -559,14 +570,20 @@ class _EngineStream(StreamingResponse):
 
 
 async def _sse(stream: RequestStream,
-               render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]]
-               ) -> AsyncIterator[str]:
-    """SSE frames: `id:` is the sequence number; the JSON carries it too (`seq`)."""
+               render: Callable[[RequestStream, StreamEvent, bool], dict[str, Any]],
+               fail_after: int | None = None) -> AsyncIterator[str]:
+    """SSE frames: `id:` is the sequence number; the JSON carries it too (`seq`). With
+    `fail_after` (an injected fault), the stream ends after that many events the way a failed
+    engine step ends it: `finish_reason: "error"` (the request is aborted when it detaches)."""
     first = True
     async for event in stream.follow():
+        if fail_after is not None and event.seq >= fail_after and event.finish_reason is None:
+            event = StreamEvent(event.seq, "", 0, "error")
         payload = json.dumps(render(stream, event, first), separators=(",", ":"))
         first = False
         yield f"id: {event.seq}\ndata: {payload}\n\n"
+        if event.finish_reason == "error" and fail_after is not None:
+            break
     yield "data: [DONE]\n\n"
 
 

@@ -110,7 +110,7 @@ def _analysed(spec: RolloutSpec, step: int) -> bool:
 
 def metric_plans(spec: RolloutSpec, slos: SLOs | None, step: int) -> list[MetricPlan]:
     return plans(spec.analysis.metrics, slos, shadow=step == SHADOW_STEP,
-                 agreement=spec.analysis.output_agreement)
+                 agreement=spec.analysis.output_agreement, split=spec.analysis.by_prompt_length)
 
 
 def _plannable(view: View, step: int) -> bool:

@@ -45,7 +45,7 @@ from kvfleet.kube.tasks import exit_process, fatal_if_it_ends
 from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad
 from kvfleet.router.quota import QuotaLedger
-from kvfleet.router.state import PoolRoute, RouterState
+from kvfleet.router.state import ConfigError, PoolRoute, RouterState, slo_thresholds
 from kvfleet.router.traffic import TrafficTable
 
 log = logging.getLogger("kvfleet.router")
@@ -116,9 +116,13 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
             log.warning("ServingPool %s/%s: status not understood (%s); not routed", namespace,
                         name, exc.errors()[0]["msg"])
             continue
+        try:
+            slos = slo_thresholds((raw.get("spec") or {}).get("slos"), "spec.slos")
+        except ConfigError:
+            slos = (None, None)  # the webhook admits none such; the ladder alone then
         route = PoolRoute(name, TrafficTable.from_status(status),
                           endpoints.get((namespace, label_value(name)), {}),
-                          tokens.get((namespace, label_value(name))), namespace)
+                          tokens.get((namespace, label_value(name))), namespace, slos)
         if cluster_wide:
             state.pools[f"{namespace}/{name}"] = route
             names.setdefault(name, []).append(f"{namespace}/{name}")

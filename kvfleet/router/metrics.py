@@ -2,12 +2,12 @@
 
 These are the series the Rollout analysis reads (canary vs stable); every name is defined here.
 
-    kvfleet_router_time_to_first_token_seconds{namespace,pool,revision,traffic}    histogram
-        (to the first frame with text: not a role-only delta, not an error frame)
-    kvfleet_router_time_per_output_token_seconds{namespace,pool,revision,traffic}  histogram
-        (streams of N > 1 tokens)
-    kvfleet_router_e2e_request_latency_seconds{namespace,pool,revision,traffic}    histogram
-        (streamed or not; outcomes completed, stream_error, revision_refused)
+    kvfleet_router_time_to_first_token_seconds{namespace,pool,revision,traffic,prompt_class}
+        histogram (to the first frame with text: not a role-only delta, not an error frame)
+    kvfleet_router_time_per_output_token_seconds{namespace,pool,revision,traffic,prompt_class}
+        histogram (streams of N > 1 tokens)
+    kvfleet_router_e2e_request_latency_seconds{namespace,pool,revision,traffic,prompt_class}
+        histogram (streamed or not; outcomes completed, stream_error, revision_refused)
     kvfleet_router_requests_total{namespace,pool,revision,traffic,outcome}         counter
         (kvfleet.router.outcome: completed, stream_error, revision_refused, client_error,
         upstream_error, client_gone; every outcome created at 0 for each revision in a
@@ -29,6 +29,14 @@ These are the series the Rollout analysis reads (canary vs stable); every name i
         (the first probe whose answers differed on this router: its tenant-salted prompt id,
         and the token where they part)
 
+`prompt_class` is the prompt's token count (as counted at admission) rounded up to one of
+`kvfleet.api.rollout.PROMPT_CLASS_EDGES` ("256" ... "16384", or "inf"): the Rollout analysis
+judges latency per class of prompt length. The latency histograms' buckets are a fixed ladder
+plus, per pool, 0.9, 1 and 1.1 times its TTFT (TPOT) SLO: whether a p95 is over the threshold
+is then read from the bucket the 95th percentile falls in, and its estimate near the threshold
+is within 10 % (a ladder alone, e.g. 10/20/40 s, can put a true p95 of 19 s under a 15 s SLO).
+A series keeps the buckets it was created with (an SLO edit applies to new revisions).
+
 `namespace` is the ServingPool's (pools of one name in two namespaces are two series under a
 cluster-wide router); scrape the router with honor_labels so a scraper's own `namespace`
 target label (the router pod's) does not replace it. `traffic` is "live" or "shadow";
@@ -38,34 +46,101 @@ usage goes to each TenantQuota's status instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import bisect
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
+from kvfleet.api.rollout import prompt_class
 from kvfleet.router.outcome import Outcome
 
 PREFIX = "kvfleet_router_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
-                   2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+                   2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                 0.75, 1.0, 2.5)
 LABELS = ("namespace", "pool", "revision", "traffic")
 PROBE_OUTCOMES = ("compared", "error", "shed")
+# Around an SLO threshold t: buckets at t and t * (1 -+ this).
+SLO_MARGIN = 0.1
+
+
+def slo_edges(base: Iterable[float], threshold: float | None) -> tuple[float, ...]:
+    """The bucket edges of a series: the ladder, plus 0.9 t, t and 1.1 t for an SLO t."""
+    edges = set(base)
+    if threshold is not None and threshold > 0:
+        edges |= {round(threshold * f, 6) for f in (1 - SLO_MARGIN, 1.0, 1 + SLO_MARGIN)}
+    return tuple(sorted(edges))
+
+
+@dataclass(slots=True)
+class _Series:
+    edges: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, the last is +Inf
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.edges) + 1)
+        self.counts[bisect.bisect_left(self.edges, value)] += 1
+        self.total += value
+
+
+class SLOHistogram:
+    """A histogram whose series each have their own bucket edges (`slo_edges` of the ladder
+    and the threshold of the series' pool, fixed when the series is first observed). A
+    collector: `prometheus_client.Histogram` has one set of edges for all its series."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...],
+                 base: tuple[float, ...], registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.labelnames, self.base = (
+            name, documentation, labelnames, base)
+        self._series: dict[tuple[str, ...], _Series] = {}
+        registry.register(self)
+
+    def observe(self, labels: tuple[str, ...], value: float, threshold: float | None) -> None:
+        series = self._series.get(labels)
+        if series is None:
+            series = self._series[labels] = _Series(slo_edges(self.base, threshold))
+        series.observe(value)
+
+    def edges(self, labels: tuple[str, ...]) -> tuple[float, ...] | None:
+        series = self._series.get(labels)
+        return series.edges if series is not None else None
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, series in list(self._series.items()):
+            counts = series.counts or [0] * (len(series.edges) + 1)
+            cumulative, buckets = 0, []
+            for edge, count in zip([*series.edges, float("inf")], counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if edge == float("inf") else repr(edge),
+                                float(cumulative)))
+            family.add_metric(list(labels), buckets, series.total)
+        yield family
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Client-observed time to first token", LABELS,
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
-                              "Client-observed time per output token after the first", LABELS,
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                             "Client-observed request latency", LABELS,
-                             buckets=LATENCY_BUCKETS, registry=r)
+        timed = (*LABELS, "prompt_class")
+        self.ttft = SLOHistogram(PREFIX + "time_to_first_token_seconds",
+                                 "Client-observed time to first token", timed,
+                                 LATENCY_BUCKETS, r)
+        self.tpot = SLOHistogram(PREFIX + "time_per_output_token_seconds",
+                                 "Client-observed time per output token after the first", timed,
+                                 TPOT_BUCKETS, r)
+        self.e2e = SLOHistogram(PREFIX + "e2e_request_latency_seconds",
+                                "Client-observed request latency", timed, LATENCY_BUCKETS, r)
+        # (namespace, pool) -> its (TTFT, TPOT) p95 SLOs in seconds, for the buckets.
+        self.slos: Mapping[tuple[str, str], tuple[float | None, float | None]] = {}
         self.requests = Counter(PREFIX + "requests_total", "Requests by outcome",
                                 (*LABELS, "outcome"), registry=r)
         self.tokens = Counter(PREFIX + "tokens_total", "Tokens by kind", (*LABELS, "kind"),
@@ -89,6 +164,21 @@ class RouterMetrics:
         self.first_divergence = Gauge(PREFIX + "probe_first_divergence",
                                       "Token where the first diverging probe's answers part",
                                       (*probe, "probe"), registry=r)
+
+    def observe_ttft(self, labels: tuple[str, str, str, str], prompt_tokens: int,
+                     seconds: float) -> None:
+        ttft, _ = self.slos.get(labels[:2], (None, None))
+        self.ttft.observe((*labels, prompt_class(prompt_tokens)), seconds, ttft)
+
+    def observe_tpot(self, labels: tuple[str, str, str, str], prompt_tokens: int,
+                     seconds: float) -> None:
+        _, tpot = self.slos.get(labels[:2], (None, None))
+        self.tpot.observe((*labels, prompt_class(prompt_tokens)), seconds, tpot)
+
+    def observe_e2e(self, labels: tuple[str, str, str, str], prompt_tokens: int,
+                    seconds: float) -> None:
+        # No SLO of its own: judged against stable, or by a custom threshold on the ladder.
+        self.e2e.observe((*labels, prompt_class(prompt_tokens)), seconds, None)
 
     def declare(self, series: Iterable[tuple[str, str, str, str]]) -> None:
         """Create every outcome's request counter at 0 for these (namespace, pool, revision,

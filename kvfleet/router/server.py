@@ -64,6 +64,7 @@ from kvfleet.router.probes import (
 from kvfleet.router.quota import QuotaLedger, Reservation
 from kvfleet.router.state import PoolRoute, RouterState, carry_loads
 from kvfleet.router.tokens import TokenCounter, texts_of
+from kvfleet.router.traffic import conversation_key
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,8 @@ class _Relay:
         reading = read_frames(frames, want_text=want_text)
         if reading.texts and self.first_text is None:
             self.first_text = time.monotonic()
-            self.router.metrics.ttft.labels(*self.labels).observe(self.first_text - self.started)
+            self.router.metrics.observe_ttft(self.labels, self.reservation.input_tokens,
+                                             self.first_text - self.started)
         if self.pieces is not None:
             self.pieces += reading.texts
         self.error_code = self.error_code or reading.error_code
@@ -187,10 +189,10 @@ class _Relay:
         router.ledger.settle(self.reservation, generated, now, prompt)
         if self.usage is not None:
             router._count_tokens(self.labels, *self.usage)
-        router._record(self.labels, outcome, now - self.started)
+        router._record(self.labels, outcome, now - self.started, self.reservation.input_tokens)
         if self.first_text is not None and generated > 1:
-            router.metrics.tpot.labels(*self.labels).observe(
-                (now - self.first_text) / (generated - 1))
+            router.metrics.observe_tpot(self.labels, self.reservation.input_tokens,
+                                        (now - self.first_text) / (generated - 1))
 
 
 class _RelayResponse(StreamingResponse):
@@ -260,6 +262,7 @@ class Router:
         carry_loads(state, self.state)
         self.state = state
         self.ledger.set_quotas(state.quotas, time.monotonic())
+        self.metrics.slos = {(p.namespace, p.name): p.slos for p in state.pools.values()}
         self.metrics.declare(state.routed_series())
         self.metrics.declare_probes(state.probed_series())
 
@@ -360,7 +363,7 @@ class Router:
                 raise BadRequest("max_tokens: must be a positive integer", "max_tokens")
             request_id = request.headers.get("x-request-id") or f"rtr-{uuid.uuid4().hex[:16]}"
             session = str(body.get("user") or request.headers.get(SESSION_HEADER) or
-                          request_id)
+                          conversation_key(body) or request_id)
             plan = pool.table.route(pool.name, tenant, session, request_id)
             texts, messages = texts_of(body)
             text = "\n".join(texts)
@@ -393,7 +396,7 @@ class Router:
             if body.get("temperature") == 0:
                 live_text = asyncio.get_running_loop().create_future()
             self._spawn(self._shadow(pool, plan.shadow, path, body, headers, text, tenant,
-                                     live_text))
+                                     prompt_tokens, live_text))
         if plan.probe is not None:
             self._spawn(self._probe(pool, plan.probe, path, body, text, tenant))
         try:
@@ -466,7 +469,8 @@ class Router:
         except RouterError as exc:
             now = time.monotonic()
             self.ledger.settle(reservation, 0, now, 0)  # never answered
-            self._record(labels, classify(exc.status, exc.code), now - started)
+            self._record(labels, classify(exc.status, exc.code), now - started,
+                         reservation.input_tokens)
             _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
         out_headers = {REVISION_HEADER: short_revision(revision)}
@@ -491,19 +495,20 @@ class Router:
         if answer.usage is not None:
             self._count_tokens(labels, *answer.usage)
         self.ledger.settle(reservation, generated, now, prompt)
-        self._record(labels, answer.outcome, now - started)
+        self._record(labels, answer.outcome, now - started, reservation.input_tokens)
 
-    def _record(self, labels: Labels, outcome: Outcome, seconds: float) -> None:
+    def _record(self, labels: Labels, outcome: Outcome, seconds: float,
+                prompt_tokens: int) -> None:
         self.metrics.requests.labels(*labels, outcome.value).inc()
         if outcome in TIMED:
-            self.metrics.e2e.labels(*labels).observe(seconds)
+            self.metrics.observe_e2e(labels, prompt_tokens, seconds)
 
     def _count_tokens(self, labels: Labels, prompt: int, generated: int) -> None:
         self.metrics.tokens.labels(*labels, "prompt").inc(prompt)
         self.metrics.tokens.labels(*labels, "generation").inc(generated)
 
     async def _shadow(self, pool: PoolRoute, revision: str, path: str, body: dict[str, Any],
-                      headers: dict[str, str], text: str, tenant: str,
+                      headers: dict[str, str], text: str, tenant: str, prompt_tokens: int,
                       live_text: asyncio.Future[str | None] | None) -> None:
         """A discarded copy on the shadow revision (non-streaming, capped), compared with the
         live answer of the same request when it is greedy (temperature 0)."""
@@ -523,7 +528,7 @@ class Router:
         finally:
             self._shadow_in_flight -= 1
         shadow_labels = (*labels, "shadow")
-        self._record(shadow_labels, answer.outcome, time.monotonic() - started)
+        self._record(shadow_labels, answer.outcome, time.monotonic() - started, prompt_tokens)
         if answer.usage is not None:
             self._count_tokens(shadow_labels, *answer.usage)
         compared = await self._compare_shadow(labels, answer, live_text)

@@ -15,6 +15,7 @@ The config file (YAML; keys are what `kubectl get -o yaml` shows for the same fa
         endpoints:                         # per revision (full or 12-digit short hash)
           <hash>: ["127.0.0.1:8101", "127.0.0.1:8102"]
         routerTokenFile: /path/to/token    # the token the pool's engines want (or routerToken)
+        slos: {ttftP95Seconds: 2}          # a ServingPool's spec.slos: latency buckets at them
     tenants:
       - tenant: team-a
         keys: ["sk-..."]                   # plain keys (local use), or keysFile: one per line
@@ -33,7 +34,7 @@ import yaml
 from pydantic import ValidationError
 
 from kvfleet.api.labels import short_revision
-from kvfleet.api.servingpool import ServingPoolStatus
+from kvfleet.api.servingpool import ServingPoolStatus, SLOs
 from kvfleet.api.tenantquota import TenantQuotaSpec
 from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad
@@ -54,6 +55,8 @@ class PoolRoute:
     # The ServingPool's namespace: a label on every router series, so two pools of one name
     # (a cluster-wide router) are two series and the analysis selects the Rollout's own.
     namespace: str = "default"
+    # The pool's (TTFT, TPOT) p95 SLOs in seconds: edges of its latency histograms' buckets.
+    slos: tuple[float | None, float | None] = (None, None)
 
     def ready(self, revision: str) -> list[EndpointLoad]:
         return self.endpoints.get(short_revision(revision), [])
@@ -88,6 +91,18 @@ class RouterState:
         return {(pool.namespace, pool.name, short_revision(pool.table.probe))
                 for pool in self.pools.values()
                 if pool.table is not None and pool.table.probe is not None}
+
+
+def slo_thresholds(raw: Any, where: str) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) p95 seconds of a ServingPool's `spec.slos` (absent: none)."""
+    if raw is None:
+        return None, None
+    try:
+        slos = SLOs.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{where}: {exc.errors()[0]['msg']} at "
+                          f"{'.'.join(map(str, exc.errors()[0]['loc']))}") from None
+    return slos.ttft_p95_seconds, slos.tpot_p95_seconds
 
 
 def carry_loads(new: RouterState, old: RouterState) -> None:
@@ -129,7 +144,8 @@ def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
                      for rev, addresses in (entry.get("endpoints") or {}).items()}
         state.pools[str(entry["name"])] = PoolRoute(
             str(entry["name"]), TrafficTable.from_status(status), endpoints,
-            _read_token(entry, where, base), str(entry.get("namespace") or namespace))
+            _read_token(entry, where, base), str(entry.get("namespace") or namespace),
+            slo_thresholds(entry.get("slos"), f"{where}.slos"))
     keys: dict[str, str] = {}
     for i, entry in enumerate(data.get("tenants") or []):
         where = f"tenants[{i}]"

@@ -4,7 +4,9 @@ A conversation is bucketed by a hash of (pool, tenant, session key) into 0-99; b
 the canary's weight go to the canary. Raising the weight only adds buckets to the canary, so a
 conversation changes revision at most once during a canary (and never back unless the canary is
 aborted). The session key is the request's `user` field or its `x-session-id` header, else the
-request id (then each request is its own conversation). Shadow copies are picked by a second
+conversation's opening (a chat's first messages, which every later turn resends), else the
+request id. So a tenant whose clients send neither still spreads over both revisions by
+conversation, and each conversation stays on one. Shadow copies are picked by a second
 hash with another salt, so which requests are mirrored does not follow the canary split.
 Greedy probes (answer agreement, `kvfleet.router.probes`) are picked by a third salt, per
 request, so every tenant and conversation is sampled, whichever revision answers it.
@@ -13,7 +15,9 @@ request, so every tenant and conversation is sampled, whichever revision answers
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from kvfleet.api.servingpool import ServingPoolStatus, TrafficRole
 
@@ -22,6 +26,28 @@ def bucket(*parts: str) -> int:
     """0-99, stable for the same parts on every router."""
     text = "\x1f".join(parts).encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "big") % 100
+
+
+# The messages that open a conversation: its system prompt and first user turn, whatever
+# follows them.
+OPENING_MESSAGES = 2
+
+
+def conversation_key(body: dict[str, Any]) -> str | None:
+    """A digest of a chat's opening messages (None for a completion or an odd body): the
+    same for every turn of one conversation, different between conversations."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    opening = []
+    for message in messages[:OPENING_MESSAGES + 1]:
+        if not isinstance(message, dict):
+            return None
+        opening.append(message)
+        if message.get("role") == "user":
+            break
+    text = json.dumps(opening, sort_keys=True, default=str)
+    return "conv-" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True, slots=True)

@@ -213,7 +213,8 @@ def validate_rollout(new: Rollout, old: Rollout | None, *, pool: ServingPool | N
     for shadow, _ in phases:
         try:
             plans(spec.analysis.metrics, pool.spec.slos, shadow=shadow,
-                  agreement=spec.analysis.output_agreement)
+                  agreement=spec.analysis.output_agreement,
+                  split=spec.analysis.by_prompt_length)
         except AnalysisConfigError as exc:
             errors.append(FieldError("spec.analysis.metrics", "consistency",
                                      f"{'shadow phase' if shadow else 'canary steps'}: {exc}"))

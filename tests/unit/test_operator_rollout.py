@@ -21,6 +21,7 @@ from kvfleet.api.analysis import (
     QueryResult,
     Window,
     judge,
+    overall,
     plans,
     render,
 )
@@ -32,6 +33,7 @@ from kvfleet.api.rollout import (
     MissingData,
     Outcome,
     Phase,
+    PromptLengthSplit,
     RequestAction,
     RolloutRequest,
     RolloutSpec,
@@ -735,3 +737,42 @@ def test_killed_between_promotion_and_the_pools_update_promotes_once() -> None:
     again = sim.tick(1)
     assert again.promote and again.traffic == [] and sim.stable == CANARY
     assert _events(sim).count("Promoted") == 1
+
+
+def test_latency_is_judged_per_prompt_class_against_stable_and_a_thin_class_never_blocks(
+) -> None:
+    split = _spec().analysis.by_prompt_length
+    live = plans([], SLO, shadow=False, split=split)
+    classes = [p for p in live if not p.required]
+    assert [p.name for p in classes] == [
+        "ttftp95-le512", "e2ep95-le512", "ttftp95-le4096", "e2ep95-le4096",
+        "ttftp95-over4096", "e2ep95-over4096"]
+    assert all(p.versus_stable and p.threshold == 1.5 for p in classes)
+    # Shadow copies are not streamed: end to end only.
+    assert [p.name for p in plans([], SLO, shadow=True, split=split) if not p.required] == [
+        "e2ep95-le512", "e2ep95-le4096", "e2ep95-over4096"]
+    long = next(p for p in classes if p.name == "ttftp95-le4096")
+    text = render(long.query, pool="chat", namespace="llm", revision=CANARY, traffic="live",
+                  window=Window(0, 1, T0, T0 + timedelta(seconds=30)))
+    assert 'prompt_class=~"1024|2048|4096"}[30s]' in text
+    # 3x slower on long prompts: the p95 over all requests passes, the class fails.
+    overall_ttft = judge(live[0], QueryResult(0.3, 400), None)
+    slow_long = judge(long, QueryResult(0.9, 25), QueryResult(0.3, 30))
+    thin = judge(classes[-2], QueryResult(9.0, 3), QueryResult(0.3, 40))
+    assert (overall_ttft.outcome, slow_long.outcome, thin.outcome) == (
+        Outcome.PASS, Outcome.FAIL, Outcome.NOT_JUDGED)
+    assert overall([overall_ttft, thin]) == Outcome.PASS  # a thin class never blocks
+    assert overall([overall_ttft, slow_long, thin]) == Outcome.FAIL
+    assert overall([thin]) == Outcome.WAITING  # nor passes alone
+    # Twice stable's 40 ms is noise, not a slow revision.
+    noise = judge(classes[0], QueryResult(0.08, 30), QueryResult(0.04, 30))
+    assert noise.outcome == Outcome.PASS and "only 0.04 over stable" in noise.message
+    off = PromptLengthSplit(enabled=False)
+    assert all(p.required for p in plans([], SLO, shadow=False, split=off))
+    # Alone the classes judge nothing: no SLOs and no metrics is still refused.
+    with pytest.raises(AnalysisConfigError):
+        plans([], None, shadow=False, split=split)
+    with pytest.raises(ValueError, match=r"choose among \[256, 512"):
+        PromptLengthSplit(edges=[500])
+    with pytest.raises(ValueError, match="strictly increase"):
+        PromptLengthSplit(edges=[4096, 512])

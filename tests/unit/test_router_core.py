@@ -17,7 +17,7 @@ from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad, pick
 from kvfleet.router.quota import QuotaLedger
 from kvfleet.router.state import ConfigError, parse_config
-from kvfleet.router.traffic import TrafficTable
+from kvfleet.router.traffic import TrafficTable, conversation_key
 
 STABLE, CANARY, SHADOW = "a" * 64, "b" * 64, "c" * 64
 KEY = "sk-team-a-0123456789abcdef"
@@ -152,6 +152,25 @@ def test_raising_the_weight_never_moves_a_conversation_back() -> None:
         now = {s: table.route("pool", "t", s, "r").live for s in sessions}
         assert all(now[s] == CANARY for s in sessions if previous[s] == CANARY)
         previous = now
+
+
+def test_without_a_user_a_conversation_is_keyed_by_its_opening_and_stays_on_one_revision(
+) -> None:
+    table = TrafficTable.from_status(status(canary=50))
+    assert table is not None
+    system = {"role": "system", "content": "You are terse."}
+    live = Counter()
+    for i in range(400):
+        turns = [system, {"role": "user", "content": f"question {i}"}]
+        key = conversation_key({"messages": turns})
+        assert key is not None
+        revision = table.route("pool", "t", key, f"r{i}").live
+        live[revision] += 1
+        later = [*turns, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+        assert conversation_key({"messages": later}) == key  # every turn: the same revision
+    assert abs(live[CANARY] / 400 - 0.5) <= 0.1  # spread within one tenant
+    for odd in ({"prompt": "x"}, {"messages": []}, {"messages": "x"}, {"messages": [1]}):
+        assert conversation_key(odd) is None  # the request id then
 
 
 def test_shadow_copies_a_share_of_requests_and_never_the_live_revision() -> None:

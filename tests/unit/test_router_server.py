@@ -233,9 +233,13 @@ def sample(router: Router, name: str, **labels: str) -> float | None:
     return router.metrics.registry.get_sample_value(name, {**LIVE, **labels})
 
 
-def observed(router: Router, histogram: str) -> float:
-    """How many times the live stable series of a histogram was observed."""
-    return sample(router, histogram + "_count") or 0
+def observed(router: Router, histogram: str, part: str = "_count", **labels: str) -> float:
+    """How many times the live stable series of a histogram was observed (`part` "_sum": the
+    sum of the observations), over every prompt class unless `prompt_class` is given."""
+    want = {**LIVE, **labels}
+    return sum(s.value for family in router.metrics.registry.collect() for s in family.samples
+               if s.name == histogram + part
+               and all(s.labels.get(k) == v for k, v in want.items()))
 
 
 def outcomes(router: Router, **labels: str) -> dict[str, float]:
@@ -257,7 +261,7 @@ async def test_an_error_frame_inside_a_200_is_a_stream_error_and_never_the_first
         assert outcomes(router) == {"stream_error": 1}
         # Timed at the first text, not at the role-only delta sent ROLE_GAP before it.
         assert observed(router, TTFT) == 1
-        assert (sample(router, TTFT + "_sum") or 0) >= ROLE_GAP
+        assert observed(router, TTFT, "_sum") >= ROLE_GAP
         assert observed(router, E2E) == 1
     finally:
         await router.close()
@@ -278,6 +282,21 @@ async def test_finish_reason_error_is_a_stream_error_streamed_or_not(
         assert (await post(router, "fine", stream=True)).status_code == 200
         assert outcomes(router) == {"stream_error": 2, "completed": 1}
         assert observed(router, TPOT) == 1
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+async def test_latency_is_labelled_with_the_prompts_length_class(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    address, _ = upstream
+    router = make_router(address)
+    try:
+        assert (await post(router, "fine")).status_code == 200
+        assert (await post(router, "hi " * 700)).status_code == 200  # ~700 tokens
+        assert observed(router, E2E, prompt_class="256") == 1
+        assert observed(router, E2E, prompt_class="1024") == 1
     finally:
         await router.close()
 

@@ -346,8 +346,11 @@ def test_faults_apply_only_to_the_named_revision() -> None:
     assert not faults_for(spec, "0ff1ce").active and not faults_for("", "abc").active
     with pytest.raises(ValueError, match="unknown fault 'slow'"):
         faults_for("abc:slow=1", "abc")
-    with pytest.raises(ValueError, match="error_rate <= 1"):
+    with pytest.raises(ValueError, match="rates are 0-1"):
         faults_for("abc:error_rate=2", "abc")
+    slow_long = faults_for("abc:long_prompt_delay=0.01,long_prompt_tokens=100", "abc")
+    assert slow_long.active and slow_long.prompt_delay(100) == 0.0
+    assert slow_long.prompt_delay(300) == pytest.approx(2.0)
 
 
 @pytest.mark.asyncio
@@ -364,6 +367,23 @@ async def test_injected_faults_fail_requests_or_slow_every_step() -> None:
         started = loop.time()
         resp = await s.client.post("/v1/completions", json=body)
         assert resp.status_code == 200 and loop.time() - started >= 0.3  # three steps
+    faults = Faults(stream_error_rate=1.0, long_prompt_delay=0.1, long_prompt_tokens=1)
+    async for s in _serve(settings=ServerSettings(faults=faults)):
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        resp = await s.client.post("/v1/completions", json={**body, "max_tokens": 8,
+                                                            "stream": True})
+        assert loop.time() - started >= 0.1  # one prompt token over the threshold
+        # An error inside the 200, after the first tokens, as a failed engine step ends it.
+        frames = [json.loads(line[6:]) for line in resp.text.splitlines()
+                  if line.startswith("data: {")]
+        assert resp.status_code == 200 and frames[-1]["choices"][0]["finish_reason"] == "error"
+        assert any(f["choices"][0]["text"] for f in frames[:-1])
+        for _ in range(100):  # the aborted request lets go of its slot
+            if s.engine.num_in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert s.engine.num_in_flight == 0
 
 
 @pytest_asyncio.fixture
