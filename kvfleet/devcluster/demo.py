@@ -91,7 +91,11 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
                     {"name": "errors", "slo": "ErrorRate", "minSamples": 12}],
                 # Every request probed (the demo's answers are 4 tokens): a window of a few
                 # seconds has its 12 greedy comparisons.
-                "outputAgreement": {"probePercent": 100, "minProbes": 12}},
+                "outputAgreement": {"probePercent": 100, "minProbes": 12},
+                # Per prompt-length class, as noise-tolerant as the TTFT ratio above: a class
+                # fails only 5x and a second over stable.
+                "byPromptLength": {"maxRatio": 5.0, "minSamples": 12,
+                                   "minDifferenceSeconds": 1.0}},
             "drainSeconds": 3,
             "autoPromote": auto_promote,
         },
@@ -101,6 +105,22 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
 def slow_fault(revision: str) -> str:
     """$KVFLEET_ENGINE_FAULTS making `revision`'s engines take 1 s more per token."""
     return f"{revision[:12]}:token_delay=1.0"
+
+
+def stream_error_fault(revision: str, rate: float = 0.2) -> str:
+    """$KVFLEET_ENGINE_FAULTS making `rate` of `revision`'s streams end with an error inside
+    their HTTP 200."""
+    return f"{revision[:12]}:stream_error_rate={rate}"
+
+
+def long_prompt_fault(revision: str) -> str:
+    """$KVFLEET_ENGINE_FAULTS making `revision` slow on long prompts only: 20 ms more per
+    prompt token over 600 (a `Traffic` long prompt waits some 14 s more)."""
+    return f"{revision[:12]}:long_prompt_delay=0.02,long_prompt_tokens=600"
+
+
+# A long prompt of `Traffic(long_every=N)`: some 1300 tokens of SmolLM2's tokenizer.
+LONG_FILLER = "The quick brown fox jumps over the lazy dog. " * 130
 
 
 def tenant_quota(namespace: str) -> JsonObj:
@@ -166,12 +186,13 @@ def stream_problem(text: str) -> str | None:
 
 
 class Traffic:
-    """Clients streaming short chats through the router; each request its own conversation.
-    Counts status codes and revisions; keeps what failed."""
+    """Clients streaming short chats through the router; each request its own conversation
+    (with `long_every` N, every Nth request of a worker has a long prompt). Counts status codes
+    and revisions; keeps what failed, with the revision that answered."""
 
     def __init__(self, url: str, key: str = TENANT_KEY, workers: int = 2,
-                 model: str = POOL) -> None:
-        self.url, self.key, self.model = url, key, model
+                 model: str = POOL, long_every: int = 0) -> None:
+        self.url, self.key, self.model, self.long_every = url, key, model, long_every
         self.stop_event = threading.Event()
         self.codes: Counter[str] = Counter()
         self.revisions: Counter[str] = Counter()
@@ -187,9 +208,12 @@ class Traffic:
         with httpx.Client(timeout=60) as client:
             while not self.stop_event.is_set():
                 n += 1
+                prompt = f"Say hi to {n}"
+                if self.long_every and n % self.long_every == 0:
+                    prompt = f"{LONG_FILLER}\n{prompt}"
                 body = {"model": self.model, "max_tokens": 4, "stream": True,
                         "user": f"w{worker}-{n}",
-                        "messages": [{"role": "user", "content": f"Say hi to {n}"}]}
+                        "messages": [{"role": "user", "content": prompt}]}
                 try:
                     with client.stream("POST", self.url + "/v1/chat/completions", json=body,
                                        headers={"authorization": f"Bearer {self.key}"}) as resp:
@@ -200,7 +224,9 @@ class Traffic:
                             self.revisions[resp.headers.get("x-kvfleet-revision", "?")] += 1
                             if problem is not None:
                                 self.failures.append(
-                                    f"{resp.status_code} ({problem}): {text[:400]}")
+                                    f"{resp.status_code} ({problem}) from "
+                                    f"{resp.headers.get('x-kvfleet-revision', '?')}: "
+                                    f"{text[:400]}")
                 except httpx.HTTPError as exc:
                     with self.lock:
                         self.failures.append(f"{type(exc).__name__}: {exc}")

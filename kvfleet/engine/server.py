@@ -544,9 +544,9 @@ def create_app(serving: Serving, settings: ServerSettings | None = None) -> Fast
     return app
 
 
-# An injected stream error (faults.stream_error_rate) ends a stream at this event: after
-# its first tokens, as a step that throws mid-generation does.
-FAULT_STREAM_EVENTS = 3
+# An injected stream error (faults.stream_error_rate) ends a stream at this event (or at its
+# last, if sooner): after its first tokens, as a step that throws mid-generation does.
+FAULT_STREAM_EVENTS = 2
 
 
 class _EngineStream(StreamingResponse):
@@ -577,8 +577,8 @@ async def _sse(stream: RequestStream,
     engine step ends it: `finish_reason: "error"` (the request is aborted when it detaches)."""
     first = True
     async for event in stream.follow():
-        if fail_after is not None and event.seq >= fail_after and event.finish_reason is None:
-            event = StreamEvent(event.seq, "", 0, "error")
+        if fail_after is not None and (event.seq >= fail_after or event.finish_reason):
+            event = StreamEvent(event.seq, "", 0, "error")  # at the latest, instead of the end
         payload = json.dumps(render(stream, event, first), separators=(",", ":"))
         first = False
         yield f"id: {event.seq}\ndata: {payload}\n\n"
