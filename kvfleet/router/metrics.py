@@ -78,12 +78,13 @@ def slo_edges(base: Iterable[float], threshold: float | None) -> tuple[float, ..
 @dataclass(slots=True)
 class _Series:
     edges: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)  # per bucket, the last is +Inf
+    counts: list[int] = field(init=False)  # per bucket, the last is +Inf
     total: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.edges) + 1)
+
     def observe(self, value: float) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.edges) + 1)
         self.counts[bisect.bisect_left(self.edges, value)] += 1
         self.total += value
 
@@ -116,9 +117,8 @@ class SLOHistogram:
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for labels, series in list(self._series.items()):
-            counts = series.counts or [0] * (len(series.edges) + 1)
             cumulative, buckets = 0, []
-            for edge, count in zip([*series.edges, float("inf")], counts, strict=True):
+            for edge, count in zip([*series.edges, float("inf")], series.counts, strict=True):
                 cumulative += count
                 buckets.append(("+Inf" if edge == float("inf") else repr(edge),
                                 float(cumulative)))
