@@ -480,10 +480,43 @@ class _Run:
         self.event("Normal", "StepStarted", f"{self.where()}")
 
 
+# status.message allows 1024 characters (the CRD's maxLength; a longer one makes the
+# API server refuse the whole status write, so the rollout stops moving). The explanation
+# gets most of it; the step and the action taken share the rest.
+MESSAGE_MAX = 1024
+EXPLAIN_MAX = 700
+
+
 def _explain(metrics: list[MetricEvaluation], outcome: Outcome) -> str:
     relevant = [m for m in metrics if m.outcome == outcome] or metrics
-    return "; ".join(m.message or f"{m.name} {m.outcome.value}" for m in relevant) or \
-        outcome.value.lower()
+    # One Prometheus outage fails every metric with the same text: say it once, with the
+    # metrics it hit, instead of 33 copies.
+    groups: dict[str, list[str]] = {}
+    for m in relevant:
+        groups.setdefault(m.message or f"{m.name} {m.outcome.value}", []).append(m.name)
+    parts = [text if len(names) == 1 else f"{text} ({len(names)} metrics: {_names(names)})"
+             for text, names in groups.items()]
+    return _fit_parts(parts, EXPLAIN_MAX) or outcome.value.lower()
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f", +{len(names) - shown}" if len(names) > shown else "")
+
+
+def _fit_parts(parts: list[str], limit: int) -> str:
+    """`parts` joined with "; ": as many whole ones as fit in `limit`, then how many not."""
+    def joined(keep: int) -> str:
+        rest = len(parts) - keep
+        return "; ".join(parts[:keep]) + (f"; and {rest} more" if rest else "")
+    for keep in range(len(parts), 0, -1):
+        if len(text := joined(keep)) <= limit:
+            return text
+    tail = joined(1)[len(parts[0]):] if parts else ""
+    return _clip(parts[0], limit - len(tail)) + tail if parts else ""
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:max(0, limit - 1)] + "…"
 
 
 def decide(view: View, window: Window | None, results: list[MetricEvaluation] | None,
@@ -510,6 +543,7 @@ def decide(view: View, window: Window | None, results: list[MetricEvaluation] | 
     if not nothing_to_do:
         _actions(run, decision)
     s.observed_generation = view.generation
+    s.message = _clip(s.message, MESSAGE_MAX)
     s.conditions = [Condition.model_validate(c) for c in _conditions(run, view)]
     return decision
 

@@ -27,6 +27,7 @@ from kvfleet.api.analysis import (
 )
 from kvfleet.api.builders import make_rollout
 from kvfleet.api.rollout import (
+    MAX_EVALUATED,
     Comparison,
     Metric,
     MetricEvaluation,
@@ -80,6 +81,7 @@ class _Sim:
     no_gpu: str | None = None  # canary pods cannot be placed, and why
     ready_cap: int | None = None  # canary pods beyond this run but never get Ready
     slos: SLOs | None = field(default_factory=lambda: SLO)
+    metrics: Callable[[Window], list[MetricEvaluation]] | None = None  # overrides outcomes
 
     def view(self) -> View:
         return View(spec=self.spec, status=self.status, generation=1, request=self.request,
@@ -95,8 +97,8 @@ class _Sim:
         results = None
         if window is not None:
             self.evaluated.append(window)
-            results = [MetricEvaluation(name="m", outcome=self.outcomes(window),
-                                        message="scripted")]
+            results = self.metrics(window) if self.metrics else [
+                MetricEvaluation(name="m", outcome=self.outcomes(window), message="scripted")]
         decision = decide(view, window, results, self.now)
         # Between reconciles only the wire form survives (the apiserver's copy).
         self.status = RolloutStatus.model_validate(decision.status.to_wire())
@@ -281,6 +283,37 @@ def test_query_errors_past_max_wait_put_live_traffic_back_on_stable_and_say_why(
     assert again.status.phase == Phase.PROGRESSING and _table(again) == {"stable": 50,
                                                                          "canary": 50}
     assert sim.run(30).status.phase == Phase.PROMOTED
+
+
+@pytest.mark.parametrize("same_text", [True, False])
+def test_every_metric_erroring_at_once_still_writes_a_status_the_api_server_accepts(
+        same_text: bool) -> None:
+    """A Prometheus outage fails all 33 metrics, each with a long error. Their messages
+    joined once passed status.message's 1024 characters: the API server refused every
+    status write and the rollout could neither pause nor say why (seen in CI)."""
+    def outage(window: Window) -> list[MetricEvaluation]:
+        return [MetricEvaluation(
+            name=f"metric-{i}", outcome=Outcome.ERROR,
+            message=("prometheus unreachable: connection refused " if same_text else
+                     f"query {i} failed: " + "x" * 200) * (10 if same_text else 2))
+            for i in range(MAX_EVALUATED)]
+    sim = _Sim(_spec(steps=[{"weight": 50}, {"weight": 100}]), metrics=outage)
+    sim.tick()
+    sim.tick(1)
+    paused = sim.run(20)  # the sim keeps only what survives the CRD's schema
+    assert (paused.status.phase, paused.status.pause_reason) == (Phase.PAUSED, "AnalysisError")
+    assert len(paused.status.message) <= 1024
+    if same_text:  # said once, with how many metrics it hit
+        assert paused.status.message.count("prometheus unreachable") == 10
+        assert f"({MAX_EVALUATED} metrics: metric-0, metric-1, metric-2, +30)" in \
+            paused.status.message
+    else:  # as many whole ones as fit, then how many more
+        assert "query 0 failed" in paused.status.message
+        assert "query 0 failed" in paused.status.message and "; and 32 more" in \
+            paused.status.message
+    timed_out = sim.run(120)
+    assert timed_out.status.pause_reason == "AnalysisUnavailable"
+    assert len(timed_out.status.message) <= 1024 and "back on stable" in timed_out.status.message
 
 
 @pytest.mark.parametrize(("action", "phase", "table"), [
