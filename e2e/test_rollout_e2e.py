@@ -44,11 +44,13 @@ from kvfleet.devcluster.demo import (
     POOL,
     Traffic,
     local_pool,
+    long_prompt_fault,
     rollout_policy,
     router_on_node,
     set_artifact,
     slow_fault,
     smollm2_revision,
+    stream_error_fault,
     tenant,
 )
 from kvfleet.devcluster.grafana import queries
@@ -448,3 +450,145 @@ def test_silence_pauses_and_a_new_artifact_restarts_from_stable(
         assert pool["status"]["servingRevision"] == hashes["smol-v1"]
         assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
 
+
+
+def _patch_analysis(kube: KubeClient, ns: str, **analysis: Any) -> None:
+    kube.merge_patch("Rollout", POOL, {"spec": {"analysis": analysis}}, ns)
+
+
+def _decided_in(started: float, what: str) -> float:
+    took = time.monotonic() - started
+    print(f"\ntime to decision, {what}: {took:.0f} s")  # bench/README's figures
+    return took
+
+
+@pytest.mark.usefixtures("shared_cores")
+def test_errors_inside_a_200_are_stopped_stay_out_and_a_broken_query_is_bounded(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
+    local_node: str, fake_nodes: list[str], faults: dict[str, str], argo_health: ArgoHealth,
+) -> None:
+    """a) A canary whose engines end 20 % of their streams with an error frame under HTTP 200
+    is rolled back at its first analysed step; only its own streams failed.
+    d) A threshold edit after the rollback: the bad revision gets no request and no pod for
+    the next two minutes.
+    e) A custom query that returns two series: the next canary's weight is back at 0 within
+    the bound, Degraded says why."""
+    with _only_the_local_l4_node(kube, kubectl):
+        hashes = _setup(kube, namespace)
+        _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
+        stable_pods = _pods(kube, namespace, hashes["smol-v1"])
+        bad = hashes["smol-v2"][:12]
+        os.environ[FAULTS_ENV] = stream_error_fault(hashes["smol-v2"])
+        traffic = Traffic(router_on_node(kube, namespace, local_node))
+        try:
+            started = time.monotonic()
+            set_artifact(kube, namespace, POOL, "smol-v2")
+            done = _wait_rollout(kube, operator, namespace, lambda r: _phase(
+                "RolledBack", "Promoted", "Paused")(r) and r["status"].get(
+                "canaryRevision") == hashes["smol-v2"], "the stream-error canary stopped", 300)
+            _decided_in(started, "errors inside a 200 (stream_error_rate 0.2)")
+            status = done["status"]
+            assert status["phase"] == "RolledBack", yaml.safe_dump(status)
+            assert status["message"].startswith("step 1/2 weight 50%:") and \
+                "errors" in status["message"], status["message"]
+            _wait_pool(kube, operator, namespace, POOL, lambda p: not _pods(kube, namespace,
+                       hashes["smol-v2"]), "the bad canary removed", 60)
+            with traffic.lock:
+                served_by_bad, failures = traffic.revisions[bad], list(traffic.failures)
+            assert failures, "the fault never fired: the test proves nothing"
+            assert all(f" from {bad}:" in f for f in failures), failures[:5]
+
+            # d) An edit of the policy is not a new rollout of the known-bad revision.
+            _patch_analysis(kube, namespace, byPromptLength={
+                "maxRatio": 5.0, "minSamples": 12, "minDifferenceSeconds": 2.0})
+            watch_until = time.monotonic() + 120
+            while time.monotonic() < watch_until:
+                assert not _pods(kube, namespace, hashes["smol-v2"])
+                rollout = _get(kube, "Rollout", namespace, POOL)
+                assert rollout["status"]["phase"] == "RolledBack", rollout["status"]
+                time.sleep(2)
+            with traffic.lock:
+                assert traffic.revisions[bad] == served_by_bad, traffic.revisions
+
+            # e) A custom query that can never be judged (a series per revision).
+            _patch_analysis(kube, namespace, maxWaitSeconds=12, metrics=[
+                *rollout["spec"]["analysis"]["metrics"],
+                {"name": "per-revision", "threshold": 1e9, "query":
+                 'sum by (revision) (kvfleet_router_requests_total{namespace="{{namespace}}",'
+                 'pool="{{pool}}"})'}])
+            set_artifact(kube, namespace, POOL, "smol-v3")
+            _wait_rollout(kube, operator, namespace,
+                          lambda r: (r.get("status") or {}).get("currentWeight") == 50,
+                          "the next canary at 50 %", 240)
+            started = time.monotonic()
+            held = _wait_rollout(
+                kube, operator, namespace,
+                lambda r: (r.get("status") or {}).get("pauseReason") == "AnalysisUnavailable",
+                "the canary back at 0 on the broken query", 90)
+            analysis = held["spec"]["analysis"]
+            bound = (analysis["warmupSeconds"] + analysis["scrapeDelaySeconds"]
+                     + analysis["maxWaitSeconds"] + analysis["intervalSeconds"])
+            assert _decided_in(started, "a query returning two series") <= bound + 5
+            assert held["status"]["currentWeight"] == 0
+            degraded = next(c for c in held["status"]["conditions"] if c["type"] == "Degraded")
+            assert (degraded["status"], degraded["reason"]) == ("True", "AnalysisUnavailable")
+            assert "series" in degraded["message"] and "back on stable" in \
+                degraded["message"], degraded
+            pool = _wait_pool(kube, operator, namespace, POOL,
+                              lambda p: _traffic(p) == {"stable": (100,)},
+                              "the pool's traffic back on stable", 60)
+            assert pool["status"]["servingRevision"] == hashes["smol-v1"]
+        finally:
+            traffic.close()
+        assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
+        assert all(f" from {bad}:" in f for f in traffic.failures), traffic.failures[:5]
+
+
+@pytest.mark.usefixtures("shared_cores")
+def test_a_canary_slow_only_on_long_prompts_is_stopped_by_the_prompt_class_split(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
+    local_node: str, fake_nodes: list[str], faults: dict[str, str],
+) -> None:
+    """c) A canary 14 s slower on prompts of 1300 tokens, which are 1 request in 40: the p95
+    over all requests does not see it, the ≤4096-token class does. Rolled back; with the
+    split switched off (and a retry) the same canary is promoted, so the split is what
+    caught it."""
+    with _only_the_local_l4_node(kube, kubectl):
+        hashes = _setup(kube, namespace)
+        # Long requests are rare: a step long enough to see a few, a class minimum to match.
+        kube.merge_patch("Rollout", POOL, {"spec": {
+            "steps": [{"weight": 50, "pauseSeconds": 90}, {"weight": 100}],
+            "analysis": {"byPromptLength": {"maxRatio": 3.0, "minSamples": 3,
+                                            "minDifferenceSeconds": 1.0}}}}, namespace)
+        _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
+        stable_pods = _pods(kube, namespace, hashes["smol-v1"])
+        slow = hashes["smol-v2"]
+        os.environ[FAULTS_ENV] = long_prompt_fault(slow)
+        traffic = Traffic(router_on_node(kube, namespace, local_node), long_every=40)
+        try:
+            started = time.monotonic()
+            set_artifact(kube, namespace, POOL, "smol-v2")
+            done = _wait_rollout(kube, operator, namespace, lambda r: _phase(
+                "RolledBack", "Promoted", "Paused")(r) and r["status"].get(
+                "canaryRevision") == slow, "the long-prompt canary stopped", 420)
+            _decided_in(started, "slow on long prompts only (1 in 40)")
+            status = done["status"]
+            assert status["phase"] == "RolledBack", yaml.safe_dump(status)
+            assert "-le4096 canary/stable" in status["message"], status["message"]
+            _wait_pool(kube, operator, namespace, POOL, lambda p: not _pods(kube, namespace,
+                       slow), "the slow canary removed", 60)
+            assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
+
+            _patch_analysis(kube, namespace, byPromptLength={"enabled": False})
+            kube.merge_patch("Rollout", POOL, {"metadata": {"annotations": {
+                REQUEST_ANNOTATION: json.dumps({"action": "retry", "id": "after-split-off"})}}},
+                namespace)
+            promoted = _wait_rollout(kube, operator, namespace, lambda r: _phase(
+                "RolledBack", "Promoted", "Paused")(r) and r["status"].get(
+                "canaryRevision") == slow and r["status"].get("finishedAt") != status.get(
+                "finishedAt"), "the same canary judged without the split", 420)
+            assert promoted["status"]["phase"] == "Promoted", yaml.safe_dump(promoted["status"])
+        finally:
+            traffic.close()
+        assert traffic.failures == [], traffic.failures[:5]
+        assert traffic.codes["200"] > 80, traffic.codes

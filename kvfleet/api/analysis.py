@@ -80,6 +80,7 @@ class _Builtin:
     query: str
     samples: str
     shadow: bool  # the router records it for shadow copies too
+    proportion: bool = False  # a fraction of `samples` (errors of requests)
 
 
 TTFT = "kvfleet_router_time_to_first_token_seconds"
@@ -88,7 +89,7 @@ E2E = "kvfleet_router_e2e_request_latency_seconds"
 BUILTINS = {
     SLOMetric.TTFT_P95: _Builtin(_p95(TTFT), _count(TTFT), False),
     SLOMetric.TPOT_P95: _Builtin(_p95(TPOT), _count(TPOT), False),
-    SLOMetric.ERROR_RATE: _Builtin(f"{_ERRORS} / {_REQUESTS}", _REQUESTS, True),
+    SLOMetric.ERROR_RATE: _Builtin(f"{_ERRORS} / {_REQUESTS}", _REQUESTS, True, True),
     SLOMetric.E2E_P95: _Builtin(_p95(E2E), _count(E2E), True),
     SLOMetric.OUTPUT_AGREEMENT: _Builtin(_AGREEMENT, _PROBES, True),
 }
@@ -116,6 +117,10 @@ class MetricPlan:
     # Versus stable, at most: a canary at most this much over stable (in the metric's units)
     # passes whatever the ratio.
     slack: float = 0.0
+    # The value is a fraction of the samples (an error rate): it passes only when the rate
+    # the samples allow (PROPORTION_Z's upper bound) is under the threshold, not the point
+    # estimate (0 errors in 12 requests is as likely from a revision failing 1 in 5).
+    proportion: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,11 +220,14 @@ def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool,
             samples = metric.samples_query or _REQUESTS
         agreement_gate = metric.slo == SLOMetric.OUTPUT_AGREEMENT
         # Agreement is already canary against stable, and more of it is better.
+        proportion = metric.slo is not None and BUILTINS[metric.slo].proportion and \
+            not metric.versus_stable and metric.samples_query is None
         out.append(MetricPlan(
             metric.name, query, metric.samples_query or samples, threshold,
             Comparison.AT_LEAST if agreement_gate else metric.comparison,
             metric.versus_stable and not agreement_gate, metric.min_samples,
-            metric.on_missing_data, FIRST_DIVERGENCE if agreement_gate else None))
+            metric.on_missing_data, FIRST_DIVERGENCE if agreement_gate else None,
+            proportion=proportion))
     # Alone, the classes could only ever be NotJudged or judged: they never make a step
     # judgeable by themselves.
     if out:
@@ -328,7 +336,35 @@ def judge(plan: MetricPlan, canary: QueryResult, stable: QueryResult | None) -> 
         passed = True
         result.message += f", but only {over:.3g} over stable (<= {plan.slack:g})"
     result.outcome = Outcome.PASS if passed else Outcome.FAIL
+    # (A threshold of 0, "not one error", can never be shown by a bound: any error fails it.)
+    if passed and plan.proportion and plan.threshold > 0 and plan.comparison in (
+            Comparison.AT_MOST, Comparison.LESS_THAN):
+        bound = rate_upper_bound(value, canary.samples)
+        if not _passes(bound, plan.threshold, plan.comparison):
+            result.outcome = Outcome.WAITING
+            result.message = (f"{plan.name} {value:.4g} from {canary.samples} requests: the "
+                              f"rate could be up to {bound:.3g}, over {plan.threshold:g} "
+                              f"(need {samples_to_pass(plan.threshold)} with none failed)")
     return result
+
+
+# One-sided 95 %: the rate a revision may really have, given what its samples showed.
+PROPORTION_Z = 1.645
+
+
+def rate_upper_bound(rate: float, samples: int, z: float = PROPORTION_Z) -> float:
+    """Wilson score upper bound of a proportion `rate` seen over `samples` trials."""
+    if samples <= 0:
+        return 1.0
+    n, p = samples, min(max(rate, 0.0), 1.0)
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return min(1.0, (centre + spread) / (1 + z * z / n))
+
+
+def samples_to_pass(threshold: float, z: float = PROPORTION_Z) -> int:
+    """The fewest samples, all good, whose upper bound is at most `threshold` (> 0)."""
+    return math.ceil(z * z * (1 - threshold) / threshold) if threshold < 1 else 1
 
 
 _SEVERITY = [Outcome.PASS, Outcome.WAITING, Outcome.INCONCLUSIVE, Outcome.ERROR, Outcome.FAIL]

@@ -97,7 +97,9 @@ class Metric(KubeModel):
     slo: SLOMetric | None = Field(
         default=None,
         description="A built-in metric (TTFTP95, TPOTP95, ErrorRate, E2EP95) over the "
-        "router's series; its threshold defaults to the pool's spec.slos.")
+        "router's series; its threshold defaults to the pool's spec.slos. ErrorRate passes "
+        "only when its requests bound the rate under the threshold (one-sided 95 %: 52 "
+        "requests without an error for 0.05, 268 for 0.01); until then it waits.")
     query: str | None = Field(
         default=None, min_length=1, max_length=4096,
         description="PromQL template returning one value ({{pool}}, {{namespace}}, "

@@ -170,8 +170,9 @@ def router_on_node(kube: KubeClient, namespace: str, node: str, timeout: float =
 
 def stream_problem(text: str) -> str | None:
     """What is wrong with a streamed answer, or None: every frame must be JSON without an
-    `error` member and the last must be `[DONE]`. The frames are parsed, not searched: a
-    generated token that reads `error` is a delta like any other."""
+    `error` member or a `finish_reason` "error", and the last must be `[DONE]`. The frames
+    are parsed, not searched: a generated token that reads `error` is a delta like any
+    other."""
     frames = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
     if not frames or frames[-1] != "[DONE]":
         return "no [DONE] at the end"
@@ -182,6 +183,10 @@ def stream_problem(text: str) -> str | None:
             return f"a frame is not JSON: {frame[:80]}"
         if not isinstance(obj, dict) or "error" in obj:
             return f"an error frame: {frame[:200]}"
+        # A failed engine step ends the stream this way, inside the 200.
+        if any(isinstance(c, dict) and c.get("finish_reason") == "error"
+               for c in obj.get("choices") or []):
+            return f"finish_reason error: {frame[:200]}"
     return None
 
 

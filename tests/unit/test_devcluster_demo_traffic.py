@@ -34,3 +34,14 @@ def test_a_stream_without_done_or_with_garbage_is_a_failure() -> None:
     assert stream_problem("") == "no [DONE] at the end"
     garbage = stream_problem(_sse("{not json", "[DONE]"))
     assert garbage is not None and garbage.startswith("a frame is not JSON")
+
+
+def test_a_stream_ended_by_a_failed_engine_step_is_a_failure() -> None:
+    # The engine ends such a stream with finish_reason "error" inside its 200, then [DONE]:
+    # the stream-error rollout e2e saw its canary rolled back for errors no client counted.
+    ended = {"object": "chat.completion.chunk",
+             "choices": [{"index": 0, "delta": {}, "finish_reason": "error"}]}
+    problem = stream_problem(_sse(_delta("Hi"), ended, "[DONE]"))
+    assert problem is not None and problem.startswith("finish_reason error")
+    done = {**ended, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+    assert stream_problem(_sse(_delta("Hi"), done, "[DONE]")) is None

@@ -623,6 +623,46 @@ def test_judge_ratio_samples_missing_data_and_errors() -> None:
     assert judge(absolute, good, None).outcome == Outcome.PASS
 
 
+def test_an_error_rate_passes_only_when_its_requests_show_it_under_the_threshold() -> None:
+    """Seen in the e2e: a canary ending 1 stream in 5 with an error passed its 50 % step on a
+    window of 12 requests none of which failed (0.8^12 = 7 %), and reached 100 %. A rate
+    passes only when its samples bound it under the threshold; until then it waits."""
+    errors = next(p for p in plans([], SLO, shadow=False) if p.name == "errorrate")
+    assert errors.proportion and errors.threshold == 0.01
+    few = judge(errors, QueryResult(0.0, 60), None)  # over minSamples (50), but not enough
+    assert few.outcome == Outcome.WAITING
+    assert few.message == ("errorrate 0 from 60 requests: the rate could be up to 0.0432, "
+                           "over 0.01 (need 268 with none failed)")
+    assert judge(errors, QueryResult(0.0, 267), None).outcome == Outcome.WAITING
+    assert judge(errors, QueryResult(0.0, 268), None).outcome == Outcome.PASS
+    assert judge(errors, QueryResult(1 / 60, 60), None).outcome == Outcome.FAIL
+    # Versus stable, or with the user's own samples query, it is the ratio the user asked.
+    ratio = plans([Metric(name="e", slo=SLOMetric.ERROR_RATE, versus_stable=True,
+                          threshold=2.0)], SLO, shadow=False)[0]
+    assert not ratio.proportion
+    # "Not one error" (threshold 0) cannot be bounded: no error passes, any error fails.
+    zero = plans([Metric(name="e", slo=SLOMetric.ERROR_RATE, threshold=0.0)], SLO,
+                 shadow=False)[0]
+    assert judge(zero, QueryResult(0.0, 60), None).outcome == Outcome.PASS
+
+
+@settings(max_examples=60, deadline=None)
+@given(threshold=st.sampled_from([0.01, 0.02, 0.05, 0.1]), factor=st.floats(2.0, 10.0),
+       samples=st.integers(12, 2000), seed=st.integers(0, 2**32 - 1))
+def test_a_revision_failing_twice_the_threshold_almost_never_passes_a_window(
+        threshold: float, factor: float, samples: int, seed: int) -> None:
+    import random
+    errors = plans([Metric(name="e", slo=SLOMetric.ERROR_RATE, threshold=threshold,
+                           min_samples=12)], SLO, shadow=False)[0]
+    rate = min(1.0, threshold * factor)
+    rng = random.Random(seed)
+    passes = sum(
+        judge(errors, QueryResult(sum(rng.random() < rate for _ in range(samples)) / samples,
+                                  samples), None).outcome == Outcome.PASS
+        for _ in range(40))
+    assert passes <= 2  # a one-sided 95 % bound: at most 5 % of windows by chance
+
+
 def test_default_metrics_come_from_the_pools_slos() -> None:
     live = plans([], SLO, shadow=False)
     assert [p.name for p in live] == ["ttftp95", "tpotp95", "errorrate"]
