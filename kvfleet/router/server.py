@@ -365,6 +365,7 @@ class Router:
             session = str(body.get("user") or request.headers.get(SESSION_HEADER) or
                           conversation_key(body) or request_id)
             plan = pool.table.route(pool.name, tenant, session, request_id)
+            stable = pool.table.stable
             texts, messages = texts_of(body)
             text = "\n".join(texts)
             prompt_tokens = self.tokens.count(
@@ -401,7 +402,8 @@ class Router:
             self._spawn(self._probe(pool, plan.probe, path, body, text, tenant))
         try:
             return await self._live(pool, plan.live, path, payload, headers, text, tenant,
-                                    reservation, bool(body.get("stream")), live_text)
+                                    reservation, bool(body.get("stream")), live_text,
+                                    fallback=stable)
         except BaseException:
             _resolve(live_text, None)  # the shadow task must not wait for a live answer
             raise
@@ -452,8 +454,12 @@ class Router:
 
     async def _live(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                     headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
-                    stream: bool, live_text: asyncio.Future[str | None] | None = None
-                    ) -> Response:
+                    stream: bool, live_text: asyncio.Future[str | None] | None = None,
+                    fallback: str | None = None) -> Response:
+        """The client's answer from `revision`. If none of its replicas answers before the
+        first byte (a canary's pods going away as a rollback drains them, while this router
+        still routes to it), `fallback` (stable) answers instead: the failure is the
+        revision's, counted against it, and not the client's."""
         labels = (pool.namespace, pool.name, short_revision(revision), "live")
         started = time.monotonic()
         try:
@@ -468,9 +474,13 @@ class Router:
                     status, data, content_type = await _read_whole(resp, endpoint)
         except RouterError as exc:
             now = time.monotonic()
-            self.ledger.settle(reservation, 0, now, 0)  # never answered
             self._record(labels, classify(exc.status, exc.code), now - started,
                          reservation.input_tokens)
+            if isinstance(exc, NoEndpoint) and fallback not in (None, revision):
+                assert fallback is not None
+                return await self._live(pool, fallback, path, payload, headers, text, tenant,
+                                        reservation, stream, live_text)
+            self.ledger.settle(reservation, 0, now, 0)  # never answered
             _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
         out_headers = {REVISION_HEADER: short_revision(revision)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -363,6 +364,38 @@ async def test_every_outcome_counts_from_zero_for_each_revision_a_table_routes_t
         assert sample(router, REQUESTS, revision=shadow[:12], outcome="completed") is None
         router.update(parse_config(config(next_canary)))
         assert sample(router, REQUESTS, revision=next_canary[:12], outcome="stream_error") == 0
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_canary_whose_replicas_are_gone_leaves_its_clients_to_stable(
+    upstream: tuple[str, list[dict[str, Any]]], stream: bool,
+) -> None:
+    """Seen in the rollout e2e: a rolled-back canary's engine, draining, refused with 503
+    while this router still sent it live requests, and a client got "no replica answered"."""
+    address, _ = upstream
+    canary = "b" * 64
+    with socket.socket() as closed:  # a port nobody listens on: the canary pod is gone
+        closed.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{closed.getsockname()[1]}"
+    router = Router(parse_config({
+        "namespace": NAMESPACE,
+        "pools": [{"name": "smol", "status": {"servingRevision": REVISION, "traffic": [
+            {"revision": REVISION, "role": "stable", "weight": 0},
+            {"revision": canary, "role": "canary", "weight": 100}]},
+            "endpoints": {REVISION: [address], canary: [gone]}}],
+        "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {
+            "limits": {"maxConcurrentRequests": 4}}}]}))
+    try:
+        resp = await post(router, "fine" if stream else "hi", stream=stream)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-kvfleet-revision"] == REVISION[:12]
+        # The canary's failure is the canary's: counted against it, not lost.
+        assert sample(router, REQUESTS, revision=canary[:12], outcome="upstream_error") == 1
+        assert sample(router, REQUESTS, outcome="completed") == 1
+        assert router.ledger.usage("team-a")[0] == 1  # one request, charged once
     finally:
         await router.close()
 
