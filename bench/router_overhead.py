@@ -152,7 +152,7 @@ def main() -> int:
         config.write_text(yaml.safe_dump({
             "pools": [{"name": "pool", "status": {"servingRevision": REVISION},
                        "endpoints": {REVISION: [f"127.0.0.1:{up_port}"]}}],
-            "tenants": [{"tenant": "bench", "keys": [KEY]}]}))
+            "tenants": [{"tenant": "bench", "keys": [KEY], "quota": {}}]}))
         procs.append(subprocess.Popen([sys.executable, __file__, "--upstream", str(up_port),
                                        "--chunks", str(args.chunks)]))
         procs.append(subprocess.Popen(

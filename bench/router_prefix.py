@@ -98,7 +98,8 @@ def one_policy(policy: str, order: list[tuple[str, str]], tenants: int, kv_mib: 
         config.write_text(yaml.safe_dump({
             "pools": [{"name": "pool", "status": {"servingRevision": REVISION},
                        "endpoints": {REVISION: [a.base_url[7:], b.base_url[7:]]}}],
-            "tenants": [{"tenant": f"t{i}", "keys": [f"{KEY}-t{i}"]} for i in range(tenants)]}))
+            "tenants": [{"tenant": f"t{i}", "keys": [f"{KEY}-t{i}"], "quota": {}}
+                        for i in range(tenants)]}))
         port = free_port()
         with running_kvfleet("router", "--config", str(config), "--port", str(port), "--pick",
                              policy, "--log-level", "warning", port=port, ready_timeout=60):

@@ -13,12 +13,14 @@ are the demo's (`kvfleet.devcluster.demo`), so `make demo` shows what these test
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -251,10 +253,12 @@ def _roll_back(kube: KubeClient, op: OperatorProcess, ns: str, hashes: dict[str,
     os.environ[FAULTS_ENV] = slow_fault(hashes["smol-v3"])
     stable_pods = _pods(kube, ns, hashes["smol-v2"])
     assert stable_pods
+    started = time.monotonic()
     set_artifact(kube, ns, POOL, "smol-v3")
     done = _wait_rollout(kube, op, ns, lambda r: _phase("RolledBack", "Promoted", "Paused")(r)
                          and r["status"].get("canaryRevision") == hashes["smol-v3"],
                          "RolledBack", 240)
+    _decided_in(started, "1 s more per token, shadow on")
     status = done["status"]
     assert status["phase"] == "RolledBack", yaml.safe_dump(status)
     # Judged against stable: in the shadow phase (end-to-end latency per prompt class, no
@@ -592,3 +596,69 @@ def test_a_canary_slow_only_on_long_prompts_is_stopped_by_the_prompt_class_split
             traffic.close()
         assert traffic.failures == [], traffic.failures[:5]
         assert traffic.codes["200"] > 80, traffic.codes
+
+
+def _perturbed_revision(name: str, namespace: str, folder: Path) -> JsonObj:
+    """The embedded SmolLM2 with one norm tensor scaled x1.5: same shapes, same speed, wrong
+    answers (bench/README: answer agreement 0.06 with the original)."""
+    from kvfleet.api.gguf_artifact import embedded_gguf_path
+    from kvfleet.devcluster.perturb import scale_norm
+
+    wrong = scale_norm(embedded_gguf_path(), folder / "wrong.gguf")
+    obj = smollm2_revision(name, 40, namespace)
+    obj["spec"]["weights"]["files"] = [{
+        "uri": wrong.as_uri(), "sha256": hashlib.sha256(wrong.read_bytes()).hexdigest(),
+        "sizeBytes": wrong.stat().st_size}]
+    return obj
+
+
+@pytest.mark.usefixtures("shared_cores")
+def test_a_canary_with_wrong_weights_at_the_right_speed_is_stopped_by_answer_agreement(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
+    local_node: str, fake_nodes: list[str], tmp_path: Path,
+) -> None:
+    """b) Same shapes, same speed, wrong answers: stopped in the shadow phase, before any
+    live request reaches it, with the agreement score in the Rollout's status.
+
+    Not here yet: the same artifact without a shadow phase. In 2 of 5 runs its 50 % step saw
+    every greedy probe agree with stable (1.0, where the shadow phase saw 0.5 and the model
+    itself gives 0.5 on these prompts), passed, and was stopped only at 100 %. Why the canary
+    step's probe pairs agree is not found yet (bench/README.md, "Time to a rollout decision",
+    has the evidence)."""
+    with _only_the_local_l4_node(kube, kubectl):
+        hashes = _setup(kube, namespace, shadow=True)
+        wrong = _perturbed_revision("smol-wrong", namespace, tmp_path)
+        kube.create(wrong)
+        bad = manifest_hash(wrong["spec"])
+        _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
+        stable_pods = _pods(kube, namespace, hashes["smol-v1"])
+        traffic = Traffic(router_on_node(kube, namespace, local_node))
+
+        def stopped() -> JsonObj:
+            return _wait_rollout(kube, operator, namespace, lambda r: _phase(
+                "RolledBack", "Promoted", "Paused")(r) and r["status"].get(
+                "canaryRevision") == bad, "the wrong-weights canary stopped", 300)
+
+        def agreement(status: JsonObj) -> JsonObj:
+            last = [e for e in status["evaluations"] if e["revision"] == bad][-1]
+            return next(m for m in last["metrics"] if m["name"] == "output-agreement")
+
+        try:
+            started = time.monotonic()
+            set_artifact(kube, namespace, POOL, "smol-wrong")
+            status = stopped()["status"]
+            _decided_in(started, "wrong weights, shadow on")
+            assert status["phase"] == "RolledBack", yaml.safe_dump(status)
+            assert status["message"].startswith("shadow 50%:"), status["message"]
+            assert status["currentWeight"] == 0
+            with traffic.lock:
+                assert traffic.revisions[bad[:12]] == 0  # no live request ever reached it
+            score = agreement(status)
+            assert score["outcome"] == "Fail" and score["canaryValue"] < score["threshold"], score
+            print(f"agreement in the shadow phase: {score['canaryValue']:.3f} "
+                  f"({score['message']})")
+
+        finally:
+            traffic.close()
+        assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
+        assert traffic.failures == [], traffic.failures[:5]

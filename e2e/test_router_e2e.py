@@ -131,11 +131,24 @@ def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         assert (ready["status"], ready["reason"]) == ("True", "Enforced")
         argo_health.expect(quota, "Healthy", "enforced")
+        # Fail closed: without its TenantQuota the tenant is refused, not unlimited.
+        quotas = f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenantquotas"
+        kube.request("DELETE", quotas + "/team-a")
+        deadline = time.monotonic() + 10
+        while (resp := chat(router.url, KEY)).status_code != 403:
+            assert resp.status_code == 429 and time.monotonic() < deadline, resp.text
+            time.sleep(0.2)
+        assert resp.json()["error"]["code"] == "no_tenant_quota", resp.text
+        assert "has no TenantQuota" in resp.json()["error"]["message"]
+        kube.request("POST", quotas, {
+            "apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+            "metadata": {"name": "team-a"}, "spec": {"tenant": "team-a"}})  # no limits
         # The traffic table in the pool's status is the Rollout controller's only lever: a
         # change reaches requests within a second (here: every conversation to a canary
         # revision that has no replica yet, then back).
-        kube.request("DELETE", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/"
-                     "tenantquotas/team-a")
+        while (resp := chat(router.url, KEY)).status_code != 200:
+            assert time.monotonic() < deadline + 10, resp.text
+            time.sleep(0.2)
         pool_path = f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/servingpools/smol"
         serving = kube.request("GET", pool_path)["status"]["servingRevision"]
 

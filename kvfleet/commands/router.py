@@ -51,6 +51,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--pick", choices=["affinity", "round-robin"], default="affinity",
                    help="replica choice: load then prefix affinity (default), or round-robin "
                         "(a baseline for benchmarks)")
+    p.add_argument("--default-quota", type=Path, metavar="FILE",
+                   help="a TenantQuota spec (YAML: limits, allowedPools, priorityClass, ...) "
+                        "for tenants that have none; without it such tenants are refused "
+                        "(403 no_tenant_quota)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -72,14 +76,26 @@ def run(args: argparse.Namespace) -> int:
         print(yaml.safe_dump_all(build_manifests(args.namespace), sort_keys=False), end="")
         return 0
     configure_json_logging(getattr(logging, args.log_level.upper()))
-    if args.config is None:
-        return asyncio.run(_serve(args, RouterState()))
     try:
-        state = load_config(args.config)
+        default = None if args.default_quota is None else _default_quota(args.default_quota)
+        state = RouterState() if args.config is None else load_config(args.config)
     except ConfigError as exc:
         print(f"kvfleet router: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args, state))
+    return asyncio.run(_serve(args, state, default))
+
+
+def _default_quota(path: Path) -> Any:
+    import yaml
+
+    from kvfleet.router.state import ConfigError, parse_default_quota
+
+    try:
+        return parse_default_quota(yaml.safe_load(path.read_text()), f"--default-quota {path}")
+    except OSError as exc:
+        raise ConfigError(f"--default-quota {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--default-quota {path}: not YAML ({exc})") from None
 
 
 def _cluster_api() -> Any:
@@ -107,12 +123,12 @@ async def _watch(path: Path, router: Any) -> None:
                 log.error("router config %s not reloaded (the previous one stays): %s", path, exc)
 
 
-async def _serve(args: argparse.Namespace, state: Any) -> int:
+async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None) -> int:
     import uvicorn
 
     from kvfleet.router.server import Router, RouterOptions, build_app
 
-    router = Router(state, RouterOptions(pick_policy=args.pick))
+    router = Router(state, RouterOptions(pick_policy=args.pick, default_quota=default_quota))
     tasks = [asyncio.create_task(router.scrape_forever())]
     api = None
     if args.config is not None:

@@ -137,8 +137,7 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
         try:
             spec = TenantQuotaSpec.model_validate(raw.get("spec") or {})
         except ValidationError as exc:
-            log.warning("TenantQuota %s/%s: spec not understood (%s); not enforced", namespace,
-                        name, exc.errors()[0]["msg"])
+            _refuse_unreadable(state, raw, exc)
             continue
         if spec.tenant in state.quotas:
             log.warning("TenantQuota %s/%s: tenant %r already has TenantQuota %s (the older "
@@ -147,6 +146,21 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
             continue
         state.quotas[spec.tenant] = (f"{namespace}/{name}", spec)
     return state
+
+
+def _refuse_unreadable(state: RouterState, raw: JsonObj, exc: ValidationError) -> None:
+    """A TenantQuota this router cannot read (a field from a newer version, a hand edit past
+    the webhook) refuses its tenant: never unlimited, never the default quota."""
+    namespace, name = _where(raw)
+    err = exc.errors()[0]
+    where = ".".join(["spec", *map(str, err["loc"])])
+    why = (f"TenantQuota {namespace}/{name} cannot be read by this router ({where}: "
+           f"{err['msg']}); its tenant is refused until it is fixed")
+    state.unreadable[f"{namespace}/{name}"] = why
+    tenant = (raw.get("spec") or {}).get("tenant")
+    if isinstance(tenant, str) and tenant:
+        state.refused[tenant] = why
+    log.warning("%s", why)
 
 
 def _parse_time(text: object) -> datetime | None:
@@ -316,6 +330,12 @@ class ClusterSource:
         what the object (as last watched) already says."""
         namespace, name = _where(raw)
         key = f"{namespace}/{name}"
+        current = raw.get("status") or {}
+        if (why := self.router.state.unreadable.get(key)) is not None:
+            condition = _ready_condition(raw, False, "Unreadable", why)
+            if current.get("conditions") != [condition]:
+                await self._patch_status(key, {"conditions": [condition]})
+            return
         tenant = (raw.get("spec") or {}).get("tenant")
         if not isinstance(tenant, str) or (usage := self.router.ledger.usage(tenant)) is None:
             return
@@ -333,24 +353,30 @@ class ClusterSource:
             stored.get(k) == mine[k] for k in status["usage"]) and all(
             v is not None for v in status["routers"].values())
         enforced = self.router.state.quotas.get(tenant, ("", None))[0] == key
-        current = raw.get("status") or {}
-        before: dict[str, Any] = next(
-            (c for c in current.get("conditions") or [] if c.get("type") == "Ready"), {})
-        ready = "True" if enforced else "False"
-        status["conditions"] = [{
-            "type": "Ready", "status": ready,
-            "reason": "Enforced" if enforced else "Superseded",
-            "message": "enforced by the kvfleet router" if enforced else
-            "another TenantQuota for the same tenant is enforced",
-            "observedGeneration": raw["metadata"].get("generation"),
-            # Changes only when the condition's status does.
-            "lastTransitionTime": before.get("lastTransitionTime")
-            if before.get("status") == ready else
-            datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}]
+        status["conditions"] = [
+            _ready_condition(raw, True, "Enforced", "enforced by the kvfleet router")
+            if enforced else _ready_condition(
+                raw, False, "Superseded", "another TenantQuota for the same tenant is enforced")]
         if unchanged and all(current.get(k) == v for k, v in status.items()
                              if k not in ("routers", "usage")):
             return
+        await self._patch_status(key, status)
+
+    async def _patch_status(self, key: str, status: JsonObj) -> None:
+        namespace, name = key.split("/", 1)
         try:
             await self.api.patch_status("TenantQuota", namespace, name, status)
         except KubeError as exc:
             log.warning("TenantQuota %s: status not written (%s)", key, exc)
+
+
+def _ready_condition(raw: JsonObj, ready: bool, reason: str, message: str) -> JsonObj:
+    before: JsonObj = next((c for c in (raw.get("status") or {}).get("conditions") or []
+                            if c.get("type") == "Ready"), {})
+    value = "True" if ready else "False"
+    return {
+        "type": "Ready", "status": value, "reason": reason, "message": message,
+        "observedGeneration": raw["metadata"].get("generation"),
+        # Changes only when the condition's status does.
+        "lastTransitionTime": before.get("lastTransitionTime")
+        if before.get("status") == value else datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}

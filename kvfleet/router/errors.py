@@ -3,6 +3,8 @@
     RouterError
     ├── Unauthorized        401: no API key, or one no Secret holds
     ├── PoolNotAllowed      403: the tenant's TenantQuota does not list the pool
+    ├── NoTenantQuota       403: the tenant has no TenantQuota (and the router no default)
+    ├── TenantRefused       403: the tenant's TenantQuota cannot be read: refused, not unlimited
     ├── UnknownPool         404: `model` names no ServingPool the router knows
     ├── BadRequest          400: a body the router cannot read
     ├── QuotaExceeded       429: over one of the TenantQuota's limits (with Retry-After)
@@ -46,6 +48,18 @@ class PoolNotAllowed(RouterError):
     status = 403
     code = "model_not_allowed"
     kind = "invalid_request_error"
+
+
+class NoTenantQuota(RouterError):
+    status = 403
+    code = "no_tenant_quota"
+    kind = "permission_error"
+
+
+class TenantRefused(RouterError):
+    status = 403
+    code = "tenant_quota_unreadable"
+    kind = "permission_error"
 
 
 class UnknownPool(RouterError):

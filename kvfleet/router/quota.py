@@ -8,6 +8,11 @@ bucket, its `max_tokens` from the output bucket (a reservation), and a free conc
 When it ends (finished, failed or the client gone) the output reservation is settled to the
 tokens really generated and the slot is freed. A refused request takes nothing.
 
+Fail closed: a tenant with no TenantQuota is refused (`NoTenantQuota`, 403), unless the
+router runs with a default quota (`--default-quota`, or `defaultQuota:` in its config file):
+then each such tenant gets its own buckets of that spec. A tenant whose TenantQuota cannot be
+read is refused by the router before it reaches the ledger (`kvfleet.router.cluster`).
+
 Borrowing: for a limit listed in the quota's `borrowing.resources`, a tenant may go over by up
 to `maxPercent` of the limit, as far as the other tenants leave that resource idle (the sum of
 their unused allowance on this router).
@@ -31,7 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvfleet.api.tenantquota import BorrowableResource, TenantQuotaSpec
-from kvfleet.router.errors import QuotaExceeded
+from kvfleet.router.errors import NoTenantQuota, QuotaExceeded
 
 RPM = BorrowableResource.REQUESTS_PER_MINUTE
 INPUT_TPM = BorrowableResource.INPUT_TOKENS_PER_MINUTE
@@ -86,18 +91,40 @@ def _share(limit: int, replicas: int) -> int:
     return max(1, math.ceil(limit / replicas)) if limit > 0 else 0
 
 
+DEFAULT_QUOTA_NAME = "the router's default quota"
+
+
+def no_quota(tenant: str) -> NoTenantQuota:
+    return NoTenantQuota(
+        f"tenant {tenant!r} has no TenantQuota, and this router admits no tenant without one: "
+        f"create a TenantQuota with spec.tenant: {tenant} (in the namespace of the tenant's "
+        "key Secret), or run the router with a default quota (--default-quota, or "
+        "defaultQuota: in its config file)")
+
+
 class QuotaLedger:
-    """The limits of every tenant with a TenantQuota, on this router replica."""
+    """The limits of every tenant with a TenantQuota (or, with a default quota, of every
+    tenant that has been admitted under it), on this router replica."""
 
     def __init__(self, replicas: int = 1) -> None:
         self.replicas = max(1, replicas)
         self._tenants: dict[str, TenantState] = {}
+        self.default: TenantQuotaSpec | None = None
+        self._explicit: set[str] = set()  # tenants with their own TenantQuota
 
-    def set_quotas(self, quotas: dict[str, tuple[str, TenantQuotaSpec]], now: float) -> None:
-        """tenant -> (TenantQuota namespace/name, spec). Usage of kept tenants carries over;
-        a changed limit resizes its bucket (never above the new capacity)."""
+    def set_quotas(self, quotas: dict[str, tuple[str, TenantQuotaSpec]], now: float,
+                   default: TenantQuotaSpec | None = None) -> None:
+        """tenant -> (TenantQuota namespace/name, spec); `default` for any other tenant (None:
+        they are refused). Usage of kept tenants carries over; a changed limit resizes its
+        bucket (never above the new capacity)."""
+        self.default = default
+        self._explicit = set(quotas)
+        wanted = dict(quotas)
+        if default is not None:  # tenants running on the default keep their buckets
+            wanted.update({t: (DEFAULT_QUOTA_NAME, default) for t, s in self._tenants.items()
+                           if t not in quotas})
         tenants: dict[str, TenantState] = {}
-        for tenant, (name, spec) in quotas.items():
+        for tenant, (name, spec) in wanted.items():
             state = self._tenants.get(tenant) or TenantState(tenant, name, spec)
             state.quota_name, state.spec = name, spec
             for resource, limit in self._limits(spec).items():
@@ -115,7 +142,8 @@ class QuotaLedger:
     def set_replicas(self, replicas: int, now: float) -> None:
         if max(1, replicas) != self.replicas:
             self.replicas = max(1, replicas)
-            self.set_quotas({t: (s.quota_name, s.spec) for t, s in self._tenants.items()}, now)
+            self.set_quotas({t: (s.quota_name, s.spec) for t, s in self._tenants.items()
+                             if t in self._explicit}, now, self.default)
 
     def _limits(self, spec: TenantQuotaSpec) -> dict[BorrowableResource, int | None]:
         limits = spec.limits
@@ -124,8 +152,23 @@ class QuotaLedger:
         return {r: None if v is None else _share(v, self.replicas) for r, v in raw.items()}
 
     def quota(self, tenant: str) -> TenantQuotaSpec | None:
+        """The spec `tenant` is held to: its TenantQuota's, else the default, else None (it is
+        refused)."""
         state = self._tenants.get(tenant)
-        return state.spec if state is not None else None
+        return state.spec if state is not None else self.default
+
+    def _state(self, tenant: str, now: float) -> TenantState:
+        state = self._tenants.get(tenant)
+        if state is not None:
+            return state
+        if self.default is None:
+            raise no_quota(tenant)
+        state = TenantState(tenant, DEFAULT_QUOTA_NAME, self.default)
+        for resource, limit in self._limits(self.default).items():
+            if limit is not None:
+                state.buckets[resource] = Bucket(limit, limit, now)
+        self._tenants[tenant] = state
+        return state
 
     def _concurrency_limit(self, state: TenantState) -> int | None:
         limit = state.spec.limits.max_concurrent_requests
@@ -164,11 +207,9 @@ class QuotaLedger:
 
     def admit(self, tenant: str, input_tokens: int, max_output_tokens: int, now: float
               ) -> Reservation:
-        """Takes the request's allowance, or raises QuotaExceeded taking nothing. A tenant
-        without a TenantQuota is unlimited."""
-        state = self._tenants.get(tenant)
-        if state is None:
-            return Reservation(tenant, input_tokens, max_output_tokens)
+        """Takes the request's allowance, or raises QuotaExceeded taking nothing; a tenant
+        without a TenantQuota (and no default) raises NoTenantQuota."""
+        state = self._state(tenant, now)
         concurrency = self._concurrency_limit(state)
         if concurrency is not None:
             ceiling = concurrency + self._borrowable(state, CONCURRENCY, concurrency, now)

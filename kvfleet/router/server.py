@@ -31,13 +31,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvfleet.api.labels import short_revision
-from kvfleet.api.tenantquota import PriorityClass
+from kvfleet.api.tenantquota import PriorityClass, TenantQuotaSpec
 from kvfleet.router.errors import (
     BadRequest,
     NoEndpoint,
     PoolNotAllowed,
     QuotaExceeded,
     RouterError,
+    TenantRefused,
     Unauthorized,
     UnknownPool,
     UpstreamFailed,
@@ -61,7 +62,7 @@ from kvfleet.router.probes import (
     probe_body,
     probe_id,
 )
-from kvfleet.router.quota import QuotaLedger, Reservation
+from kvfleet.router.quota import QuotaLedger, Reservation, no_quota
 from kvfleet.router.state import PoolRoute, RouterState, carry_loads
 from kvfleet.router.tokens import TokenCounter, texts_of
 from kvfleet.router.traffic import conversation_key
@@ -100,6 +101,8 @@ class RouterOptions:
     # "affinity" (load, then prefix affinity) or "round-robin" (the baseline it is measured
     # against in bench/router_prefix.py).
     pick_policy: str = "affinity"
+    # The quota of tenants without a TenantQuota (--default-quota); None: they are refused.
+    default_quota: TenantQuotaSpec | None = None
 
 
 def compare(live: str, shadow: str, shadow_capped: bool) -> tuple[str, int | None]:
@@ -261,7 +264,8 @@ class Router:
     def update(self, state: RouterState) -> None:
         carry_loads(state, self.state)
         self.state = state
-        self.ledger.set_quotas(state.quotas, time.monotonic())
+        self.ledger.set_quotas(state.quotas, time.monotonic(),
+                               state.default_quota or self.options.default_quota)
         self.metrics.slos = {(p.namespace, p.name): p.slos for p in state.pools.values()}
         self.metrics.declare(state.routed_series())
         self.metrics.declare_probes(state.probed_series())
@@ -331,8 +335,18 @@ class Router:
                                  "TenantQuota's allowedPools does not list it", "model")
         return pool
 
-    def models(self, authorization: str | None) -> dict[str, Any]:
+    def _tenant(self, authorization: str | None) -> str:
+        """The key's tenant, if it may send anything: fail closed on a TenantQuota that cannot
+        be read or is missing (unless the router has a default quota)."""
         tenant = self.state.keys.tenant_for(authorization)
+        if (why := self.state.refused.get(tenant)) is not None:
+            raise TenantRefused(f"tenant {tenant!r} is refused: {why}")
+        if self.ledger.quota(tenant) is None:
+            raise no_quota(tenant)
+        return tenant
+
+    def models(self, authorization: str | None) -> dict[str, Any]:
+        tenant = self._tenant(authorization)
         quota = self.ledger.quota(tenant)
         names = [n for n in self.state.pools
                  if quota is None or not quota.allowed_pools or n in quota.allowed_pools]
@@ -343,7 +357,7 @@ class Router:
         path = request.url.path
         namespace, pool_name = "-", "-"
         try:
-            tenant = self.state.keys.tenant_for(request.headers.get("authorization"))
+            tenant = self._tenant(request.headers.get("authorization"))
             raw = await request.body()
             if len(raw) > MAX_BODY_BYTES:
                 raise BadRequest(f"the body is over {MAX_BODY_BYTES} bytes")

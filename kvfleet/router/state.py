@@ -21,6 +21,8 @@ The config file (YAML; keys are what `kubectl get -o yaml` shows for the same fa
         keys: ["sk-..."]                   # plain keys (local use), or keysFile: one per line
         quota:                             # a TenantQuota's spec (tenant taken from above)
           limits: {requestsPerMinute: 600, maxConcurrentRequests: 16}
+    defaultQuota:                          # for tenants without `quota` (without it: refused)
+      limits: {requestsPerMinute: 60}
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class RouterState:
     pools: dict[str, PoolRoute] = field(default_factory=dict)
     keys: KeyRing = field(default_factory=KeyRing)
     quotas: dict[str, tuple[str, TenantQuotaSpec]] = field(default_factory=dict)
+    # Tenants refused whatever they send, and why: their TenantQuota cannot be read. Never
+    # unlimited, never the default quota.
+    refused: dict[str, str] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)  # TenantQuota ns/name -> why
+    default_quota: TenantQuotaSpec | None = None
 
     def all_endpoints(self) -> list[EndpointLoad]:
         return [e for pool in self.pools.values() for eps in pool.endpoints.values() for e in eps]
@@ -172,7 +179,20 @@ def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
                                   f"{err['msg']}") from None
             state.quotas[str(tenant)] = (f"config/{tenant}", spec)
     state.keys = KeyRing.from_keys(keys)
+    if data.get("defaultQuota") is not None:
+        state.default_quota = parse_default_quota(data["defaultQuota"], "defaultQuota")
     return state
+
+
+def parse_default_quota(data: Any, where: str) -> TenantQuotaSpec:
+    """A TenantQuota's spec without its tenant: the quota of tenants that have none."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: a TenantQuota's spec (limits, allowedPools, ...)")
+    try:
+        return TenantQuotaSpec.model_validate({**data, "tenant": "default"})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ConfigError(f"{where}.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
 def load_config(path: Path) -> RouterState:

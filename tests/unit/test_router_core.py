@@ -12,7 +12,7 @@ import pytest
 
 from kvfleet.api.servingpool import ServingPoolStatus, TrafficRole, TrafficTarget
 from kvfleet.api.tenantquota import BorrowableResource, Borrowing, Limits, TenantQuotaSpec
-from kvfleet.router.errors import QuotaExceeded, Unauthorized
+from kvfleet.router.errors import NoTenantQuota, QuotaExceeded, Unauthorized
 from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad, pick
 from kvfleet.router.quota import QuotaLedger
@@ -61,7 +61,34 @@ def test_rates_are_token_buckets_and_a_refusal_names_the_limit_and_quota() -> No
     assert "requestsPerMinute = 60 of TenantQuota llm/team-a" in info.value.message
     assert info.value.headers() == {"retry-after": "1"}  # one request refills in 1 s
     ledger.admit("team-a", 10, 10, now=1.0)
-    assert ledger.admit("other", 10**9, 10**9, now=0.0)  # no TenantQuota: unlimited
+
+
+def test_a_tenant_without_a_tenantquota_is_refused_or_held_to_the_default() -> None:
+    """Fail closed: a key whose tenant has no TenantQuota was unlimited."""
+    ledger = QuotaLedger()
+    ledger.set_quotas({"team-a": ("llm/team-a", quota(requests_per_minute=60))}, now=0.0)
+    with pytest.raises(NoTenantQuota, match="tenant 'other' has no TenantQuota") as info:
+        ledger.admit("other", 1, 1, now=0.0)
+    assert info.value.status == 403 and "--default-quota" in info.value.message
+    assert ledger.quota("other") is None
+    # With a default quota each such tenant gets its own buckets of it.
+    default = TenantQuotaSpec(tenant="default", limits=Limits(requests_per_minute=2))
+    ledger.set_quotas({"team-a": ("llm/team-a", quota(requests_per_minute=60))}, 0.0, default)
+    for tenant in ("other", "third"):
+        ledger.admit(tenant, 1, 1, now=0.0)
+        ledger.admit(tenant, 1, 1, now=0.0)
+        with pytest.raises(QuotaExceeded, match="of TenantQuota the router's default quota"):
+            ledger.admit(tenant, 1, 1, now=0.0)
+    # A state change (any watched object) does not refill them; replicas resize them.
+    ledger.set_quotas({"team-a": ("llm/team-a", quota(requests_per_minute=60))}, 0.0, default)
+    with pytest.raises(QuotaExceeded):
+        ledger.admit("other", 1, 1, now=0.0)
+    assert ledger.usage("other") == (2, 0, 2)
+    # Its own TenantQuota replaces the default; without a default, others are refused again.
+    ledger.set_quotas({"other": ("llm/other", quota(requests_per_minute=60))}, 1.0)
+    ledger.admit("other", 1, 1, now=2.0)  # (its bucket's level carries over, as on any edit)
+    with pytest.raises(NoTenantQuota):
+        ledger.admit("third", 1, 1, now=2.0)
 
 
 def test_output_tokens_are_reserved_then_settled_to_the_real_count() -> None:
@@ -485,3 +512,54 @@ def test_each_router_writes_its_own_report_and_the_fleets_usage_is_their_sum() -
 
     TenantQuotaStatus.model_validate({**status, "routers": {
         k: v for k, v in status["routers"].items() if v is not None}})
+
+
+@pytest.mark.asyncio
+async def test_a_tenantquota_the_router_cannot_read_refuses_its_tenant_and_says_why() -> None:
+    """It was logged and dropped, and its tenant became unlimited (fail open)."""
+    import httpx
+
+    from kvfleet.router.cluster import ClusterSource, state_from_objects
+    from kvfleet.router.server import Router, build_app
+
+    newer = {"metadata": {"name": "a", "namespace": "llm", "generation": 2},
+             "spec": {"tenant": "team-a", "limits": {"requestsPerMinute": 5,
+                                                     "gpuSecondsPerDay": 10}}}
+    state = state_from_objects([pool_object("smol")], [], [secret("k", "team-a", KEY)], [],
+                               [newer], cluster_wide=False)
+    assert "team-a" not in state.quotas
+    assert "spec.limits.gpuSecondsPerDay" in state.refused["team-a"]
+    router = Router(state)
+    try:
+        transport = httpx.ASGITransport(app=build_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://r") as client:
+            for path, body in (("/v1/chat/completions", {"model": "smol", "messages": []}),
+                               ("/v1/models", None)):
+                resp = await (client.post(path, json=body, headers={
+                    "authorization": f"Bearer {KEY}"}) if body is not None else client.get(
+                    path, headers={"authorization": f"Bearer {KEY}"}))
+                assert resp.status_code == 403, resp.text
+                error = resp.json()["error"]
+                assert error["code"] == "tenant_quota_unreadable"
+                assert "TenantQuota llm/a cannot be read" in error["message"]
+
+        class Api:
+            def __init__(self) -> None:
+                self.patches: list[tuple[str, str, str, dict[str, object]]] = []
+
+            async def patch_status(self, kind: str, ns: str, name: str,
+                                   status: dict[str, object]) -> None:
+                self.patches.append((kind, ns, name, status))
+
+        api = Api()
+        source = ClusterSource(api=api, router=router, namespace="llm")  # type: ignore[arg-type]
+        await source._write_status(newer, 10.0)
+        ((kind, ns, name, status),) = api.patches
+        assert (kind, ns, name) == ("TenantQuota", "llm", "a")
+        (ready,) = status["conditions"]  # type: ignore[misc]
+        assert (ready["status"], ready["reason"]) == ("False", "Unreadable")
+        assert "gpuSecondsPerDay" in ready["message"] and ready["observedGeneration"] == 2
+        await source._write_status({**newer, "status": status}, 10.0)
+        assert len(api.patches) == 1  # said once, not every interval
+    finally:
+        await router.close()

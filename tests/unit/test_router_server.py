@@ -208,7 +208,7 @@ async def test_a_shadow_copy_whose_replica_fails_is_counted_and_releases_its_slo
             {"revision": REVISION, "role": "stable", "weight": 100},
             {"revision": shadow, "role": "shadow", "shadowPercent": 100}]},
             "endpoints": {REVISION: [address], shadow: [address]}}],
-        "tenants": [{"tenant": "team-a", "keys": [KEY]}]}))
+        "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}))
     try:
         assert (await post(router, "die", temperature=0)).status_code == 502
         await asyncio.gather(*router._tasks)
@@ -465,7 +465,7 @@ async def test_the_real_engines_answers_get_their_outcomes(engine: tuple[str, An
         "namespace": NAMESPACE,
         "pools": [{"name": "smol", "status": {"servingRevision": REVISION},
                    "endpoints": {REVISION: [address]}, "routerToken": "x" * 32}],
-        "tenants": [{"tenant": "team-a", "keys": [KEY]}]}))
+        "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}))
     try:
         assert (await post(wrong_token, "hi")).status_code == 401
         assert outcomes(wrong_token) == {"revision_refused": 1}
