@@ -145,7 +145,8 @@ def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
             "metadata": {"name": "team-a"}, "spec": {"tenant": "team-a"}})  # no limits
         # The traffic table in the pool's status is the Rollout controller's only lever: a
         # change reaches requests within a second (here: every conversation to a canary
-        # revision that has no replica yet, then back).
+        # revision that has no replica yet, then back). Its clients are answered by stable;
+        # the canary is counted as having failed them.
         while (resp := chat(router.url, KEY)).status_code != 200:
             assert time.monotonic() < deadline + 10, resp.text
             time.sleep(0.2)
@@ -157,9 +158,18 @@ def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
                          content_type="application/merge-patch+json")
             return time.monotonic()
 
+        def canary_failed() -> float:
+            text = httpx.get(router.url + "/metrics", timeout=10).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("kvfleet_router_requests_total{") and
+                       'revision="cccccccccccc"' in line and 'outcome="upstream_error"' in line)
+
         changed = traffic([{"revision": serving, "role": "stable", "weight": 0},
                            {"revision": "c" * 64, "role": "canary", "weight": 100}])
-        while chat(router.url, KEY).status_code != 503:
+        while canary_failed() == 0:
+            resp = chat(router.url, KEY)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvfleet-revision"] == serving[:12]
             assert time.monotonic() - changed < 1.0, "the traffic change took over a second"
             time.sleep(0.05)
         changed = traffic([{"revision": serving, "role": "stable", "weight": 100}])

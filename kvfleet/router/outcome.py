@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -151,9 +152,20 @@ class FrameReading:
     usage: tuple[int, int] | None = None  # (prompt, completion), the last one sent
 
 
-# A frame that none of these is in carries no finish, error or usage: skipped unparsed when
-# the text is not wanted (the relay's per-token cost once the first content token was timed).
-_MARKERS = (b'"finish_reason"', b'"error"', b'"usage"')
+# A frame that none of these is in carries no finish or error: skipped unparsed when the text
+# is not wanted (the relay's per-token cost once the first content token was timed), but for
+# its running usage, read without parsing the JSON (every streamed chunk carries one: the
+# router asks for it, to bill a stream cut short).
+_MARKERS = (b'"finish_reason":"', b'"finish_reason": "', b'"error"')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+def _running_usage(payload: bytes) -> tuple[int, int] | None:
+    prompt, completion = _PROMPT_TOKENS.search(payload), _COMPLETION_TOKENS.search(payload)
+    if prompt is None or completion is None:
+        return None
+    return int(prompt.group(1)), int(completion.group(1))
 
 
 def read_frames(frames: bytes, *, want_text: bool = True) -> FrameReading:
@@ -163,8 +175,10 @@ def read_frames(frames: bytes, *, want_text: bool = True) -> FrameReading:
         if not line.startswith(b"data:"):
             continue
         payload = line[5:].strip()
-        if not payload.startswith(b"{") or (
-                not want_text and not any(m in payload for m in _MARKERS)):
+        if not payload.startswith(b"{"):
+            continue
+        if not want_text and not any(m in payload for m in _MARKERS):
+            reading.usage = _running_usage(payload) or reading.usage
             continue
         try:
             obj = json.loads(payload)

@@ -233,6 +233,16 @@ def _resolve(future: asyncio.Future[str | None] | None, value: str | None) -> No
         future.set_result(value)
 
 
+def _billed_stream(body: dict[str, Any]) -> dict[str, Any]:
+    """A streamed request asks the engine for the running usage on every chunk (vLLM's
+    `continuous_usage_stats`): a client that hangs up mid-stream is billed the output tokens
+    relayed until then, not 0 (usage otherwise comes only with the last chunk)."""
+    options = body.get("stream_options")
+    if not body.get("stream") or not (options is None or isinstance(options, dict)):
+        return body  # (a malformed stream_options is the engine's 400 to give)
+    return {**body, "stream_options": {**(options or {}), "continuous_usage_stats": True}}
+
+
 def _shadow_payload(body: dict[str, Any], max_tokens: int) -> bytes:
     """The shadow copy of a request: not streamed, its max_tokens capped."""
     shadow_body = {**body, "stream": False}
@@ -404,7 +414,7 @@ class Router:
             headers[ROUTER_TOKEN_HEADER] = pool.router_token
         if quota is not None and quota.shared_prefix_cache:
             headers[SHARED_PREFIX_HEADER] = "1"
-        payload = json.dumps(body).encode()
+        payload = json.dumps(_billed_stream(body)).encode()
         live_text: asyncio.Future[str | None] | None = None
         if plan.shadow is not None:
             # A greedy request's two answers should be the same text: compare them.

@@ -5,6 +5,7 @@ shadow copies and a config change applied while serving."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import tempfile
 import time
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.slow
 STABLE, CANARY = "a" * 64, "b" * 64
 KEY_A, KEY_B = "sk-team-a-0123456789abcdef", "sk-team-b-0123456789abcdef"
 KEY_C = "sk-team-c-0123456789abcdef"
+KEY_E = "sk-team-e-0123456789abcdef"
 TOKEN = "router-proof-0123456789abcdef0123"
 
 
@@ -46,6 +48,8 @@ def config(engines: dict[str, EngineServer], canary: int, shadow: int, token_fil
              "quota": {"limits": {"requestsPerMinute": 3}, "allowedPools": ["smol"]}},
             {"tenant": "team-c", "keys": [KEY_C],
              "quota": {"limits": {"inputTokensPerMinute": 40}}},
+            {"tenant": "team-e", "keys": [KEY_E],
+             "quota": {"limits": {"outputTokensPerMinute": 300}}},
         ],
     }
 
@@ -320,3 +324,32 @@ def test_two_router_replicas_hold_the_fleet_wide_limit(
             assert sorted(codes) == [200, 200, 200, 200, 429, 429], codes
             assert chat(routers[0], KEY_C, max_tokens=1).status_code == 429
             assert chat(routers[1], KEY_C, max_tokens=1).status_code == 429
+
+
+def test_a_stream_cut_short_by_its_client_is_billed_what_was_relayed(
+    router: RouterProcess, engines: dict[str, EngineServer],
+) -> None:
+    """Usage came only with a stream's last chunk, so a client that read 100 tokens and hung
+    up was billed 0 and its output-token limit never bit. The router asks the engine for the
+    running usage on every chunk and settles from the last one relayed."""
+    started = time.monotonic()
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Count to a thousand."}],
+            "max_tokens": 250, "ignore_eos": True, "stream": True}
+    relayed = 0
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {KEY_E}"}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                relayed = json.loads(line[6:])["usage"]["completion_tokens"]
+            if relayed >= 100:
+                break  # hang up
+    assert relayed >= 100
+    for engine in engines.values():
+        engine.wait_idle()  # the engine stopped generating for nobody
+    # The output bucket (300 a minute) was charged what was relayed, not refunded to 300.
+    refused = chat(router, KEY_E, max_tokens=250)
+    assert refused.status_code == 429, refused.text
+    left = int(re.search(r"max_tokens 250, (\d+) left", refused.json()["error"]["message"])[1])
+    refill = 300 / 60 * (time.monotonic() - started)
+    assert left <= 300 - relayed + refill, (left, relayed, refill)

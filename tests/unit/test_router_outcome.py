@@ -133,3 +133,17 @@ def test_the_error_rate_counts_the_revisions_failures_over_the_requests_that_jud
     assert _outcomes_in(query, "=~") == {o.value for o in JUDGED - {Outcome.COMPLETED}}
     assert _outcomes_in(query, "!~") == {o.value for o in set(Outcome) - JUDGED}
     assert '{namespace="llm",pool="smol",' in query
+
+
+def test_the_running_usage_of_every_chunk_is_read_without_parsing_it() -> None:
+    """What bills a stream its client cut short: the last running count relayed (the router
+    asks the engine for one on every chunk)."""
+    def chunk(n: int, finish: str | None = None) -> bytes:
+        return _frame({"choices": [{"delta": {"content": f"t{n}"}, "finish_reason": finish}],
+                       "usage": {"prompt_tokens": 7, "completion_tokens": n,
+                                 "total_tokens": 7 + n}})
+    reading = read_frames(b"".join(chunk(n) for n in range(1, 101)), want_text=False)
+    assert reading.usage == (7, 100) and reading.texts == []  # none of them parsed
+    assert read_frames(chunk(3) + chunk(4, "stop"), want_text=False).finish_reasons == ["stop"]
+    spaced = b'data: {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 9}}\n\n'
+    assert read_frames(spaced, want_text=False).usage == (2, 9)

@@ -369,6 +369,22 @@ async def test_every_outcome_counts_from_zero_for_each_revision_a_table_routes_t
 
 
 @pytest.mark.asyncio
+async def test_a_stream_asks_the_engine_for_its_running_usage_on_every_chunk(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    address, seen = upstream
+    router = make_router(address)
+    try:
+        await post(router, "fine", stream=True, stream_options={"include_usage": True})
+        assert seen[-1]["body"]["stream_options"] == {"include_usage": True,
+                                                      "continuous_usage_stats": True}
+        await post(router, "fine")  # not streamed: its usage comes with the answer
+        assert "stream_options" not in seen[-1]["body"]
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_canary_whose_replicas_are_gone_leaves_its_clients_to_stable(
     upstream: tuple[str, list[dict[str, Any]]], stream: bool,
