@@ -620,7 +620,7 @@ def test_a_canary_with_wrong_weights_at_the_right_speed_is_stopped_by_answer_agr
     """b) Same shapes, same speed, wrong answers: stopped in the shadow phase, before any
     live request reaches it, with the agreement score in the Rollout's status.
 
-    Not here yet: the same artifact without a shadow phase. In 2 of 5 runs its 50 % step saw
+    Not here yet: the same artifact without a shadow phase. In 3 of 5 runs its 50 % step saw
     every greedy probe agree with stable (1.0, where the shadow phase saw 0.5 and the model
     itself gives 0.5 on these prompts), passed, and was stopped only at 100 %. Why the canary
     step's probe pairs agree is not found yet (bench/README.md, "Time to a rollout decision",
