@@ -51,6 +51,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--pick", choices=["affinity", "round-robin"], default="affinity",
                    help="replica choice: load then prefix affinity (default), or round-robin "
                         "(a baseline for benchmarks)")
+    p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="fail a stream whose engine sends nothing for this long (its first "
+                        "byte comes after queueing and prefill); default 120")
+    p.add_argument("--answer-timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="fail a non-streamed request whose engine has not answered in this "
+                        "long (the whole generation); default 900")
     p.add_argument("--default-quota", type=Path, metavar="FILE",
                    help="a TenantQuota spec (YAML: limits, allowedPools, priorityClass, ...) "
                         "for tenants that have none; without it such tenants are refused "
@@ -128,7 +134,9 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
 
     from kvfleet.router.server import Router, RouterOptions, build_app
 
-    router = Router(state, RouterOptions(pick_policy=args.pick, default_quota=default_quota))
+    router = Router(state, RouterOptions(
+        pick_policy=args.pick, default_quota=default_quota,
+        stream_idle_timeout=args.stream_idle_timeout, answer_timeout=args.answer_timeout))
     tasks = [asyncio.create_task(router.scrape_forever())]
     api = None
     if args.config is not None:

@@ -7,6 +7,7 @@
     ├── TenantRefused       403: the tenant's TenantQuota cannot be read: refused, not unlimited
     ├── UnknownPool         404: `model` names no ServingPool the router knows
     ├── BadRequest          400: a body the router cannot read
+    ├── BodyTooLarge        413: a body over the router's limit (refused while reading it)
     ├── QuotaExceeded       429: over one of the TenantQuota's limits (with Retry-After)
     ├── UpstreamFailed      502: the replica went away while sending its answer
     └── NoEndpoint          503: the revision has no Ready replica, or every one failed
@@ -71,6 +72,12 @@ class UnknownPool(RouterError):
 class BadRequest(RouterError):
     status = 400
     code = "invalid_request"
+    kind = "invalid_request_error"
+
+
+class BodyTooLarge(RouterError):
+    status = 413
+    code = "request_too_large"
     kind = "invalid_request_error"
 
 

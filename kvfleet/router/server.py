@@ -34,6 +34,7 @@ from kvfleet.api.labels import short_revision
 from kvfleet.api.tenantquota import PriorityClass, TenantQuotaSpec
 from kvfleet.router.errors import (
     BadRequest,
+    BodyTooLarge,
     NoEndpoint,
     PoolNotAllowed,
     QuotaExceeded,
@@ -98,6 +99,12 @@ class RouterOptions:
     scrape_interval: float = 0.2
     stale_after: float = 1.0
     connect_timeout: float = 2.0
+    # A stalled engine must not hold a client, a replica's in-flight count and a tenant's
+    # concurrency slot for ever: a stream fails after this long without a byte (its first
+    # comes after queueing and prefill), a whole answer after `answer_timeout` (it comes in
+    # one piece, after the whole generation).
+    stream_idle_timeout: float = 120.0
+    answer_timeout: float = 900.0
     # "affinity" (load, then prefix affinity) or "round-robin" (the baseline it is measured
     # against in bench/router_prefix.py).
     pick_policy: str = "affinity"
@@ -231,6 +238,23 @@ async def _read_whole(resp: aiohttp.ClientResponse, endpoint: EndpointLoad
 def _resolve(future: asyncio.Future[str | None] | None, value: str | None) -> None:
     if future is not None and not future.done():
         future.set_result(value)
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request's body, refused (413) as soon as it is known to be over MAX_BODY_BYTES: by
+    its Content-Length before reading, or while reading a chunked one. A client cannot make
+    the router buffer more than the limit."""
+    too_large = BodyTooLarge(f"the body is over {MAX_BODY_BYTES} bytes; send a shorter prompt")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _billed_stream(body: dict[str, Any]) -> dict[str, Any]:
@@ -368,9 +392,7 @@ class Router:
         namespace, pool_name = "-", "-"
         try:
             tenant = self._tenant(request.headers.get("authorization"))
-            raw = await request.body()
-            if len(raw) > MAX_BODY_BYTES:
-                raise BadRequest(f"the body is over {MAX_BODY_BYTES} bytes")
+            raw = await _read_body(request)
             try:
                 body = json.loads(raw)
             except ValueError:
@@ -433,10 +455,14 @@ class Router:
             raise
 
     async def _connect(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
-                       headers: dict[str, str], text: str, tenant: str
+                       headers: dict[str, str], text: str, tenant: str, streamed: bool = False
                        ) -> tuple[aiohttp.ClientResponse, EndpointLoad]:
         """An upstream response with status < 500 (or the last failure), trying up to
         max_attempts replicas."""
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.options.connect_timeout,
+            sock_read=self.options.stream_idle_timeout if streamed else
+            self.options.answer_timeout)
         tried: set[str] = set()
         last: str = "no Ready replica"
         for _ in range(self.options.max_attempts):
@@ -453,7 +479,8 @@ class Router:
             endpoint.in_flight += 1
             try:
                 resp = await self.session.post(f"http://{endpoint.address}{path}",
-                                               data=payload, headers=headers)
+                                               data=payload, headers=headers,
+                                               timeout=timeout)
             except (TimeoutError, aiohttp.ClientError) as exc:
                 endpoint.in_flight -= 1
                 endpoint.failures += 1
@@ -492,7 +519,7 @@ class Router:
                     pool, revision, path, payload, headers, text, tenant)
             else:
                 resp, endpoint = await self._connect(pool, revision, path, payload, headers,
-                                                     text, tenant)
+                                                     text, tenant, streamed=True)
                 status = resp.status
                 if status != 200:  # a refusal: a JSON body, not a stream
                     status, data, content_type = await _read_whole(resp, endpoint)

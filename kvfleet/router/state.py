@@ -192,7 +192,7 @@ def parse_default_quota(data: Any, where: str) -> TenantQuotaSpec:
         return TenantQuotaSpec.model_validate({**data, "tenant": "default"})
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise ConfigError(f"{where}.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise ConfigError(f"{where}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
 def load_config(path: Path) -> RouterState:

@@ -19,6 +19,8 @@ from typing import Any
 import aiohttp
 from tokenizers import Tokenizer
 
+from kvfleet.router.errors import BadRequest
+
 log = logging.getLogger("kvfleet.router")
 
 PER_MESSAGE = 4  # e.g. "<|im_start|>user\n" ... "<|im_end|>\n" in ChatML
@@ -30,12 +32,16 @@ def estimate(text: str) -> int:
 
 
 def texts_of(body: dict[str, Any]) -> tuple[list[str], int]:
-    """(the texts of the prompt, how many chat messages carry them: 0 for a completion)."""
+    """(the texts of the prompt, how many chat messages carry them: 0 for a completion).
+    BadRequest for `messages` that is not a list of message objects."""
     if "messages" in body:
         texts = []
-        messages = body.get("messages") or []
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("messages: must be a list of message objects "
+                             '({"role": ..., "content": ...})', "messages")
         for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
+            content = message.get("content")
             if isinstance(content, str):
                 texts.append(content)
             elif isinstance(content, list):

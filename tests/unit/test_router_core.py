@@ -563,3 +563,20 @@ async def test_a_tenantquota_the_router_cannot_read_refuses_its_tenant_and_says_
         assert len(api.patches) == 1  # said once, not every interval
     finally:
         await router.close()
+
+
+def test_a_default_quota_comes_from_the_config_or_a_flag_and_is_checked(tmp_path: Path) -> None:
+    from kvfleet.commands.router import _default_quota
+
+    state = parse_config({"tenants": [{"tenant": "a", "keys": [KEY]}],
+                          "defaultQuota": {"limits": {"requestsPerMinute": 60}}})
+    assert state.default_quota is not None
+    assert state.default_quota.limits.requests_per_minute == 60
+    with pytest.raises(ConfigError, match=r"defaultQuota: limits\.requestsPerMinuet: Extra"):
+        parse_config({"defaultQuota": {"limits": {"requestsPerMinuet": 60}}})
+    flag = tmp_path / "default.yaml"
+    flag.write_text("limits: {maxConcurrentRequests: 2}\npriorityClass: batch\n")
+    assert _default_quota(flag).limits.max_concurrent_requests == 2
+    flag.write_text("- not a mapping\n")
+    with pytest.raises(ConfigError, match=f"--default-quota {flag}: a TenantQuota's spec"):
+        _default_quota(flag)

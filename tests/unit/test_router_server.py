@@ -14,6 +14,8 @@ import httpx
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvfleet.router.outcome import Outcome
@@ -94,6 +96,13 @@ async def upstream() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
             request.transport.close()  # the replica goes away mid-answer
             return resp
         content = body["messages"][0]["content"]
+        if content == "stall":  # an engine whose step thread hangs (the stall_after fault)
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            if body.get("stream"):
+                await resp.write(chunk("Hel"))
+            await asyncio.sleep(3)  # far past the test's timeouts
+            return resp
         if body.get("stream") and content in STREAMS:
             return await stream(request, content)
         return await whole(content)
@@ -487,3 +496,91 @@ async def test_the_real_engines_answers_get_their_outcomes(engine: tuple[str, An
         assert outcomes(wrong_token) == {"revision_refused": 1}
     finally:
         await wrong_token.close()
+
+
+@pytest.mark.asyncio
+async def test_a_body_over_the_limit_is_413_whether_declared_or_chunked() -> None:
+    from kvfleet.router.server import MAX_BODY_BYTES
+
+    router = make_router("127.0.0.1:9")
+    try:
+        transport = httpx.ASGITransport(app=build_app(router))
+        headers = {"authorization": f"Bearer {KEY}"}
+        big = b'{"model": "smol", "prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'
+
+        async def chunked() -> AsyncIterator[bytes]:
+            for start in range(0, len(big), 65536):
+                yield big[start:start + 65536]
+
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            for content in (big, chunked()):
+                resp = await client.post("/v1/completions", content=content, headers=headers)
+                assert resp.status_code == 413, resp.text
+                assert resp.json()["error"]["code"] == "request_too_large"
+        assert router.ledger.usage("team-a") == (0, 0, 0)  # nothing admitted
+    finally:
+        await router.close()
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False,
+                     allow_infinity=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) |
+                     st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", 3]),
+                                             "content": _JSON}), max_size=3) | _JSON
+_BODIES = st.fixed_dictionaries({"model": st.sampled_from(["smol", "smol", 3, None])}, optional={
+    "messages": _MESSAGES, "prompt": _JSON, "max_tokens": st.integers(-2, 10) | _JSON,
+    "max_completion_tokens": _JSON, "stream": st.booleans() | _JSON, "stream_options": _JSON,
+    "user": _JSON, "temperature": _JSON, "priority": st.integers(-5, 5) | _JSON}) | _JSON
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=_BODIES, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+@example(body={"model": "smol", "messages": 5}, path="/v1/chat/completions")
+@example(body={"model": "smol", "messages": ["hi"]}, path="/v1/chat/completions")
+def test_no_body_a_client_can_send_makes_the_router_fail_with_a_5xx(
+        body: object, path: str) -> None:
+    """Every malformed body is the client's 4xx (a non-list `messages` was a 500). What is
+    well formed gets a 503 here: its pool's one replica is a closed port."""
+    async def send() -> int:
+        router = make_router("127.0.0.1:9")
+        try:
+            transport = httpx.ASGITransport(app=build_app(router))
+            async with httpx.AsyncClient(transport=transport, base_url="http://r") as client:
+                resp = await client.post(path, json=body,
+                                         headers={"authorization": f"Bearer {KEY}"})
+            assert router.ledger.usage("team-a")[2] == 0  # nothing left in flight
+            return resp.status_code
+        finally:
+            await router.close()
+
+    status = asyncio.run(send())
+    assert status in (400, 404, 413, 429, 503), (status, body)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_stalled_engine_fails_the_request_in_time_and_frees_the_tenants_slot(
+    upstream: tuple[str, list[dict[str, Any]]], stream: bool,
+) -> None:
+    """There was no upstream read timeout: a hung engine held the client, the replica's
+    in-flight count and the tenant's concurrency slot for ever."""
+    from kvfleet.router.server import RouterOptions
+
+    address, _ = upstream
+    router = make_router(address)
+    router.options = RouterOptions(stream_idle_timeout=0.5, answer_timeout=0.5, max_attempts=1)
+    try:
+        started = asyncio.get_running_loop().time()
+        resp = await asyncio.wait_for(post(router, "stall", stream=stream), 10)
+        took = asyncio.get_running_loop().time() - started
+        assert took < 3, took
+        if stream:
+            assert resp.status_code == 200
+            assert '"code": "upstream_failed"' in resp.text and "Timeout" in resp.text
+        else:  # its status line came, its body never
+            assert resp.status_code == 502 and "Timeout" in resp.json()["error"]["message"]
+        assert router.ledger.usage("team-a")[2] == 0  # the slot is free again
+        assert all(e.in_flight == 0 for e in router.state.all_endpoints())
+    finally:
+        await router.close()
