@@ -51,6 +51,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--pick", choices=["affinity", "round-robin"], default="affinity",
                    help="replica choice: load then prefix affinity (default), or round-robin "
                         "(a baseline for benchmarks)")
+    p.add_argument("--scrape-interval", type=float, default=0.2, metavar="SECONDS",
+                   help="how often each engine replica's load is read (default 0.2)")
     p.add_argument("--stream-idle-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="fail a stream whose engine sends nothing for this long (its first "
                         "byte comes after queueing and prefill); default 120")
@@ -136,12 +138,20 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
 
     router = Router(state, RouterOptions(
         pick_policy=args.pick, default_quota=default_quota,
-        stream_idle_timeout=args.stream_idle_timeout, answer_timeout=args.answer_timeout))
-    tasks = [asyncio.create_task(router.scrape_forever())]
+        stream_idle_timeout=args.stream_idle_timeout, answer_timeout=args.answer_timeout,
+        # A load read older than a few intervals is stale (the replica counts as saturated).
+        scrape_interval=args.scrape_interval, stale_after=max(1.0, 5 * args.scrape_interval)))
+    from kvfleet.kube.tasks import fatal_if_it_ends
+
+    # A loop that dies is a fatal error, as an informer's is: routing without the replicas'
+    # load, or on a config that no longer reloads, must not go on silently.
+    tasks = [fatal_if_it_ends(asyncio.create_task(router.scrape_forever(),
+                                                  name="replica load scrape"))]
     api = None
     if args.config is not None:
         router.ledger.set_replicas(args.replicas, 0.0)
-        tasks.append(asyncio.create_task(_watch(args.config, router)))
+        tasks.append(fatal_if_it_ends(asyncio.create_task(_watch(args.config, router),
+                                                          name="config watch")))
         app = build_app(router)
     else:
         from kvfleet.router.cluster import ClusterSource

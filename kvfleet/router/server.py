@@ -340,14 +340,16 @@ class Router:
             async with self.session.get(f"http://{endpoint.address}/metrics",
                                         timeout=timeout) as resp:
                 text = await resp.text()
-        except (TimeoutError, aiohttp.ClientError):
+            if resp.status != 200:  # an error page says nothing of the load: not idle
+                raise ValueError(f"HTTP {resp.status}")
+            values = {}
+            for line in text.splitlines():
+                if line.startswith(LOAD_GAUGES):
+                    name, _, value = line.rpartition(" ")
+                    values[name.split("{", 1)[0]] = float(value)
+        except (TimeoutError, aiohttp.ClientError, ValueError):
             endpoint.failures += 1
             return
-        values = {}
-        for line in text.splitlines():
-            if line.startswith(LOAD_GAUGES):
-                name, _, value = line.rpartition(" ")
-                values[name.split("{", 1)[0]] = float(value)
         endpoint.waiting, endpoint.running, endpoint.kv_usage = (
             values.get(name, 0.0) for name in LOAD_GAUGES)
         endpoint.scraped_at = time.monotonic()

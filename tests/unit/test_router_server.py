@@ -584,3 +584,33 @@ async def test_a_stalled_engine_fails_the_request_in_time_and_frees_the_tenants_
         assert all(e.in_flight == 0 for e in router.state.all_endpoints())
     finally:
         await router.close()
+
+
+@pytest.mark.asyncio
+async def test_a_replica_whose_metrics_page_errs_is_not_read_as_idle() -> None:
+    broken = {"now": False}
+
+    async def metrics(_: web.Request) -> web.Response:
+        if broken["now"]:
+            return web.Response(status=500, text="kvfleet_engine_requests_waiting 0\n")
+        return web.Response(text="kvfleet_engine_requests_waiting 3\n"
+                                 "kvfleet_engine_requests_running 2\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    router = make_router(f"127.0.0.1:{port}")
+    try:
+        (endpoint,) = router.state.all_endpoints()
+        await router._scrape(endpoint)
+        assert (endpoint.waiting, endpoint.running, endpoint.failures) == (3, 2, 0)
+        broken["now"] = True
+        await router._scrape(endpoint)
+        assert endpoint.failures == 1 and endpoint.score(0, 1.0) == float("inf")
+    finally:
+        await router.close()
+        await runner.cleanup()
