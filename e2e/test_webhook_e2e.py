@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from kvfleet.api.servingpool import ServingPool
+from kvfleet.devcluster.kube import KubeClient
 from kvfleet.webhooks.certs import make_serving_certs
 from kvfleet.webhooks.config import WEBHOOK_NAME, build_validating_webhook_configuration
 
@@ -174,6 +175,28 @@ def test_invalid_example_is_refused(
     assert result.returncode != 0, f"{path.name} was admitted: {result.stdout}"
     for pattern in headers["expect"]:
         assert re.search(pattern, result.stderr), (pattern, result.stderr)
+
+
+def test_a_tenant_belongs_to_one_namespace(
+    webhook: Webhook, kubectl: Kubectl, kube: KubeClient, namespace: str
+) -> None:
+    """Whoever can write in namespace b must not claim namespace a's tenant: its budget, its
+    priority class, its prefix-cache scope."""
+    quota = yaml.safe_load((EXAMPLES / "02-tenantquota.yaml").read_text())
+    quota["spec"]["tenant"] = f"owned-{namespace}"
+    other = f"{namespace}-b"
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": other}})
+    try:
+        owned = kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(quota),
+                        check=False)
+        assert owned.returncode == 0, owned.stderr
+        claim = kubectl("apply", "-n", other, "-f", "-", input=yaml.safe_dump(quota),
+                        check=False)
+        assert claim.returncode != 0, claim.stdout
+        assert f"belongs to namespace '{namespace}'" in claim.stderr, claim.stderr
+        assert "[rule: ownership]" in claim.stderr
+    finally:
+        kube.delete("Namespace", other)
 
 
 def test_failure_policy_when_the_webhook_is_down(

@@ -67,7 +67,7 @@ def register(subparsers: Any) -> None:
 async def _run(args: argparse.Namespace) -> None:
     matrix = load_matrix(args.matrix) if args.matrix else default_matrix()
     reader = ObjectReader(Credentials(args.kubeconfig))
-    app = make_app(fetch=reader.get, matrix=matrix)
+    app = make_app(fetch=reader.get, matrix=matrix, list_objects=reader.list)
     certificate = ServingCertificate(args.cert, args.key)
     runner = await start(app, args.host, args.port, certificate.context)
     reloading = asyncio.create_task(certificate.watch(), name="certificate-reload")

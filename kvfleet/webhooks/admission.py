@@ -26,6 +26,9 @@ from kvfleet.webhooks.validate import (
 
 # (kind, namespace, name) -> the object as stored, or None when it does not exist.
 Fetch = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]
+# (kind, namespace or None for all) -> the objects stored: for the rules across objects (a
+# tenant owned by one namespace; the Rollouts that judge a pool by its slos).
+List = Callable[[str, str | None], Awaitable[list[dict[str, Any]]]]
 
 
 class FetchError(RuntimeError):
@@ -81,10 +84,13 @@ async def admit(
     fetch: Fetch,
     matrix: Matrix,
     namespace: str | None = None,
+    list_objects: List | None = None,
 ) -> Decision:
     """The decision for creating (old_data None) or updating an object of `kind`.
 
     `namespace` is the request's namespace, used when the object does not carry one.
+    `list_objects` (None: those rules are skipped) reads the objects the rules across
+    objects need.
     """
     if kind not in KINDS:
         return Decision([FieldError("kind", "schema", f"{kind} is not a kvfleet kind")])
@@ -123,8 +129,14 @@ async def admit(
     elif isinstance(new, ServingPool):
         artifact = await _get(fetch, ModelArtifact, namespace, new.spec.artifact_ref.name)
         found = validate_servingpool(new, old, artifact=artifact, matrix=matrix)
+        if list_objects is not None and old is not None and old.spec.slos != new.spec.slos:
+            found += _rollouts_judging(new, _parsed(Rollout, await list_objects(
+                "Rollout", namespace)))
     elif isinstance(new, TenantQuota):
         found = validate_tenantquota(new, old)
+        if list_objects is not None:
+            found += _tenant_owned_elsewhere(new, _parsed(TenantQuota, await list_objects(
+                "TenantQuota", None)))
     elif isinstance(new, Rollout):
         pool = await _get(fetch, ServingPool, namespace, new.spec.pool_ref.name)
         found = validate_rollout(new, old, pool=pool)
@@ -134,3 +146,49 @@ async def admit(
         errors=[e for e in found if e.severity == "error"],
         warnings=warnings + [e for e in found if e.severity == "warning"],
     )
+
+
+def _parsed(cls: type[Any], items: list[dict[str, Any]]) -> list[Any]:
+    """The objects that parse and are not being deleted (a namespace going away takes its
+    TenantQuotas and Rollouts with it)."""
+    out = []
+    for data in items:
+        if (data.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        try:
+            out.append(cls.model_validate(data))
+        except ValidationError:
+            continue  # one that no longer parses claims nothing and judges nothing
+    return out
+
+
+def _rollouts_judging(pool: ServingPool, rollouts: list[Rollout]) -> list[FieldError]:
+    """The pool's new slos leave each of its Rollouts something to judge its steps by: a
+    Rollout whose built-in metrics take their thresholds from the slos cannot run without
+    them (and once running it would hold its canary until maxWaitSeconds)."""
+    found = []
+    for rollout in rollouts:
+        if rollout.spec.pool_ref.name != pool.metadata.name:
+            continue
+        for error in validate_rollout(rollout, None, pool=pool):
+            if error.rule == "consistency" and error.field == "spec.analysis.metrics":
+                found.append(FieldError("spec.slos", "consistency",
+                                        f"Rollout {rollout.metadata.name} could no longer "
+                                        f"judge its {error.message}; give that Rollout "
+                                        "spec.analysis.metrics first"))
+    return found
+
+
+def _tenant_owned_elsewhere(new: TenantQuota, quotas: list[TenantQuota]) -> list[FieldError]:
+    """A tenant belongs to one namespace: its quota and its keys live there. A TenantQuota
+    claiming a tenant that another namespace's TenantQuota names would let whoever can write
+    in this namespace spend that tenant's budget and share its prefix cache."""
+    for other in quotas:
+        if other.spec.tenant == new.spec.tenant and \
+                other.metadata.namespace != new.metadata.namespace:
+            return [FieldError("spec.tenant", "ownership",
+                               f"tenant {new.spec.tenant!r} belongs to namespace "
+                               f"{other.metadata.namespace!r} (TenantQuota "
+                               f"{other.metadata.namespace}/{other.metadata.name}); choose "
+                               "another tenant name, or change that TenantQuota there")]
+    return []

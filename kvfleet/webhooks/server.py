@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from kvfleet.compat import Matrix
-from kvfleet.webhooks.admission import Fetch, FetchError, admit
+from kvfleet.webhooks.admission import Fetch, FetchError, List, admit
 
 VALIDATE_PATH = "/validate"
 HEALTH_PATH = "/healthz"
@@ -51,7 +51,8 @@ def _response(
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
 
 
-async def review(body: dict[str, Any], *, fetch: Fetch, matrix: Matrix) -> dict[str, Any]:
+async def review(body: dict[str, Any], *, fetch: Fetch, matrix: Matrix,
+                 list_objects: List | None = None) -> dict[str, Any]:
     """The AdmissionReview answer for one request (the whole webhook, minus HTTP)."""
     request = body["request"]
     uid = str(request["uid"])
@@ -68,6 +69,7 @@ async def review(body: dict[str, Any], *, fetch: Fetch, matrix: Matrix) -> dict[
             fetch=fetch,
             matrix=matrix,
             namespace=request.get("namespace"),
+            list_objects=list_objects,
         )
     except FetchError as error:
         message = f"{kind} {name}: cannot check references: {error}; retry"
@@ -85,7 +87,8 @@ async def review(body: dict[str, Any], *, fetch: Fetch, matrix: Matrix) -> dict[
     return _response(uid, False, code=422, message=decision.message(kind, name), warnings=warnings)
 
 
-def make_app(*, fetch: Fetch, matrix: Matrix) -> web.Application:
+def make_app(*, fetch: Fetch, matrix: Matrix,
+             list_objects: List | None = None) -> web.Application:
     async def validate(http_request: web.Request) -> web.Response:
         try:
             body = await http_request.json()
@@ -93,7 +96,8 @@ def make_app(*, fetch: Fetch, matrix: Matrix) -> web.Application:
                 raise ValueError("expected an admission.k8s.io/v1 AdmissionReview with a request")
         except (ValueError, json.JSONDecodeError, AttributeError) as error:
             return web.json_response({"error": str(error)}, status=400)
-        return web.json_response(await review(body, fetch=fetch, matrix=matrix))
+        return web.json_response(await review(body, fetch=fetch, matrix=matrix,
+                                                      list_objects=list_objects))
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text=f"ok matrix {matrix.version}\n")
