@@ -131,9 +131,11 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
     for name, qualified in names.items():
         if len(qualified) == 1:
             state.pools[name] = state.pools[qualified[0]]
-    state.keys = KeyRing.from_secrets(key_secrets)
+    owners: dict[str, str] = {}  # tenant -> the namespace of its oldest TenantQuota
     for raw in sorted(quotas, key=lambda q: str(q["metadata"].get("creationTimestamp", ""))):
         namespace, name = _where(raw)
+        if isinstance(tenant := (raw.get("spec") or {}).get("tenant"), str):
+            owners.setdefault(tenant, namespace)
         try:
             spec = TenantQuotaSpec.model_validate(raw.get("spec") or {})
         except ValidationError as exc:
@@ -145,7 +147,27 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
                         state.quotas[spec.tenant][0])
             continue
         state.quotas[spec.tenant] = (f"{namespace}/{name}", spec)
+    state.keys = KeyRing.from_secrets(_keys_of_their_namespace(key_secrets, owners))
     return state
+
+
+def _keys_of_their_namespace(secrets: Iterable[JsonObj], owners: dict[str, str]
+                             ) -> list[JsonObj]:
+    """The key Secrets that may speak for their tenant: a tenant belongs to the namespace of
+    its (oldest) TenantQuota, and a key for it minted in any other namespace is ignored
+    (logged, never its key) — else whoever can write a Secret anywhere a router watches could
+    spend another namespace's budget. The webhook refuses the second TenantQuota itself."""
+    kept = []
+    for secret in secrets:
+        namespace, name = _where(secret)
+        tenant = (secret["metadata"].get("labels") or {}).get(TENANT_LABEL)
+        home = owners.get(str(tenant))
+        if home is not None and home != namespace:
+            log.warning("Secret %s/%s: ignored, its tenant %r belongs to namespace %s (where "
+                        "its TenantQuota is)", namespace, name, tenant, home)
+            continue
+        kept.append(secret)
+    return kept
 
 
 def _refuse_unreadable(state: RouterState, raw: JsonObj, exc: ValidationError) -> None:

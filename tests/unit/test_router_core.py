@@ -580,3 +580,29 @@ def test_a_default_quota_comes_from_the_config_or_a_flag_and_is_checked(tmp_path
     flag.write_text("- not a mapping\n")
     with pytest.raises(ConfigError, match=f"--default-quota {flag}: a TenantQuota's spec"):
         _default_quota(flag)
+
+
+def test_a_key_minted_outside_its_tenants_namespace_is_ignored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With -A every namespace's Secrets are watched: a key for team-a made in namespace
+    `other` by someone who can write Secrets there spent team-a's budget."""
+    from kvfleet.router.cluster import state_from_objects
+
+    forged_key = "sk-forged-0123456789abcdef"
+    forged = secret("forged", "team-a", forged_key)
+    forged["metadata"]["namespace"] = "other"  # type: ignore[index]
+    orphan = secret("orphan", "team-z", "sk-orphan-0123456789abcdef")  # no quota anywhere
+    quota = {"metadata": {"name": "a", "namespace": "llm"}, "spec": {"tenant": "team-a"}}
+    with caplog.at_level(logging.WARNING):
+        state = state_from_objects([pool_object("smol")], [],
+                                   [secret("k", "team-a", KEY), forged, orphan], [], [quota],
+                                   cluster_wide=True)
+    assert state.keys.tenant_for(f"Bearer {KEY}") == "team-a"
+    with pytest.raises(Unauthorized):
+        state.keys.tenant_for(f"Bearer {forged_key}")
+    assert "Secret other/forged: ignored, its tenant 'team-a' belongs to namespace llm" in \
+        caplog.text and forged_key not in caplog.text
+    # A tenant without any TenantQuota has no home: its key authenticates, and the ledger
+    # refuses it (or holds it to the router's default quota).
+    assert state.keys.tenant_for("Bearer sk-orphan-0123456789abcdef") == "team-z"
