@@ -11,7 +11,8 @@ fault and the client's is drawn here, once:
                        finish_reason "error" (streamed or not), or the replica lost mid-stream
     revision_refused   the engine refused what the same prompt on another revision may serve:
                        context length, KV capacity, queue or tenant concurrency full (429),
-                       the router's proof refused (401/403: a token mismatch), not ready (503),
+                       the router's proof refused (403; a 401 is tried on another replica and
+                       ends as upstream_error if none answers), not ready (503),
                        the route or model missing (404/405: the router strips `model` and
                        only forwards the two OpenAI routes every engine serves)
     client_error       the client's own request, which every revision refuses alike (invalid

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 # Characters of the prompt that key affinity: about the first two KV blocks of tokens.
 PREFIX_CHARS = 128
+REFUSED_BACKOFF_S = 10.0
 
 
 @dataclass(slots=True)
@@ -34,9 +35,13 @@ class EndpointLoad:
     scraped_at: float | None = None
     in_flight: int = 0  # requests this router has open to it
     failures: int = field(default=0)  # consecutive failed scrapes or connections
+    # When it last refused this router's token (401): an engine that answers every request
+    # so at once looks idle and would draw the traffic; it counts as saturated for a while.
+    refused_at: float | None = None
 
     def score(self, now: float, stale_after: float) -> float:
-        if self.scraped_at is None or now - self.scraped_at > stale_after or self.failures:
+        if self.scraped_at is None or now - self.scraped_at > stale_after or self.failures or (
+                self.refused_at is not None and now - self.refused_at < REFUSED_BACKOFF_S):
             return float("inf")
         # A waiting request costs more than a running one (it has no KV yet and will queue);
         # a nearly full KV cache means preemptions.

@@ -488,8 +488,13 @@ class Router:
                 endpoint.failures += 1
                 last = f"{endpoint.address}: {type(exc).__name__}"
                 continue
-            if resp.status >= 500:
-                last = f"{endpoint.address}: HTTP {resp.status}"
+            if resp.status >= 500 or resp.status == 401:
+                # 401: the engine refused this router's token (a Secret re-minted and not yet
+                # seen by one side): the replica's fault, never the client's key.
+                last = f"{endpoint.address}: HTTP {resp.status}" + (
+                    " (the engine refused the router's token)" if resp.status == 401 else "")
+                if resp.status == 401:
+                    endpoint.refused_at = time.monotonic()
                 resp.release()
                 endpoint.in_flight -= 1
                 continue

@@ -492,8 +492,13 @@ async def test_the_real_engines_answers_get_their_outcomes(engine: tuple[str, An
                    "endpoints": {REVISION: [address]}, "routerToken": "x" * 32}],
         "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}))
     try:
-        assert (await post(wrong_token, "hi")).status_code == 401
-        assert outcomes(wrong_token) == {"revision_refused": 1}
+        # The engine refused the router's token: the replica's fault, not the client's key
+        # (a 401 told the client its key was wrong); the replica is shunned for a while.
+        refused = await post(wrong_token, "hi")
+        assert refused.status_code == 503 and "refused the router's token" in refused.text
+        assert outcomes(wrong_token) == {"upstream_error": 1}
+        (endpoint,) = wrong_token.state.all_endpoints()
+        assert endpoint.score(endpoint.refused_at or 0.0, 1e9) == float("inf")
     finally:
         await wrong_token.close()
 
