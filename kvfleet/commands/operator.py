@@ -93,6 +93,18 @@ def register(subparsers: Any) -> None:
         help="image of the engine containers",
     )
     p.add_argument(
+        "--router-namespace",
+        metavar="NS",
+        help="namespace of the kvfleet router pods, the only pods (with Prometheus') engine "
+        "pods admit (default: each pool's own namespace)",
+    )
+    p.add_argument(
+        "--prometheus-namespace",
+        metavar="NS",
+        help="namespace of the Prometheus pods that scrape engines (default: pods named "
+        "prometheus in any namespace)",
+    )
+    p.add_argument(
         "--prometheus-url",
         default=os.environ.get("KVFLEET_PROMETHEUS_URL"),
         metavar="URL",
@@ -149,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port, addr=args.metrics_address)
     config = OperatorConfig(
         matrix=matrix,
-        options=EngineOptions(image=args.engine_image),
+        options=EngineOptions(image=args.engine_image, router_namespace=args.router_namespace,
+                              prometheus_namespace=args.prometheus_namespace),
         drift_interval_seconds=args.drift_interval,
         max_concurrent_reconciles=args.max_concurrent_reconciles,
         prometheus_url=args.prometheus_url,

@@ -64,6 +64,10 @@ class EngineOptions:
 
     image: str = "ghcr.io/kvfleet/kvfleet:0.1.0"
     image_pull_policy: str = "IfNotPresent"
+    # Where the pods that may reach engines run: the router's namespace (None: the pool's
+    # own) and Prometheus' (None: any namespace, by its pods' name label alone).
+    router_namespace: str | None = None
+    prometheus_namespace: str | None = None
 
 
 def _meta(name: str, pool: ServingPool, labels: dict[str, str]) -> dict[str, Any]:
@@ -425,14 +429,19 @@ def router_token_of(secret: dict[str, Any] | None) -> str | None:
     return token if len(token) >= 32 else None
 
 
-def build_network_policy(pool: ServingPool) -> dict[str, Any]:
-    """Engine pods take traffic only from router pods (any namespace, for a cluster-wide
-    router) and from Prometheus (its /metrics scrapes), on the engine port. Enforced where the
-    cluster's network plugin implements NetworkPolicy."""
+def build_network_policy(pool: ServingPool, options: EngineOptions = EngineOptions()
+                         ) -> dict[str, Any]:
+    """Engine pods take traffic only from router pods of the router's namespace and from
+    Prometheus (its /metrics scrapes), on the engine port. A peer is a namespace by name (the
+    `kubernetes.io/metadata.name` label the API server sets, which nobody can set otherwise)
+    and a pod label in it: a pod elsewhere that labels itself a router is not one. Enforced
+    where the cluster's network plugin implements NetworkPolicy."""
     name = pool.metadata.name
 
-    def pods_named(app: str) -> dict[str, Any]:
-        return {"namespaceSelector": {},
+    def pods_named(app: str, namespace: str | None) -> dict[str, Any]:
+        where = {"matchLabels": {"kubernetes.io/metadata.name": namespace}} if namespace \
+            else {}
+        return {"namespaceSelector": where,
                 "podSelector": {"matchLabels": {"app.kubernetes.io/name": app}}}
 
     return {
@@ -443,7 +452,9 @@ def build_network_policy(pool: ServingPool) -> dict[str, Any]:
             "podSelector": {"matchLabels": naming.pool_selector(name)},
             "policyTypes": ["Ingress"],
             "ingress": [{
-                "from": [pods_named(naming.ROUTER_APP), pods_named("prometheus")],
+                "from": [pods_named(naming.ROUTER_APP,
+                                    options.router_namespace or pool.metadata.namespace),
+                         pods_named("prometheus", options.prometheus_namespace)],
                 "ports": [{"port": ENGINE_PORT_NAME, "protocol": "TCP"}],
             }],
         },

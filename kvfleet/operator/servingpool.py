@@ -166,7 +166,7 @@ def _desired(
         builders.build_deployment(pool, artifact, revision, plan, options),
         builders.build_service(pool),
         builders.build_pdb(pool),
-        builders.build_network_policy(pool),
+        builders.build_network_policy(pool, options),
     ]
 
 

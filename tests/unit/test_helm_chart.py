@@ -218,9 +218,9 @@ def test_the_charts_pods_run_the_image_as_the_dockerfile_builds_it(tmp_path: Pat
 
 
 def test_the_webhooks_role_grants_what_its_reviews_read(tmp_path: Path) -> None:
-    """Each kind reviewed once with a recording fetch: the kinds it reads by reference (a
-    pool's artifact, a rollout's pool) are exactly what the chart's webhook ClusterRole lets
-    it get, and nothing else."""
+    """Each kind reviewed with a recording fetch and list: the kinds it reads by reference (a
+    pool's artifact, a rollout's pool) and lists (every TenantQuota, a pool's Rollouts) are
+    exactly what the chart's webhook ClusterRole lets it get and list, and nothing else."""
     import asyncio
 
     from kvfleet.api.builders import make_artifact as artifact
@@ -230,16 +230,26 @@ def test_the_webhooks_role_grants_what_its_reviews_read(tmp_path: Path) -> None:
     from kvfleet.webhooks.admission import KINDS, admit
 
     stored = {"ModelArtifact": artifact().obj().to_wire(), "ServingPool": pool().obj().to_wire()}
-    read: set[str] = set()
+    read: set[tuple[str, str]] = set()
 
     async def fetch(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        read.add(kind)
+        read.add((kind, "get"))
         return stored.get(kind)
 
-    for kind, obj in [("ModelArtifact", artifact().data()), ("ServingPool", pool().data()),
-                      ("TenantQuota", make_quota().data()), ("Rollout", make_rollout().data())]:
-        asyncio.run(admit(kind, obj, None, fetch=fetch, matrix=default_matrix()))
+    async def list_objects(kind: str, namespace: str | None) -> list[dict[str, Any]]:
+        read.add((kind, "list"))
+        return []
+
+    old_pool = pool().data()
+    old_pool["spec"]["slos"] = {"ttftP95Seconds": 9.0}  # an slos edit re-checks the Rollouts
+    for kind, obj, old in [("ModelArtifact", artifact().data(), None),
+                           ("ServingPool", pool().data(), None),
+                           ("ServingPool", pool().data(), old_pool),
+                           ("TenantQuota", make_quota().data(), None),
+                           ("Rollout", make_rollout().data(), None)]:
+        asyncio.run(admit(kind, obj, old, fetch=fetch, matrix=default_matrix(),
+                          list_objects=list_objects))
     [role] = [d for d in _render(tmp_path) if d["kind"] == "ClusterRole"
               and d["metadata"]["name"] == "kv-webhook"]
     assert permissions(role["rules"]) == {
-        ("kvfleet.io", KINDS[kind].crd.plural, "get") for kind in read}
+        ("kvfleet.io", KINDS[kind].crd.plural, verb) for kind, verb in read}

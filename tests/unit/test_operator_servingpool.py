@@ -327,6 +327,16 @@ def test_the_router_token_is_made_once_and_given_to_every_engine_pod() -> None:
     sources = policy["spec"]["ingress"][0]["from"]
     assert [s["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for s in sources] == [
         "kvfleet-router", "prometheus"]
+    # A peer is a namespace by the name the API server sets, and a pod label in it: a pod
+    # elsewhere that labels itself kvfleet-router is no router.
+    assert sources[0]["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": p.metadata.namespace}}
+    assert sources[1]["namespaceSelector"] == {}  # Prometheus' namespace not given
+    from kvfleet.operator.builders import EngineOptions, build_network_policy
+    placed = build_network_policy(p, EngineOptions(router_namespace="kvfleet-system",
+                                                   prometheus_namespace="monitoring"))
+    assert [s["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+            for s in placed["spec"]["ingress"][0]["from"]] == ["kvfleet-system", "monitoring"]
 
 
 def _changing(replicas: int, **reserves: int) -> tuple[ServingPool, ModelArtifact, Observed,
