@@ -22,7 +22,8 @@ These are the series the Rollout analysis reads (canary vs stable); every name i
     kvfleet_router_shadow_first_divergence_chars{namespace,pool,revision}          histogram
     kvfleet_router_probes_total{namespace,pool,revision,outcome}                   counter
         (greedy probes to the revision and stable, kvfleet.router.probes: compared, error,
-        shed; created at 0 while a table asks for probes)
+        shed, misrouted: an answer from an engine of another revision than the one asked;
+        created at 0 while a table asks for probes)
     kvfleet_router_probe_tokens_total{namespace,pool,revision,kind}                counter
         (agreed: the common prefix of the two answers; compared: the longer answer's tokens)
     kvfleet_router_probe_first_divergence{namespace,pool,revision,probe}           gauge
@@ -62,7 +63,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                 0.75, 1.0, 2.5)
 LABELS = ("namespace", "pool", "revision", "traffic")
-PROBE_OUTCOMES = ("compared", "error", "shed")
+PROBE_OUTCOMES = ("compared", "error", "shed", "misrouted")
 # Around an SLO threshold t: buckets at t and t * (1 -+ this).
 SLO_MARGIN = 0.1
 

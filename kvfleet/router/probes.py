@@ -68,6 +68,27 @@ def answer_ids(status: int, data: bytes) -> list[int] | None:
     return ids
 
 
+def answered_by(data: bytes) -> str | None:
+    """The revision an engine says answered (its `system_fingerprint`), if it says one. An
+    engine started without `--revision` reports its weights' digest (`sha256:...`), which
+    names no revision: None."""
+    try:
+        fingerprint = json.loads(data).get("system_fingerprint")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(fingerprint, str) or not fingerprint or fingerprint.startswith("sha256:"):
+        return None
+    return fingerprint
+
+
+def same_revision(fingerprint: str | None, revision: str) -> bool:
+    """Whether an answer's fingerprint names `revision` (both may be short: 12 digits)."""
+    if fingerprint is None:
+        return True  # an engine that says nothing (an older one) is taken at its address
+    n = min(len(fingerprint), len(revision), 12)
+    return fingerprint[:n] == revision[:n]
+
+
 def probe_id(tenant: str, text: str) -> str:
     """A prompt's id in status and metrics: salted with its tenant, so it names the prompt to
     whoever can see that tenant's logs and reveals nothing of its text to anyone else."""

@@ -60,8 +60,10 @@ from kvfleet.router.probes import (
     PROBE_TENANT,
     agreement,
     answer_ids,
+    answered_by,
     probe_body,
     probe_id,
+    same_revision,
 )
 from kvfleet.router.quota import QuotaLedger, Reservation, no_quota
 from kvfleet.router.state import PoolRoute, RouterState, carry_loads
@@ -650,6 +652,16 @@ class Router:
             answers = [None, None]
         finally:
             self._probes_in_flight -= 1
+        wrong = [(r, who) for r, a in zip((revision, stable), answers, strict=True)
+                 if isinstance(a, tuple) and not same_revision(who := answered_by(a[1]), r)]
+        if wrong:
+            # The pair would compare one revision with itself (or the wrong one): an address
+            # that now belongs to another pod, a pod that labels itself what it is not.
+            log.error("pool %s/%s: a probe to revision %s was answered by revision %s; not "
+                      "compared", pool.namespace, pool.name, short_revision(wrong[0][0]),
+                      wrong[0][1])
+            self.metrics.probes.labels(*labels, "misrouted").inc()
+            return
         canary, baseline = (answer_ids(a[0], a[1]) if isinstance(a, tuple) else None
                             for a in answers)
         if canary is None or baseline is None:

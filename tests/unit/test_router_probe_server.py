@@ -23,11 +23,11 @@ KEY = "sk-team-a-0123456789abcdef"
 PROBED = {"namespace": "llm", "pool": "smol", "revision": CANARY[:12]}
 
 
-def _engine(ids: list[int], seen: list[dict[str, Any]]) -> web.Application:
+def _engine(ids: list[int], seen: list[dict[str, Any]], revision: str) -> web.Application:
     async def chat(request: web.Request) -> web.Response:
         body = await request.json()
         seen.append({"body": body, "headers": dict(request.headers)})
-        return web.json_response({"choices": [{
+        return web.json_response({"system_fingerprint": revision, "choices": [{
             "message": {"content": "x"}, "finish_reason": "length",
             "token_ids": ids if body.get("return_token_ids") else None}],
             "usage": {"prompt_tokens": 3, "completion_tokens": len(ids)}})
@@ -39,11 +39,15 @@ def _engine(ids: list[int], seen: list[dict[str, Any]]) -> web.Application:
 
 @pytest_asyncio.fixture
 async def engines() -> AsyncIterator[dict[str, Any]]:
-    seen: dict[str, list[dict[str, Any]]] = {"stable": [], "same": [], "wrong": []}
-    answers = {"stable": [1, 2, 3, 4], "same": [1, 2, 3, 4], "wrong": [1, 9, 9, 9]}
+    seen: dict[str, list[dict[str, Any]]] = {"stable": [], "same": [], "wrong": [],
+                                             "impostor": []}
+    answers = {"stable": [1, 2, 3, 4], "same": [1, 2, 3, 4], "wrong": [1, 9, 9, 9],
+               "impostor": [1, 2, 3, 4]}
+    # What each engine says it serves: the impostor is stable's model at a canary address.
+    says = {"stable": STABLE, "same": CANARY, "wrong": CANARY[:12], "impostor": STABLE[:12]}
     async with contextlib.AsyncExitStack() as stack:
-        ports = {name: await stack.enter_async_context(serving(_engine(ids, seen[name])))
-                 for name, ids in answers.items()}
+        ports = {name: await stack.enter_async_context(serving(
+                 _engine(ids, seen[name], says[name]))) for name, ids in answers.items()}
         yield {"seen": seen, **{name: f"127.0.0.1:{port}" for name, port in ports.items()}}
 
 
@@ -138,5 +142,21 @@ async def test_probes_are_shed_beyond_their_in_flight_cap(engines: dict[str, Any
         await _send(router, 3)
         assert _count(router, "kvfleet_router_probes_total", outcome="shed") == 3
         assert _count(router, "kvfleet_router_probes_total", outcome="compared") == 0
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+async def test_a_probe_answered_by_another_revision_is_not_compared(
+        engines: dict[str, Any]) -> None:
+    """An engine of stable's revision at the canary's address (an address reused by another
+    pod, a pod labelled what it is not) would make every probe pair agree, and pass a wrong
+    canary: each answer's system_fingerprint must name the revision asked."""
+    router = _router(engines["stable"], engines["impostor"])
+    try:
+        await _send(router, 4)
+        assert _count(router, "kvfleet_router_probes_total", outcome="misrouted") == 4
+        assert _count(router, "kvfleet_router_probes_total", outcome="compared") == 0
+        assert _count(router, "kvfleet_router_probe_tokens_total", kind="compared") == 0
     finally:
         await router.close()
