@@ -22,20 +22,15 @@ import time
 from pathlib import Path
 
 from kvfleet.api.gguf_artifact import embedded_gguf_path
+from kvfleet.devcluster.demo import ASKS, TOPICS
 from kvfleet.devcluster.perturb import DEFAULT_SCALE, DEFAULT_TENSOR, scale_norm
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.request import SamplingParams
 from kvfleet.router.probes import agreement
 
-TOPICS = ["Kubernetes", "the French Revolution", "photosynthesis", "a binary search",
-          "coffee", "the moon landing", "TCP handshakes", "bread baking", "volcanoes",
-          "jazz", "the Python GIL", "tax returns", "marathon training", "black holes",
-          "chess openings", "compound interest"]
-ASKS = ["Explain {} in two sentences.", "Write a haiku about {}.",
-        "List three facts about {}.", "What is the most common mistake people make with {}?"]
-
 
 def prompts(count: int) -> list[list[dict[str, str]]]:
+    """The demo traffic's chats (kvfleet.devcluster.demo), each once."""
     texts = [ask.format(topic) for ask in ASKS for topic in TOPICS]
     return [[{"role": "user", "content": text}] for text in texts[:count]]
 

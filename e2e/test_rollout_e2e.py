@@ -398,7 +398,12 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
             for action in ("retry", "retry"):
                 plugin(action)
             _wait_rollout(kube, operator, namespace, _phase("Progressing"), "retried", 30)
-            assert len(_events(kube, namespace, "RolloutStarted")) == 2
+            # (Events are posted after the status that records the decision.)
+            deadline = time.monotonic() + 15
+            while len(started := _events(kube, namespace, "RolloutStarted")) < 2:
+                assert time.monotonic() < deadline, started
+                time.sleep(0.5)
+            assert len(started) == 2, started
             plugin("promote", "--full")
             _wait_rollout(kube, operator, namespace, _phase("Promoted"), "promoted", 180)
             assert "Phase:     Promoted" in plugin("status")
@@ -618,13 +623,8 @@ def test_a_canary_with_wrong_weights_at_the_right_speed_is_stopped_by_answer_agr
     local_node: str, fake_nodes: list[str], tmp_path: Path,
 ) -> None:
     """b) Same shapes, same speed, wrong answers: stopped in the shadow phase, before any
-    live request reaches it, with the agreement score in the Rollout's status.
-
-    Not here yet: the same artifact without a shadow phase. In 3 of 5 runs its 50 % step saw
-    every greedy probe agree with stable (1.0, where the shadow phase saw 0.5 and the model
-    itself gives 0.5 on these prompts), passed, and was stopped only at 100 %. Why the canary
-    step's probe pairs agree is not found yet (bench/README.md, "Time to a rollout decision",
-    has the evidence)."""
+    live request reaches it; with the shadow phase removed, at the first analysed step (a
+    second such artifact). The agreement score is in the Rollout's status."""
     with _only_the_local_l4_node(kube, kubectl):
         hashes = _setup(kube, namespace, shadow=True)
         wrong = _perturbed_revision("smol-wrong", namespace, tmp_path)
@@ -634,7 +634,7 @@ def test_a_canary_with_wrong_weights_at_the_right_speed_is_stopped_by_answer_agr
         stable_pods = _pods(kube, namespace, hashes["smol-v1"])
         traffic = Traffic(router_on_node(kube, namespace, local_node))
 
-        def stopped() -> JsonObj:
+        def stopped() -> JsonObj:  # (`bad` names the second artifact later)
             return _wait_rollout(kube, operator, namespace, lambda r: _phase(
                 "RolledBack", "Promoted", "Paused")(r) and r["status"].get(
                 "canaryRevision") == bad, "the wrong-weights canary stopped", 300)
@@ -658,6 +658,21 @@ def test_a_canary_with_wrong_weights_at_the_right_speed_is_stopped_by_answer_agr
             print(f"agreement in the shadow phase: {score['canaryValue']:.3f} "
                   f"({score['message']})")
 
+            # Without a shadow phase: another wrong artifact, stopped at the first step.
+            kube.merge_patch("Rollout", POOL, {"spec": {"shadow": None}}, namespace)
+            second = {**wrong, "metadata": {"name": "smol-wrong-2", "namespace": namespace},
+                      "spec": {**wrong["spec"], "samplingDefaults": {"topK": 50}}}
+            kube.create(second)
+            bad = manifest_hash(second["spec"])
+            started = time.monotonic()
+            set_artifact(kube, namespace, POOL, "smol-wrong-2")
+            status = stopped()["status"]
+            _decided_in(started, "wrong weights, no shadow phase")
+            assert status["phase"] == "RolledBack", yaml.safe_dump(status)
+            assert status["message"].startswith("step 1/2 weight 50%:"), \
+                yaml.safe_dump(status["evaluations"])
+            score = agreement(status)
+            assert score["outcome"] == "Fail" and score["canaryValue"] < score["threshold"], score
         finally:
             traffic.close()
         assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods

@@ -119,6 +119,22 @@ def long_prompt_fault(revision: str) -> str:
     return f"{revision[:12]}:long_prompt_delay=0.02,long_prompt_tokens=600"
 
 
+# What `Traffic` asks: 64 different chats. Answer agreement is judged on the probes of the
+# traffic there is; near-identical prompts ("Say hi to N") made a wrong-weights canary agree
+# with stable on every probe of a window where N's digits happened to suit it, and pass.
+TOPICS = ["Kubernetes", "the French Revolution", "photosynthesis", "a binary search",
+          "coffee", "the moon landing", "TCP handshakes", "bread baking", "volcanoes",
+          "jazz", "the Python GIL", "tax returns", "marathon training", "black holes",
+          "chess openings", "compound interest"]
+ASKS = ["Explain {} in two sentences.", "Write a haiku about {}.",
+        "List three facts about {}.", "What is the most common mistake people make with {}?"]
+
+
+def chat_prompt(n: int) -> str:
+    """The `n`th of the 64 chats (ask-major, so consecutive ones change topic)."""
+    return ASKS[(n // len(TOPICS)) % len(ASKS)].format(TOPICS[n % len(TOPICS)])
+
+
 # A long prompt of `Traffic(long_every=N)`: some 1300 tokens of SmolLM2's tokenizer.
 LONG_FILLER = "The quick brown fox jumps over the lazy dog. " * 130
 
@@ -213,7 +229,7 @@ class Traffic:
         with httpx.Client(timeout=60) as client:
             while not self.stop_event.is_set():
                 n += 1
-                prompt = f"Say hi to {n}"
+                prompt = chat_prompt(n + 31 * worker)  # (workers apart: not in lockstep)
                 if self.long_every and n % self.long_every == 0:
                     prompt = f"{LONG_FILLER}\n{prompt}"
                 body = {"model": self.model, "max_tokens": 4, "stream": True,
