@@ -95,6 +95,7 @@ class RouterOptions:
     max_attempts: int = 3  # replicas tried before the first byte
     shadow_max_in_flight: int = 8
     shadow_max_tokens: int = 256
+    shadow_timeout: float = 120.0  # a shadow copy still unanswered then frees its slot
     probe_max_in_flight: int = 4  # greedy probe pairs; more are shed
     probe_max_tokens: int = PROBE_MAX_TOKENS
     probe_timeout: float = 60.0
@@ -490,6 +491,9 @@ class Router:
                 endpoint.failures += 1
                 last = f"{endpoint.address}: {type(exc).__name__}"
                 continue
+            except BaseException:  # cancelled (a shadow or probe out of time): not in flight
+                endpoint.in_flight -= 1
+                raise
             if resp.status >= 500 or resp.status == 401:
                 # 401: the engine refused this router's token (a Secret re-minted and not yet
                 # seen by one side): the replica's fault, never the client's key.
@@ -589,12 +593,15 @@ class Router:
         self._shadow_in_flight += 1
         started = time.monotonic()
         try:
-            code, data, _ = await self._request(
+            code, data, _ = await asyncio.wait_for(self._request(
                 pool, revision, path, _shadow_payload(body, self.options.shadow_max_tokens),
-                {**headers, "x-kvfleet-traffic": "shadow"}, text, tenant)
+                {**headers, "x-kvfleet-traffic": "shadow"}, text, tenant),
+                self.options.shadow_timeout)
             answer = read_answer(code, data)
         except RouterError as exc:
             answer = Answer(classify(exc.status, exc.code))
+        except TimeoutError:  # a stalled shadow revision must not keep its slot
+            answer = Answer(Outcome.UPSTREAM_ERROR)
         finally:
             self._shadow_in_flight -= 1
         shadow_labels = (*labels, "shadow")

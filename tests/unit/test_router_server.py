@@ -619,3 +619,37 @@ async def test_a_replica_whose_metrics_page_errs_is_not_read_as_idle() -> None:
     finally:
         await router.close()
         await runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_shadow_copy_frees_its_slot(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """A shadow revision that hangs held every shadow slot for ever: no more shadow traffic,
+    and the replica's in-flight count never came down."""
+    from kvfleet.router.server import RouterOptions
+
+    address, _ = upstream
+    shadow = "c" * 64
+    router = Router(parse_config({
+        "namespace": NAMESPACE,
+        "pools": [{"name": "smol", "status": {"servingRevision": REVISION, "traffic": [
+            {"revision": REVISION, "role": "stable", "weight": 100},
+            {"revision": shadow, "role": "shadow", "shadowPercent": 100}]},
+            "endpoints": {REVISION: [address], shadow: [address]}}],
+        "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}),
+        RouterOptions(shadow_timeout=0.5))
+    try:
+        # The live copy stalls too here (one fake engine): only the shadow's slot is watched.
+        router.options = RouterOptions(shadow_timeout=0.5, answer_timeout=5)
+        task = asyncio.ensure_future(post(router, "stall"))
+        await asyncio.sleep(0.2)
+        assert router._shadow_in_flight == 1
+        await asyncio.sleep(1.0)
+        assert router._shadow_in_flight == 0
+        assert sample(router, REQUESTS, revision=shadow[:12], traffic="shadow",
+                      outcome="upstream_error") == 1
+        await task
+        assert all(e.in_flight == 0 for e in router.state.all_endpoints())
+    finally:
+        await router.close()
