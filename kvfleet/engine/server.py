@@ -62,6 +62,9 @@ STATUS_BY_CODE: dict[str, int] = {
     "context_length_exceeded": 400,
     "kv_capacity_exceeded": 400,
     "invalid_tenant": 400,
+    # A chat request to a model without a chat template: the artifact's fault (a revision
+    # that lost its template refuses every chat its predecessor served).
+    "chat_template_missing": 400,
     "router_proof_required": 401,
     "model_not_found": 404,
     "method_not_allowed": 405,
@@ -442,7 +445,7 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
         _check_supported(body)
         chat_template = gate.serving.chat_template
         if chat_template is None:
-            raise ApiError("invalid_request_error", "this model has no chat template; use "
+            raise ApiError("chat_template_missing", "this model has no chat template; use "
                            "/v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         text = chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)

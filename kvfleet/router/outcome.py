@@ -55,7 +55,7 @@ class Outcome(StrEnum):
 REVISION_CODES = frozenset({
     "context_length_exceeded", "kv_capacity_exceeded", "queue_full",
     "tenant_concurrency_exceeded", "router_proof_required", "not_ready", "model_not_found",
-    "not_found", "method_not_allowed",
+    "not_found", "method_not_allowed", "chat_template_missing",
 })
 CLIENT_CODES = frozenset({
     "invalid_request_error", "unsupported_parameter", "idempotency_key_reused",

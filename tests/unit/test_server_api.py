@@ -427,3 +427,27 @@ async def test_a_stream_whose_client_left_before_its_first_byte_is_cancelled(
         await asyncio.sleep(0.01)
     assert request.finish_reason is not None and request.finish_reason.value == "cancelled"
     assert request.num_output_tokens < 200 and slow.core.blocks_in_use() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_chat_to_a_model_without_a_chat_template_is_the_revisions_refusal() -> None:
+    """It was `invalid_request_error`, which the router counts as the client's: a revision
+    that lost its template refused every chat and passed the ErrorRate gate."""
+    from kvfleet.router.outcome import Outcome, classify
+
+    engine, _ = make_engine(max_context=256)
+    engine.start()
+    lifecycle = Lifecycle()
+    await warm_up(engine, lifecycle, (1, 2, 3))
+    app = create_app(Serving(lifecycle, engine, None))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://kvfleet") as client:
+            resp = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert resp.status_code == 400
+        error = resp.json()["error"]
+        assert error["code"] == "chat_template_missing" and error["param"] == "messages"
+        assert classify(400, error["code"]) is Outcome.REVISION_REFUSED
+    finally:
+        await engine.stop()
