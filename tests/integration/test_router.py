@@ -266,8 +266,8 @@ def test_greedy_probes_agree_on_the_same_weights_and_not_on_perturbed_ones(
     with tempfile.TemporaryDirectory(prefix="kvfleet-perturbed-") as tmp:
         wrong = scale_norm(embedded_gguf_path(), Path(tmp) / "wrong.gguf")
         with running_server("--model", str(wrong), "--kv-cache-memory-mib", "64",
-                            "--router-token-file", str(token_file), "--revision", "c" * 12,
-                            torch_threads=1) as perturbed:
+                            "--router-token-file", str(token_file), "--revision", CANARY[:12],
+                            torch_threads=1) as perturbed:  # (it serves the canary revision)
             swapped = {STABLE: engines[STABLE], CANARY: perturbed}
             router.reconfigure(probing(swapped, token_file))
             before = router.metric("kvfleet_router_probe_tokens_total", revision=CANARY[:12],
@@ -352,4 +352,4 @@ def test_a_stream_cut_short_by_its_client_is_billed_what_was_relayed(
     assert refused.status_code == 429, refused.text
     left = int(re.search(r"max_tokens 250, (\d+) left", refused.json()["error"]["message"])[1])
     refill = 300 / 60 * (time.monotonic() - started)
-    assert left <= 300 - relayed + refill, (left, relayed, refill)
+    assert left <= 300 - relayed + refill + 1, (left, relayed, refill)  # (+1: shown rounded)
