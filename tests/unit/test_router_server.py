@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvfleet.router.outcome import Outcome
-from kvfleet.router.server import Router, build_app
+from kvfleet.router.server import Router, RouterOptions, build_app
 from kvfleet.router.state import parse_config
 
 REVISION = "a" * 64
@@ -139,6 +139,18 @@ def make_router(address: str) -> Router:
             "limits": {"maxConcurrentRequests": 4}, "priorityClass": "high"}}]}))
 
 
+def shadowing_router(address: str, shadow: str, options: RouterOptions | None = None
+                     ) -> Router:
+    """All live traffic on REVISION, every request copied to `shadow`; both at `address`."""
+    return Router(parse_config({
+        "namespace": NAMESPACE,
+        "pools": [{"name": "smol", "status": {"servingRevision": REVISION, "traffic": [
+            {"revision": REVISION, "role": "stable", "weight": 100},
+            {"revision": shadow, "role": "shadow", "shadowPercent": 100}]},
+            "endpoints": {REVISION: [address], shadow: [address]}}],
+        "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}), options)
+
+
 async def post(router: Router, content: str, **extra: Any) -> httpx.Response:
     transport = httpx.ASGITransport(app=build_app(router))
     async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
@@ -211,13 +223,7 @@ async def test_a_shadow_copy_whose_replica_fails_is_counted_and_releases_its_slo
 ) -> None:
     address, _ = upstream
     shadow = "b" * 64
-    router = Router(parse_config({
-        "namespace": NAMESPACE,
-        "pools": [{"name": "smol", "status": {"servingRevision": REVISION, "traffic": [
-            {"revision": REVISION, "role": "stable", "weight": 100},
-            {"revision": shadow, "role": "shadow", "shadowPercent": 100}]},
-            "endpoints": {REVISION: [address], shadow: [address]}}],
-        "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}))
+    router = shadowing_router(address, shadow)
     try:
         assert (await post(router, "die", temperature=0)).status_code == 502
         await asyncio.gather(*router._tasks)
@@ -570,8 +576,6 @@ async def test_a_stalled_engine_fails_the_request_in_time_and_frees_the_tenants_
 ) -> None:
     """There was no upstream read timeout: a hung engine held the client, the replica's
     in-flight count and the tenant's concurrency slot for ever."""
-    from kvfleet.router.server import RouterOptions
-
     address, _ = upstream
     router = make_router(address)
     router.options = RouterOptions(stream_idle_timeout=0.5, answer_timeout=0.5, max_attempts=1)
@@ -627,21 +631,12 @@ async def test_a_stalled_shadow_copy_frees_its_slot(
 ) -> None:
     """A shadow revision that hangs held every shadow slot for ever: no more shadow traffic,
     and the replica's in-flight count never came down."""
-    from kvfleet.router.server import RouterOptions
-
     address, _ = upstream
     shadow = "c" * 64
-    router = Router(parse_config({
-        "namespace": NAMESPACE,
-        "pools": [{"name": "smol", "status": {"servingRevision": REVISION, "traffic": [
-            {"revision": REVISION, "role": "stable", "weight": 100},
-            {"revision": shadow, "role": "shadow", "shadowPercent": 100}]},
-            "endpoints": {REVISION: [address], shadow: [address]}}],
-        "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}),
-        RouterOptions(shadow_timeout=0.5))
+    # The live copy stalls too here (one fake engine): only the shadow's slot is watched.
+    router = shadowing_router(address, shadow,
+                              RouterOptions(shadow_timeout=0.5, answer_timeout=5))
     try:
-        # The live copy stalls too here (one fake engine): only the shadow's slot is watched.
-        router.options = RouterOptions(shadow_timeout=0.5, answer_timeout=5)
         task = asyncio.ensure_future(post(router, "stall"))
         await asyncio.sleep(0.2)
         assert router._shadow_in_flight == 1
