@@ -63,6 +63,15 @@ def register(subparsers: Any) -> None:
                    help="a TenantQuota spec (YAML: limits, allowedPools, priorityClass, ...) "
                         "for tenants that have none; without it such tenants are refused "
                         "(403 no_tenant_quota)")
+    p.add_argument("--redis", metavar="URL", default=os.environ.get("KVFLEET_REDIS_URL"),
+                   help="the shared quota ledger (redis://[:password@]host:port/db): every "
+                        "router replica enforces the fleet-wide limits on the same buckets; "
+                        "without it, or while it is unreachable, each enforces its 1/N share "
+                        "(default: $KVFLEET_REDIS_URL, which keeps a password out of ps)")
+    p.add_argument("--redis-prefix", metavar="PREFIX",
+                   default=os.environ.get("KVFLEET_REDIS_PREFIX") or "kvfleet",
+                   help="prefix of the ledger's keys, for fleets sharing one Redis "
+                        "(default kvfleet)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -140,13 +149,17 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
         pick_policy=args.pick, default_quota=default_quota,
         stream_idle_timeout=args.stream_idle_timeout, answer_timeout=args.answer_timeout,
         # A load read older than a few intervals is stale (the replica counts as saturated).
-        scrape_interval=args.scrape_interval, stale_after=max(1.0, 5 * args.scrape_interval)))
+        scrape_interval=args.scrape_interval, stale_after=max(1.0, 5 * args.scrape_interval),
+        redis_url=args.redis, redis_prefix=args.redis_prefix))
     from kvfleet.kube.tasks import fatal_if_it_ends
 
     # A loop that dies is a fatal error, as an informer's is: routing without the replicas'
     # load, or on a config that no longer reloads, must not go on silently.
     tasks = [fatal_if_it_ends(asyncio.create_task(router.scrape_forever(),
                                                   name="replica load scrape"))]
+    if router.shared is not None:
+        tasks.append(fatal_if_it_ends(asyncio.create_task(router.shared.keep_leases(),
+                                                          name="quota slot leases")))
     api = None
     if args.config is not None:
         router.ledger.set_replicas(args.replicas, 0.0)

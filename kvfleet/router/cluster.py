@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -42,6 +43,7 @@ from kvfleet.api.tenantquota import TenantQuotaSpec
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.kube.informer import Informer
 from kvfleet.kube.tasks import exit_process, fatal_if_it_ends
+from kvfleet.router.fleet_ledger import UNREACHABLE
 from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad
 from kvfleet.router.quota import QuotaLedger
@@ -221,10 +223,12 @@ def seeds(raw: Mapping[str, Any], me: str, router_pods: set[str], now: datetime
 
 def usage_status(ledger: QuotaLedger, tenant: str, previous: tuple[int, int, int] | None,
                  elapsed: float, raw: Mapping[str, Any], me: str, router_pods: set[str],
-                 now: datetime, mono: float) -> dict[str, Any] | None:
+                 now: datetime, mono: float, remaining: dict[str, float] | None = None
+                 ) -> dict[str, Any] | None:
     """This router's report into the TenantQuota's status, the fleet's usage (the sum of the
     live routers' recent reports), and the reports to prune (gone routers, over a minute
-    old); None when the tenant has no quota here."""
+    old); None when the tenant has no quota here. `remaining`: the buckets' levels when they
+    are not this router's own (the shared ledger's)."""
     usage = ledger.usage(tenant)
     if usage is None:
         return None
@@ -234,7 +238,8 @@ def usage_status(ledger: QuotaLedger, tenant: str, previous: tuple[int, int, int
     mine: dict[str, Any] = {"at": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
             "requestsPerMinute": round((requests - before[0]) * per_minute),
             "tokensPerMinute": round((tokens - before[1]) * per_minute),
-            "concurrentRequests": in_flight, "remaining": ledger.remaining(tenant, mono)}
+            "concurrentRequests": in_flight,
+            "remaining": ledger.remaining(tenant, mono) if remaining is None else remaining}
     routers: dict[str, Any] = {me: mine}
     total = {"requestsPerMinute": 0, "tokensPerMinute": 0, "concurrentRequests": 0}
     for name, (report, age) in _reports(raw, now).items():
@@ -362,8 +367,14 @@ class ClusterSource:
         if not isinstance(tenant, str) or (usage := self.router.ledger.usage(tenant)) is None:
             return
         previous = self._reported.get(key)
+        shared = self.router.shared
+        remaining = None
+        if shared is not None and shared.up:
+            with contextlib.suppress(*UNREACHABLE):  # (then this router's own, as below)
+                remaining = await shared.levels(tenant)
         status = usage_status(self.router.ledger, tenant, previous, elapsed, raw, self.name,
-                              self._router_pods(), datetime.now(UTC), time.monotonic())
+                              self._router_pods(), datetime.now(UTC), time.monotonic(),
+                              remaining)
         self._reported[key] = (usage[0], usage[1], usage[2])
         if status is None:
             return
@@ -379,6 +390,8 @@ class ClusterSource:
             _ready_condition(raw, True, "Enforced", "enforced by the kvfleet router")
             if enforced else _ready_condition(
                 raw, False, "Superseded", "another TenantQuota for the same tenant is enforced")]
+        if shared is not None:
+            status["conditions"].append(_condition(raw, "FleetWide", *shared.condition()))
         if unchanged and all(current.get(k) == v for k, v in status.items()
                              if k not in ("routers", "usage")):
             return
@@ -393,11 +406,15 @@ class ClusterSource:
 
 
 def _ready_condition(raw: JsonObj, ready: bool, reason: str, message: str) -> JsonObj:
+    return _condition(raw, "Ready", ready, reason, message)
+
+
+def _condition(raw: JsonObj, kind: str, ok: bool, reason: str, message: str) -> JsonObj:
     before: JsonObj = next((c for c in (raw.get("status") or {}).get("conditions") or []
-                            if c.get("type") == "Ready"), {})
-    value = "True" if ready else "False"
+                            if c.get("type") == kind), {})
+    value = "True" if ok else "False"
     return {
-        "type": "Ready", "status": value, "reason": reason, "message": message,
+        "type": kind, "status": value, "reason": reason, "message": message,
         "observedGeneration": raw["metadata"].get("generation"),
         # Changes only when the condition's status does.
         "lastTransitionTime": before.get("lastTransitionTime")

@@ -156,6 +156,10 @@ class RouterMetrics:
                                     "First differing character of greedy shadow answers",
                                     ("namespace", "pool", "revision"),
                                     buckets=(0, 1, 4, 16, 64, 256, 1024, 4096), registry=r)
+        self.shared_ledger_up = Gauge(
+            PREFIX + "shared_ledger_up", "1 while the shared quota ledger (Redis) decides "
+            "admissions; 0 while this router enforces its share of each limit on its own",
+            registry=r)
         probe = ("namespace", "pool", "revision")
         self.probes = Counter(PREFIX + "probes_total", "Greedy probes by outcome",
                               (*probe, "outcome"), registry=r)

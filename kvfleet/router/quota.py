@@ -13,21 +13,27 @@ router runs with a default quota (`--default-quota`, or `defaultQuota:` in its c
 then each such tenant gets its own buckets of that spec. A tenant whose TenantQuota cannot be
 read is refused by the router before it reaches the ledger (`kvfleet.router.cluster`).
 
-Borrowing: for a limit listed in the quota's `borrowing.resources`, a tenant may go over by up
-to `maxPercent` of the limit, as far as the other tenants leave that resource idle (the sum of
-their unused allowance on this router).
+Borrowing: for a limit listed in the quota's `borrowing.resources`, a tenant short of its own
+allowance takes the rest from other tenants' idle allowance: from their buckets (the most
+idle first) or, for maxConcurrentRequests, by holding one of their free slots. What it may
+borrow is itself a budget of `maxPercent` of its limit per minute (`Bucket.debt`). Lenders are
+the tenants with their own TenantQuota; what a request borrowed and did not use (an output
+reservation settled lower) goes back to its lenders first.
 
-Several router replicas: each enforces `1 / replicas` of every limit (rounded up, at least 1),
-`replicas` being the Ready routers in its own Endpoints. The fleet-wide limit then holds as long
-as clients' requests spread over the replicas (the Service balances connections); a client
-pinned to one replica gets that replica's share.
+Where the limits are kept: with a shared ledger (`--redis`, `kvfleet.router.fleet_ledger`)
+every router replica enforces the fleet-wide limits on the same buckets, atomically. Without
+one, or while it is unreachable, this module's ledger is the one each replica keeps for
+itself, and then each enforces `1 / replicas` of every limit (rounded up, at least 1),
+`replicas` being the Ready routers in its own Endpoints. The fleet-wide limit then holds as
+long as clients' requests spread over the replicas (the Service balances connections); a
+client pinned to one replica gets that replica's share.
 
-Restarts: each router reports what its buckets have left into the TenantQuota's status every
-`STATUS_INTERVAL_SECONDS` (see `kvfleet.router.cluster`), and a router that starts takes its
-buckets from its own last report, or from that of a router pod that is gone (the lowest), plus
-the refill since (`seed`). What a restart can lose is the admissions of the last interval
-before it: at most 10 s of a tenant's traffic on that replica is admitted twice, never a whole
-minute's allowance.
+Restarts (without a shared ledger): each router reports what its buckets have left into the
+TenantQuota's status every `STATUS_INTERVAL_SECONDS` (see `kvfleet.router.cluster`), and a
+router that starts takes its buckets from its own last report, or from that of a router pod
+that is gone (the lowest), plus the refill since (`seed`). What a restart can lose is the
+admissions of the last interval before it: at most 10 s of a tenant's traffic on that replica
+is admitted twice, never a whole minute's allowance.
 """
 
 from __future__ import annotations
@@ -46,9 +52,15 @@ CONCURRENCY = BorrowableResource.MAX_CONCURRENT_REQUESTS
 
 @dataclass(slots=True)
 class Bucket:
+    """A per-minute limit: `level` left of `capacity`, refilling at capacity / 60 a second.
+    `debt` is what the tenant has borrowed from others (at most `borrow_cap`, repaid by time
+    at borrow_cap / 60 a second): borrowing is itself a budget per minute."""
+
     capacity: float
     level: float
     updated: float
+    borrow_cap: float = 0.0
+    debt: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -56,7 +68,9 @@ class Bucket:
 
     def refill(self, now: float) -> None:
         if now > self.updated:
-            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+            elapsed = now - self.updated
+            self.level = min(self.capacity, self.level + elapsed * self.rate)
+            self.debt = max(0.0, self.debt - elapsed * self.borrow_cap / 60.0)
             self.updated = now
 
     def wait_for(self, amount: float, ceiling: float) -> float:
@@ -72,19 +86,31 @@ class TenantState:
     quota_name: str  # namespace/name of the TenantQuota, for messages
     spec: TenantQuotaSpec
     buckets: dict[BorrowableResource, Bucket] = field(default_factory=dict)
-    in_flight: int = 0
+    in_flight: int = 0  # this tenant's requests in flight (in its own slots or borrowed ones)
+    slots_borrowed: int = 0  # of those, the ones holding another tenant's slot
+    slots_lent: int = 0  # this tenant's slots held by other tenants' requests
     requests_total: int = 0
     tokens_total: int = 0
+
+    @property
+    def slots_used(self) -> int:
+        return self.in_flight - self.slots_borrowed + self.slots_lent
 
 
 @dataclass(slots=True)
 class Reservation:
-    """What an admitted request holds until `QuotaLedger.settle`."""
+    """What an admitted request holds until it is settled: its allowance, the concurrency
+    slot (its tenant's own, or `slot_lender`'s) and what it borrowed from each lender
+    ((resource, lender) -> amount), which a refund pays back first."""
 
     tenant: str
     input_tokens: int
     output_reserved: int
     settled: bool = False
+    slot_lender: str | None = None
+    borrowed: dict[tuple[BorrowableResource, str], float] = field(default_factory=dict)
+    id: str = ""  # the shared ledger's lease name
+    shared: bool = False  # admitted by the shared (Redis) ledger, settled there
 
 
 def _share(limit: int, replicas: int) -> int:
@@ -100,6 +126,39 @@ def no_quota(tenant: str) -> NoTenantQuota:
         f"create a TenantQuota with spec.tenant: {tenant} (in the namespace of the tenant's "
         "key Secret), or run the router with a default quota (--default-quota, or "
         "defaultQuota: in its config file)")
+
+
+def rate_limits(spec: TenantQuotaSpec) -> dict[BorrowableResource, int | None]:
+    """The per-minute limits of a spec, fleet-wide (None: unlimited)."""
+    limits = spec.limits
+    return {RPM: limits.requests_per_minute, INPUT_TPM: limits.input_tokens_per_minute,
+            OUTPUT_TPM: limits.output_tokens_per_minute}
+
+
+def borrow_cap(spec: TenantQuotaSpec, resource: BorrowableResource, limit: float) -> float:
+    """How much of `resource` the tenant may borrow a minute (slots, for concurrency)."""
+    borrowing = spec.borrowing
+    if borrowing is None or resource not in borrowing.resources:
+        return 0.0
+    return limit * borrowing.max_percent / 100.0
+
+
+def settle_refunds(reservation: Reservation, output_tokens: int, prompt_tokens: int
+                   ) -> dict[BorrowableResource, float]:
+    """What a settled request gives back (a negative amount is charged): the unused output
+    reservation and the prompt estimate's error."""
+    return {OUTPUT_TPM: float(reservation.output_reserved - output_tokens),
+            INPUT_TPM: float(reservation.input_tokens - prompt_tokens)}
+
+
+def refusal(tenant: str, quota_name: str, resource: BorrowableResource, limit: float,
+            wait: float, detail: str, share: str = "") -> QuotaExceeded:
+    retry = "; it can never fit: lower it" if math.isinf(wait) else (
+        f"; retry after {max(1, math.ceil(wait))} s")
+    return QuotaExceeded(
+        f"tenant {tenant!r} is over {resource.value} = {limit:g}{share} of TenantQuota "
+        f"{quota_name}: {detail}{retry}",
+        retry_after=wait if not math.isinf(wait) else 60.0, limit=resource.value)
 
 
 class QuotaLedger:
@@ -127,15 +186,7 @@ class QuotaLedger:
         for tenant, (name, spec) in wanted.items():
             state = self._tenants.get(tenant) or TenantState(tenant, name, spec)
             state.quota_name, state.spec = name, spec
-            for resource, limit in self._limits(spec).items():
-                bucket = state.buckets.get(resource)
-                if limit is None:
-                    state.buckets.pop(resource, None)
-                elif bucket is None:
-                    state.buckets[resource] = Bucket(limit, limit, now)
-                else:
-                    bucket.refill(now)
-                    bucket.capacity, bucket.level = limit, min(bucket.level, limit)
+            self._size_buckets(state, now)
             tenants[tenant] = state
         self._tenants = tenants
 
@@ -146,10 +197,23 @@ class QuotaLedger:
                              if t in self._explicit}, now, self.default)
 
     def _limits(self, spec: TenantQuotaSpec) -> dict[BorrowableResource, int | None]:
-        limits = spec.limits
-        raw = {RPM: limits.requests_per_minute, INPUT_TPM: limits.input_tokens_per_minute,
-               OUTPUT_TPM: limits.output_tokens_per_minute}
-        return {r: None if v is None else _share(v, self.replicas) for r, v in raw.items()}
+        return {r: None if v is None else _share(v, self.replicas)
+                for r, v in rate_limits(spec).items()}
+
+    def _size_buckets(self, state: TenantState, now: float) -> None:
+        """Creates, resizes (never above the new capacity) or drops the tenant's buckets to
+        its spec's limits."""
+        for resource, limit in self._limits(state.spec).items():
+            bucket = state.buckets.get(resource)
+            if limit is None:
+                state.buckets.pop(resource, None)
+                continue
+            if bucket is None:
+                bucket = state.buckets[resource] = Bucket(limit, limit, now)
+            else:
+                bucket.refill(now)
+                bucket.capacity, bucket.level = limit, min(bucket.level, limit)
+            bucket.borrow_cap = borrow_cap(state.spec, resource, limit)
 
     def quota(self, tenant: str) -> TenantQuotaSpec | None:
         """The spec `tenant` is held to: its TenantQuota's, else the default, else None (it is
@@ -157,16 +221,16 @@ class QuotaLedger:
         state = self._tenants.get(tenant)
         return state.spec if state is not None else self.default
 
-    def _state(self, tenant: str, now: float) -> TenantState:
+    def state(self, tenant: str, now: float) -> TenantState:
+        """The tenant's state, created for a default-quota tenant; raises NoTenantQuota
+        when it has none."""
         state = self._tenants.get(tenant)
         if state is not None:
             return state
         if self.default is None:
             raise no_quota(tenant)
         state = TenantState(tenant, DEFAULT_QUOTA_NAME, self.default)
-        for resource, limit in self._limits(self.default).items():
-            if limit is not None:
-                state.buckets[resource] = Bucket(limit, limit, now)
+        self._size_buckets(state, now)
         self._tenants[tenant] = state
         return state
 
@@ -174,74 +238,96 @@ class QuotaLedger:
         limit = state.spec.limits.max_concurrent_requests
         return None if limit is None else _share(limit, self.replicas)
 
-    def _idle(self, resource: BorrowableResource, tenant: str, now: float) -> float:
-        """Unused allowance of `resource` over every other tenant on this replica."""
-        idle = 0.0
-        for other in self._tenants.values():
-            if other.tenant == tenant:
-                continue
-            if resource is CONCURRENCY:
-                limit = self._concurrency_limit(other)
-                idle += 0 if limit is None else max(0, limit - other.in_flight)
-            elif (bucket := other.buckets.get(resource)) is not None:
-                bucket.refill(now)
-                idle += bucket.level
-        return idle
-
-    def _borrowable(self, state: TenantState, resource: BorrowableResource, limit: float,
-                    now: float) -> float:
-        borrowing = state.spec.borrowing
-        if borrowing is None or resource not in borrowing.resources:
-            return 0.0
-        return min(limit * borrowing.max_percent / 100.0, self._idle(resource, state.tenant, now))
+    def lenders(self, tenant: str) -> list[TenantState]:
+        """Who `tenant` may borrow from: the other tenants with their own TenantQuota, in a
+        fixed order (by name) that the shared ledger also uses."""
+        return [self._tenants[t] for t in sorted(self._explicit)
+                if t != tenant and t in self._tenants]
 
     def _refuse(self, state: TenantState, resource: BorrowableResource, limit: float,
                 wait: float, detail: str) -> QuotaExceeded:
         share = f" (this router's 1/{self.replicas} share)" if self.replicas > 1 else ""
-        retry = "; it can never fit: lower it" if math.isinf(wait) else (
-            f"; retry after {max(1, math.ceil(wait))} s")
-        return QuotaExceeded(
-            f"tenant {state.tenant!r} is over {resource.value} = {limit:g}{share} of "
-            f"TenantQuota {state.quota_name}: {detail}{retry}",
-            retry_after=wait if not math.isinf(wait) else 60.0, limit=resource.value)
+        return refusal(state.tenant, state.quota_name, resource, limit, wait, detail, share)
 
-    def admit(self, tenant: str, input_tokens: int, max_output_tokens: int, now: float
-              ) -> Reservation:
-        """Takes the request's allowance, or raises QuotaExceeded taking nothing; a tenant
-        without a TenantQuota (and no default) raises NoTenantQuota."""
-        state = self._state(tenant, now)
-        concurrency = self._concurrency_limit(state)
-        if concurrency is not None:
-            ceiling = concurrency + self._borrowable(state, CONCURRENCY, concurrency, now)
-            if state.in_flight + 1 > ceiling:
-                raise self._refuse(state, CONCURRENCY, concurrency, 1.0,
-                                   f"{state.in_flight} requests in flight")
-        needs = {RPM: 1.0, INPUT_TPM: float(input_tokens), OUTPUT_TPM: float(max_output_tokens)}
-        what = {RPM: "1 request", INPUT_TPM: f"{input_tokens} prompt tokens",
-                OUTPUT_TPM: f"max_tokens {max_output_tokens}"}
+    def _take_slot(self, state: TenantState) -> str | None:
+        """A concurrency slot for a request of `state`'s tenant: its own (None) or a lender's
+        (its name); raises QuotaExceeded when there is none."""
+        limit = self._concurrency_limit(state)
+        if limit is None or state.slots_used < limit:
+            return None
+        if state.slots_borrowed + 1 <= borrow_cap(state.spec, CONCURRENCY, limit):
+            idle = [(lim - other.slots_used, other) for other in self.lenders(state.tenant)
+                    if (lim := self._concurrency_limit(other)) is not None]
+            most, lender = max(idle, key=lambda pair: pair[0], default=(0, None))
+            if lender is not None and most > 0:
+                return lender.tenant
+        raise self._refuse(state, CONCURRENCY, limit, 1.0,
+                           f"{state.in_flight} requests in flight")
+
+    def _plan_tokens(self, state: TenantState, needs: dict[BorrowableResource, float],
+                     now: float) -> dict[tuple[BorrowableResource, str], float]:
+        """What the request borrows from whom ((resource, lender) -> amount), or raises
+        QuotaExceeded: a bucket short of the need takes the rest from the lenders' levels,
+        the most idle first, within its borrowing budget."""
+        what = {RPM: "1 request", INPUT_TPM: f"{needs[INPUT_TPM]:.0f} prompt tokens",
+                OUTPUT_TPM: f"max_tokens {needs[OUTPUT_TPM]:.0f}"}
+        borrowed: dict[tuple[BorrowableResource, str], float] = {}
         for resource, need in needs.items():
             bucket = state.buckets.get(resource)
             if bucket is None:
                 continue
             bucket.refill(now)
-            extra = self._borrowable(state, resource, bucket.capacity, now)
-            # Borrowed allowance lets the level go below zero, by at most `extra`.
-            if bucket.level + extra < need:
+            if bucket.level >= need:
+                continue
+            short = need - max(0.0, bucket.level)
+            lenders = []
+            for other in self.lenders(state.tenant):
+                if (theirs := other.buckets.get(resource)) is not None:
+                    theirs.refill(now)
+                    lenders.append((max(0.0, theirs.level), other.tenant))
+            budget = max(0.0, bucket.borrow_cap - bucket.debt)
+            extra = min(budget, sum(level for level, _ in lenders))
+            if short > extra:
                 wait = bucket.wait_for(need - extra, bucket.capacity + extra)
                 raise self._refuse(state, resource, bucket.capacity, wait,
                                    f"needs {what[resource]}, {max(0.0, bucket.level):.0f} left")
+            for level, lender in sorted(lenders, key=lambda pair: -pair[0]):
+                if short <= 0:
+                    break
+                take = min(level, short)
+                if take > 0:
+                    borrowed[(resource, lender)], short = take, short - take
+        return borrowed
+
+    def admit(self, tenant: str, input_tokens: int, max_output_tokens: int, now: float
+              ) -> Reservation:
+        """Takes the request's allowance, or raises QuotaExceeded taking nothing; a tenant
+        without a TenantQuota (and no default) raises NoTenantQuota."""
+        state = self.state(tenant, now)
+        lender = self._take_slot(state)
+        needs = {RPM: 1.0, INPUT_TPM: float(input_tokens), OUTPUT_TPM: float(max_output_tokens)}
+        borrowed = self._plan_tokens(state, needs, now)
         for resource, need in needs.items():
-            if (bucket := state.buckets.get(resource)) is not None:
-                bucket.level -= need
+            if (bucket := state.buckets.get(resource)) is None:
+                continue
+            lent = sum(v for (r, _), v in borrowed.items() if r is resource)
+            bucket.level -= need - lent
+            bucket.debt += lent
+        for (resource, other), amount in borrowed.items():
+            self._tenants[other].buckets[resource].level -= amount
+        if lender is not None:
+            self._tenants[lender].slots_lent += 1
+            state.slots_borrowed += 1
         state.in_flight += 1
         state.requests_total += 1
-        return Reservation(tenant, input_tokens, max_output_tokens)
+        return Reservation(tenant, input_tokens, max_output_tokens, slot_lender=lender,
+                           borrowed=borrowed)
 
     def settle(self, reservation: Reservation, output_tokens: int, now: float,
                prompt_tokens: int | None = None) -> None:
         """The request ended having generated `output_tokens`: unused reserved output goes
-        back, the concurrency slot is freed, and the prompt's estimate admission charged is
-        corrected to the engine's own count when known. Idempotent."""
+        back (to its lenders first), the concurrency slot is freed, and the prompt's estimate
+        admission charged is corrected to the engine's own count when known. Idempotent."""
         if reservation.settled:
             return
         reservation.settled = True
@@ -251,13 +337,34 @@ class QuotaLedger:
         state.in_flight = max(0, state.in_flight - 1)
         prompt = reservation.input_tokens if prompt_tokens is None else prompt_tokens
         state.tokens_total += prompt + output_tokens
-        for resource, refund in ((OUTPUT_TPM, reservation.output_reserved - output_tokens),
-                                 (INPUT_TPM, reservation.input_tokens - prompt)):
+        if reservation.shared:
+            return  # (the shared ledger settles its buckets; this only counts the usage)
+        if reservation.slot_lender is not None:
+            state.slots_borrowed = max(0, state.slots_borrowed - 1)
+            if (lender := self._tenants.get(reservation.slot_lender)) is not None:
+                lender.slots_lent = max(0, lender.slots_lent - 1)
+        for resource, refund in settle_refunds(reservation, output_tokens, prompt).items():
             bucket = state.buckets.get(resource)
-            if bucket is not None and refund:
-                bucket.refill(now)
-                # An underestimate is charged now: the level may go below zero for a while.
-                bucket.level = min(bucket.capacity, bucket.level + refund)
+            if bucket is None:
+                continue
+            bucket.refill(now)
+            for (r, other), amount in reservation.borrowed.items():
+                theirs = self._tenants[other].buckets.get(r) if other in self._tenants else None
+                if r is not resource or refund <= 0 or theirs is None:
+                    continue
+                back = min(amount, refund)
+                theirs.refill(now)
+                theirs.level = min(theirs.capacity, theirs.level + back)
+                bucket.debt, refund = max(0.0, bucket.debt - back), refund - back
+            # An underestimate is charged now: the level may go below zero for a while.
+            bucket.level = min(bucket.capacity, bucket.level + refund)
+
+    def count_shared(self, state: TenantState, reservation: Reservation) -> Reservation:
+        """A request the shared ledger admitted, counted in this router's usage report."""
+        reservation.shared = True
+        state.in_flight += 1
+        state.requests_total += 1
+        return reservation
 
     def remaining(self, tenant: str, now: float) -> dict[str, float]:
         """What each per-minute bucket of `tenant` has left now (resource name -> level)."""

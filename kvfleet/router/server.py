@@ -44,6 +44,7 @@ from kvfleet.router.errors import (
     UnknownPool,
     UpstreamFailed,
 )
+from kvfleet.router.fleet_ledger import SharedLedger, connect
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.outcome import (
     TIMED,
@@ -113,6 +114,10 @@ class RouterOptions:
     pick_policy: str = "affinity"
     # The quota of tenants without a TenantQuota (--default-quota); None: they are refused.
     default_quota: TenantQuotaSpec | None = None
+    # The shared quota ledger (--redis redis://host:port/db, under --redis-prefix); None:
+    # each router replica enforces its share of every limit (kvfleet.router.fleet_ledger).
+    redis_url: str | None = None
+    redis_prefix: str = "kvfleet"
 
 
 def compare(live: str, shadow: str, shadow_capped: bool) -> tuple[str, int | None]:
@@ -199,7 +204,7 @@ class _Relay:
         now = time.monotonic()
         router = self.router
         prompt, generated = self.usage or (None, 0)
-        router.ledger.settle(self.reservation, generated, now, prompt)
+        router.settle(self.reservation, generated, now, prompt)
         if self.usage is not None:
             router._count_tokens(self.labels, *self.usage)
         router._record(self.labels, outcome, now - self.started, self.reservation.input_tokens)
@@ -286,6 +291,11 @@ class Router:
         self.options = options or RouterOptions()
         self.metrics = RouterMetrics()
         self.ledger = QuotaLedger()
+        self.shared: SharedLedger | None = None
+        if self.options.redis_url:
+            self.shared = connect(self.options.redis_url, self.options.redis_prefix,
+                                  self.ledger, self.metrics.shared_ledger_up.set)
+            self.metrics.shared_ledger_up.set(1)
         self.state = RouterState()
         self._session: aiohttp.ClientSession | None = None
         self._shadow_in_flight = 0
@@ -321,6 +331,9 @@ class Router:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.tokens.close()
+        if self.shared is not None:
+            await self.shared.drain()
+            await self.shared.client.aclose()
         if self._session is not None:
             await self._session.close()
 
@@ -328,6 +341,18 @@ class Router:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    # ---- quota
+
+    async def admit(self, tenant: str, prompt_tokens: int, max_tokens: int) -> Reservation:
+        """The request's allowance, from the shared ledger when there is one."""
+        if self.shared is not None:
+            return await self.shared.admit(tenant, prompt_tokens, max_tokens, time.monotonic())
+        return self.ledger.admit(tenant, prompt_tokens, max_tokens, time.monotonic())
+
+    def settle(self, reservation: Reservation, generated: int, now: float,
+               prompt: int | None) -> None:
+        (self.shared or self.ledger).settle(reservation, generated, now, prompt)
 
     # ---- endpoint load
 
@@ -421,8 +446,7 @@ class Router:
             text = "\n".join(texts)
             prompt_tokens = self.tokens.count(
                 plan.live, texts, messages, [e.address for e in pool.ready(plan.live)])
-            reservation = self.ledger.admit(tenant, prompt_tokens, max_tokens,
-                                            time.monotonic())
+            reservation = await self.admit(tenant, prompt_tokens, max_tokens)
         except RouterError as exc:
             reason = exc.limit if isinstance(exc, QuotaExceeded) else exc.code
             if isinstance(exc, Unauthorized):
@@ -544,7 +568,7 @@ class Router:
                 assert fallback is not None
                 return await self._live(pool, fallback, path, payload, headers, text, tenant,
                                         reservation, stream, live_text)
-            self.ledger.settle(reservation, 0, now, 0)  # never answered
+            self.settle(reservation, 0, now, 0)  # never answered
             _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
         out_headers = {REVISION_HEADER: short_revision(revision)}
@@ -568,7 +592,7 @@ class Router:
         prompt, generated = answer.usage or (None, 0)
         if answer.usage is not None:
             self._count_tokens(labels, *answer.usage)
-        self.ledger.settle(reservation, generated, now, prompt)
+        self.settle(reservation, generated, now, prompt)
         self._record(labels, answer.outcome, now - started, reservation.input_tokens)
 
     def _record(self, labels: Labels, outcome: Outcome, seconds: float,

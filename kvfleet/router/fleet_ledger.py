@@ -1,0 +1,457 @@
+"""The fleet's quota ledger in Redis: every router replica admits against the same buckets,
+concurrency slots and borrowing, each decision one atomic script.
+
+The rules are those of `kvfleet.router.quota.QuotaLedger` (token buckets refilling at limit/60
+a second, output reserved then settled, borrowing from the most idle lenders within a per-minute
+budget, refunds to lenders first), here enforced on the fleet-wide limits instead of a
+replica's share. A test drives both with the same operations and checks they decide alike
+(tests/integration/test_fleet_ledger.py).
+
+Keys, under a prefix (`--redis-prefix`, default "kvfleet"), per tenant:
+  <prefix>:q:<tenant>      hash: per resource its level and when (`rpm`, `rpm:t`) and its debt
+                           (`rpm:d`, `rpm:dt`); gone after 2 idle minutes (it is full by then)
+  <prefix>:s:<tenant>      sorted set: the tenant's concurrency slots in use, request id ->
+                           lease expiry (its own requests, and borrowers' holding its slots)
+  <prefix>:o:<tenant>      sorted set: the slots this tenant's requests hold of other tenants'
+Time is the Redis server's (`TIME`), one clock for every router. A slot is a lease of
+LEASE_SECONDS that its router renews while the request runs: a router that dies frees its
+slots within a lease, and a settle that never arrives (Redis away at that moment) costs at
+most a lease.
+
+When Redis cannot be reached (or answers an error) the router falls back to its own ledger,
+where it enforces `1 / replicas` of each limit: the declared degraded mode. It says so in its
+log (once per outage), in `kvfleet_router_shared_ledger_up` and in each TenantQuota's
+`FleetWide` condition, and tries Redis again every RETRY_SECONDS. A fallback's buckets start
+full: an outage can admit up to one extra minute's allowance per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from kvfleet.api.tenantquota import BorrowableResource
+from kvfleet.router.quota import (
+    CONCURRENCY,
+    INPUT_TPM,
+    OUTPUT_TPM,
+    RPM,
+    Bucket,
+    QuotaLedger,
+    Reservation,
+    borrow_cap,
+    rate_limits,
+    refusal,
+    settle_refunds,
+)
+
+log = logging.getLogger("kvfleet.router")
+
+LEASE_SECONDS = 30.0
+RENEW_SECONDS = 10.0
+RETRY_SECONDS = 2.0
+# A connection refused or reset, a timeout, an error reply: Redis cannot decide, the fallback
+# does.
+UNREACHABLE = (RedisError, OSError, asyncio.TimeoutError)
+RESOURCES = (RPM, INPUT_TPM, OUTPUT_TPM)  # the scripts' order: index 1, 2, 3
+
+# Shared by the scripts: the clock, and a bucket's level and debt refilled to now.
+_COMMON = """
+local RES = {'rpm', 'itpm', 'otpm'}
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function num(i) return tonumber(ARGV[i]) end
+local function level(key, r, cap)
+  local v = redis.call('HMGET', key, r, r .. ':t')
+  local l, t = tonumber(v[1]), tonumber(v[2])
+  if not l then return cap end
+  return math.min(cap, l + math.max(0, now - t) * cap / 60)
+end
+local function debt(key, r, bcap)
+  local v = redis.call('HMGET', key, r .. ':d', r .. ':dt')
+  local d, t = tonumber(v[1]), tonumber(v[2])
+  if not d then return 0 end
+  return math.max(0, d - math.max(0, now - t) * bcap / 60)
+end
+local function put(key, r, value)
+  redis.call('HSET', key, r, string.format('%.17g', value), r .. ':t', string.format('%.17g', now))
+  redis.call('EXPIRE', key, 120)
+end
+local function put_debt(key, r, value)
+  redis.call('HSET', key, r .. ':d', string.format('%.17g', value),
+             r .. ':dt', string.format('%.17g', now))
+  redis.call('EXPIRE', key, 120)
+end
+local function used(key)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  return redis.call('ZCARD', key)
+end
+"""
+
+# KEYS: own q, s, o; then per lender its q and s. ARGV: now, id, lease, lenders, own caps (3,
+# -1: none), own borrowing budgets (3), needs (3), concurrency limit (-1: none), slots it may
+# borrow; then per lender its caps (3) and concurrency limit. Returns {1, lender index or 0,
+# borrowed entries (resource index, lender index, amount)...} or {0, resource, level, extra}.
+_ADMIT = _COMMON + """
+local id, lease, n = ARGV[2], num(3), num(4)
+local own, slots, out = KEYS[1], KEYS[2], KEYS[3]
+local function lender_arg(i, k) return num(16 + 4 * (i - 1) + k) end
+local conc, slot_key, lender = num(14), slots, 0
+if conc >= 0 and used(slots) >= conc then
+  local best = 0
+  if used(out) + 1 <= num(15) then
+    for i = 1, n do
+      local lc = lender_arg(i, 3)
+      if lc >= 0 then
+        local idle = lc - used(KEYS[3 + 2 * i])
+        if idle > best then best, lender = idle, i end
+      end
+    end
+  end
+  if lender == 0 then return {0, 'maxConcurrentRequests', tostring(used(slots)), '0'} end
+  slot_key = KEYS[3 + 2 * lender]
+end
+local borrowed, levels = {}, {}
+for ri, r in ipairs(RES) do
+  local cap, need = num(4 + ri), num(10 + ri)
+  if cap >= 0 then
+    local l = level(own, r, cap)
+    levels[ri] = l
+    if l < need then
+      local short, lenders, idle = need - math.max(0, l), {}, 0
+      for i = 1, n do
+        local lcap = lender_arg(i, ri - 1)
+        if lcap >= 0 then
+          local ll = math.max(0, level(KEYS[2 + 2 * i], r, lcap))
+          table.insert(lenders, {ll, i})
+          idle = idle + ll
+        end
+      end
+      local extra = math.min(math.max(0, num(7 + ri) - debt(own, r, num(7 + ri))), idle)
+      if short > extra then
+        return {0, r, string.format('%.17g', l), string.format('%.17g', extra)}
+      end
+      table.sort(lenders, function(a, b)
+        if a[1] ~= b[1] then return a[1] > b[1] end
+        return a[2] < b[2]
+      end)
+      for _, e in ipairs(lenders) do
+        if short <= 0 then break end
+        local take = math.min(e[1], short)
+        if take > 0 then
+          table.insert(borrowed, {ri, e[2], take})
+          short = short - take
+        end
+      end
+    end
+  end
+end
+local reply = {1, lender}
+for ri, r in ipairs(RES) do
+  if levels[ri] then
+    local lent = 0
+    for _, b in ipairs(borrowed) do
+      if b[1] == ri then lent = lent + b[3] end
+    end
+    put(own, r, levels[ri] - (num(10 + ri) - lent))
+    if lent > 0 then put_debt(own, r, debt(own, r, num(7 + ri)) + lent) end
+  end
+end
+for _, b in ipairs(borrowed) do
+  local key, r = KEYS[2 + 2 * b[2]], RES[b[1]]
+  put(key, r, level(key, r, lender_arg(b[2], b[1] - 1)) - b[3])
+  table.insert(reply, b[1])
+  table.insert(reply, b[2])
+  table.insert(reply, string.format('%.17g', b[3]))
+end
+if conc >= 0 then
+  redis.call('ZADD', slot_key, now + lease, id)
+  redis.call('EXPIRE', slot_key, math.ceil(lease * 2))
+  if lender > 0 then
+    redis.call('ZADD', out, now + lease, id)
+    redis.call('EXPIRE', out, math.ceil(lease * 2))
+  end
+end
+return reply
+"""
+
+# KEYS: own q, the slot's set, own o, then the q of each borrowed entry's lender. ARGV: now, id,
+# own caps (3), own borrowing budgets (3), refunds (3), entries, then per entry: resource
+# index, amount, the lender's cap of it.
+_SETTLE = _COMMON + """
+local id, m = ARGV[2], num(12)
+redis.call('ZREM', KEYS[2], id)
+redis.call('ZREM', KEYS[3], id)
+for ri, r in ipairs(RES) do
+  local cap, bcap, refund = num(2 + ri), num(5 + ri), num(8 + ri)
+  if cap >= 0 and refund ~= 0 then
+    local l = level(KEYS[1], r, cap)
+    for j = 1, m do
+      local base = 13 + 3 * (j - 1)
+      if num(base) == ri and refund > 0 then
+        local back, key, lcap = math.min(num(base + 1), refund), KEYS[3 + j], num(base + 2)
+        put(key, r, math.min(lcap, level(key, r, lcap) + back))
+        put_debt(KEYS[1], r, math.max(0, debt(KEYS[1], r, bcap) - back))
+        refund = refund - back
+      end
+    end
+    put(KEYS[1], r, math.min(cap, l + refund))
+  end
+end
+return 1
+"""
+
+# KEYS: slot sets; ARGV: now, lease, then the id held in each. Renews leases still held.
+_RENEW = _COMMON + """
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, 'XX', now + num(2), ARGV[2 + i])
+end
+return 1
+"""
+
+# KEYS: own q; ARGV: now, caps (3). The levels now (for status reports and tests).
+_LEVELS = _COMMON + """
+local reply = {}
+for ri, r in ipairs(RES) do
+  local cap = num(1 + ri)
+  table.insert(reply, cap >= 0 and string.format('%.17g', level(KEYS[1], r, cap)) or '')
+end
+return reply
+"""
+
+
+def _cap(value: float | None) -> float:
+    return -1.0 if value is None else float(value)
+
+
+@dataclass(slots=True)
+class _Held:
+    """A shared reservation's lease: the slot set it sits in, and its tenant's `o` set when
+    the slot is borrowed."""
+
+    keys: list[str] = field(default_factory=list)
+
+
+class SharedLedger:
+    """Admission against the fleet-wide limits in Redis, with the router's own `QuotaLedger`
+    (`local`) as the specs' source, the usage counter, and the fallback while Redis is away.
+
+    `client` is a `redis.asyncio.Redis` (or anything with the same `register_script`)."""
+
+    def __init__(self, local: QuotaLedger, client: Any, prefix: str = "kvfleet",
+                 where: str = "redis", on_change: Callable[[bool], None] | None = None,
+                 clock: Callable[[], float | None] = lambda: None) -> None:
+        self.local, self.client, self.prefix, self.where = local, client, prefix, where
+        self.up = True
+        self.down_since: float | None = None
+        self.down_reason = ""
+        self._retry_at = 0.0
+        self._on_change = on_change or (lambda _: None)
+        self._clock = clock  # tests pin the scripts' time; None: the Redis server's TIME
+        self._admit = client.register_script(_ADMIT)
+        self._settle = client.register_script(_SETTLE)
+        self._renew = client.register_script(_RENEW)
+        self._levels = client.register_script(_LEVELS)
+        self._held: dict[str, _Held] = {}  # id -> lease keys, while the request runs
+        self._pending: set[asyncio.Task[None]] = set()
+
+    # ---- keys
+
+    def _key(self, kind: str, tenant: str) -> str:
+        return f"{self.prefix}:{kind}:{tenant}"
+
+    def _now(self) -> str:
+        now = self._clock()
+        return "" if now is None else repr(now)
+
+    # ---- admission
+
+    async def admit(self, tenant: str, input_tokens: int, max_output_tokens: int,
+                    now: float) -> Reservation:
+        """Like `QuotaLedger.admit`, on the fleet-wide buckets; on this replica's share while
+        Redis is away."""
+        state = self.local.state(tenant, now)  # raises NoTenantQuota
+        if not self.up and now < self._retry_at:
+            return self.local.admit(tenant, input_tokens, max_output_tokens, now)
+        spec, lenders = state.spec, self.local.lenders(tenant)
+        limits = rate_limits(spec)
+        concurrency = spec.limits.max_concurrent_requests
+        keys = [self._key("q", tenant), self._key("s", tenant), self._key("o", tenant)]
+        args: list[Any] = [self._now(), rid := uuid.uuid4().hex, LEASE_SECONDS, len(lenders)]
+        args += [_cap(limits[r]) for r in RESOURCES]
+        args += [borrow_cap(spec, r, limits[r] or 0) for r in RESOURCES]
+        args += [1, input_tokens, max_output_tokens]
+        args += [_cap(concurrency), borrow_cap(spec, CONCURRENCY, concurrency or 0)]
+        for lender in lenders:
+            keys += [self._key("q", lender.tenant), self._key("s", lender.tenant)]
+            theirs = rate_limits(lender.spec)
+            args += [_cap(theirs[r]) for r in RESOURCES]
+            args.append(_cap(lender.spec.limits.max_concurrent_requests))
+        try:
+            reply = await self._admit(keys=keys, args=args)
+        except UNREACHABLE as exc:
+            self._lost(exc, now)
+            return self.local.admit(tenant, input_tokens, max_output_tokens, now)
+        self._back()
+        if int(reply[0]) == 0:
+            raise self._refused(state.tenant, state.quota_name, reply, concurrency, limits,
+                                spec, input_tokens, max_output_tokens)
+        lender_name = lenders[int(reply[1]) - 1].tenant if int(reply[1]) else None
+        borrowed: dict[tuple[BorrowableResource, str], float] = {}
+        for i in range(2, len(reply), 3):
+            resource, who = RESOURCES[int(reply[i]) - 1], lenders[int(reply[i + 1]) - 1].tenant
+            borrowed[(resource, who)] = float(reply[i + 2])
+        reservation = Reservation(tenant, input_tokens, max_output_tokens, id=rid,
+                                  slot_lender=lender_name, borrowed=borrowed)
+        if concurrency is not None:
+            held = [self._key("s", lender_name or tenant)]
+            if lender_name is not None:
+                held.append(self._key("o", tenant))
+            self._held[rid] = _Held(held)
+        return self.local.count_shared(state, reservation)
+
+    def _refused(self, tenant: str, quota_name: str, reply: list[Any], concurrency: int | None,
+                 limits: dict[BorrowableResource, int | None], spec: Any, input_tokens: int,
+                 max_output_tokens: int) -> Exception:
+        name = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+        if name == "maxConcurrentRequests":
+            return refusal(tenant, quota_name, CONCURRENCY, float(concurrency or 0), 1.0,
+                           f"{int(float(reply[2]))} requests in flight")
+        resource = RESOURCES[["rpm", "itpm", "otpm"].index(name)]
+        need = {RPM: 1, INPUT_TPM: input_tokens, OUTPUT_TPM: max_output_tokens}[resource]
+        what = {RPM: "1 request", INPUT_TPM: f"{input_tokens} prompt tokens",
+                OUTPUT_TPM: f"max_tokens {max_output_tokens}"}[resource]
+        capacity, level, extra = float(limits[resource] or 0), float(reply[2]), float(reply[3])
+        wait = Bucket(capacity, level, 0.0).wait_for(need - extra, capacity + extra)
+        return refusal(tenant, quota_name, resource, capacity, wait,
+                       f"needs {what}, {max(0.0, level):.0f} left")
+
+    # ---- settling
+
+    def settle(self, reservation: Reservation, output_tokens: int, now: float,
+               prompt_tokens: int | None = None) -> None:
+        """Like `QuotaLedger.settle`; a shared reservation is settled in Redis in the
+        background (the caller is a response's close, which cannot wait)."""
+        if reservation.settled:
+            return
+        self.local.settle(reservation, output_tokens, now, prompt_tokens)
+        if not reservation.shared:
+            return
+        prompt = reservation.input_tokens if prompt_tokens is None else prompt_tokens
+        task = asyncio.get_running_loop().create_task(
+            self._settle_shared(reservation, output_tokens, prompt, now))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _settle_shared(self, reservation: Reservation, output_tokens: int,
+                             prompt_tokens: int, now: float) -> None:
+        held = self._held.pop(reservation.id, None)
+        tenant = reservation.tenant
+        spec = self.local.quota(tenant)
+        if spec is None:
+            return  # its TenantQuota is gone: nothing left to settle against
+        limits = rate_limits(spec)
+        refunds = settle_refunds(reservation, output_tokens, prompt_tokens)
+        slot = (held.keys[0] if held is not None else self._key("s", tenant))
+        keys = [self._key("q", tenant), slot, self._key("o", tenant)]
+        args: list[Any] = [self._now(), reservation.id]
+        args += [_cap(limits[r]) for r in RESOURCES]
+        args += [borrow_cap(spec, r, limits[r] or 0) for r in RESOURCES]
+        args += [refunds.get(r, 0.0) for r in RESOURCES]
+        entries = []
+        for (resource, lender), amount in reservation.borrowed.items():
+            lender_spec = self.local.quota(lender)
+            cap = None if lender_spec is None else rate_limits(lender_spec)[resource]
+            if cap is not None:
+                keys.append(self._key("q", lender))
+                entries += [RESOURCES.index(resource) + 1, amount, cap]
+        args += [len(entries) // 3, *entries]
+        try:
+            await self._settle(keys=keys, args=args)
+        except UNREACHABLE as exc:
+            # Not retried: the slot's lease runs out by itself, and the refund not given
+            # back leaves the tenant charged more than it used, never less.
+            self._lost(exc, now)
+
+    async def drain(self) -> None:
+        """Waits for the settles under way (tests; the router's shutdown)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    # ---- leases and health
+
+    async def keep_leases(self) -> None:
+        """Renews the slot leases of the requests still running, every RENEW_SECONDS."""
+        while True:
+            await asyncio.sleep(RENEW_SECONDS)
+            keys, ids = [], []
+            for rid, held in list(self._held.items()):
+                keys += held.keys
+                ids += [rid] * len(held.keys)
+            if not keys:
+                continue
+            try:
+                await self._renew(keys=keys, args=[self._now(), LEASE_SECONDS, *ids])
+            except UNREACHABLE as exc:
+                self._lost(exc, time.monotonic())
+
+    async def levels(self, tenant: str) -> dict[str, float]:
+        """What the tenant's fleet-wide buckets hold now (resource name -> level)."""
+        spec = self.local.quota(tenant)
+        if spec is None:
+            return {}
+        limits = rate_limits(spec)
+        reply = await self._levels(keys=[self._key("q", tenant)],
+                                   args=[self._now(), *(_cap(limits[r]) for r in RESOURCES)])
+        return {r.value: float(v) for r, v in zip(RESOURCES, reply, strict=True) if v}
+
+    def _lost(self, exc: BaseException, now: float) -> None:
+        self._retry_at = now + RETRY_SECONDS
+        if not self.up:
+            return
+        self.up, self.down_since = False, time.time()
+        self.down_reason = f"{type(exc).__name__}: {exc}"[:200]
+        log.error("shared quota ledger at %s unreachable (%s): each limit is now enforced as "
+                  "this router's 1/%d share until it is back", self.where, self.down_reason,
+                  self.local.replicas)
+        self._on_change(False)
+
+    def _back(self) -> None:
+        if self.up:
+            return
+        self.up, self.down_since = True, None
+        log.warning("shared quota ledger at %s is back: limits are fleet-wide again",
+                    self.where)
+        self._on_change(True)
+
+    def condition(self) -> tuple[bool, str, str]:
+        """(status, reason, message) of the TenantQuotas' FleetWide condition."""
+        if self.up:
+            return True, "SharedLedger", f"limits are enforced fleet-wide (ledger at {self.where})"
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.down_since or 0))
+        return False, "SharedLedgerUnavailable", (
+            f"the shared ledger at {self.where} is unreachable since {since} "
+            f"({self.down_reason}): each router enforces its 1/{self.local.replicas} share "
+            "of every limit")
+
+
+def connect(url: str, prefix: str, local: QuotaLedger,
+            on_change: Callable[[bool], None] | None = None) -> SharedLedger:
+    """A shared ledger at a redis:// URL. Short timeouts: a Redis that hangs must not hold
+    admissions, they fall back to the local share."""
+    import redis.asyncio
+
+    client = redis.asyncio.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5,
+                                          health_check_interval=0)
+    where = url.split("@")[-1]  # never a password in logs or conditions
+    return SharedLedger(local, client, prefix, where, on_change)

@@ -1,0 +1,226 @@
+"""Two router processes sharing their quota ledger in a real redis-server, in front of a real
+engine: fleet-wide limits hold whichever router a client reaches, a router killed mid-request
+frees its slot within a lease, and with Redis stopped each router enforces its declared share
+and says so."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from engine_server import EngineServer, free_port, running_kvfleet, running_server
+from redis_server import RedisServer, running_redis
+
+from kvfleet.router.fleet_ledger import LEASE_SECONDS
+
+pytestmark = pytest.mark.slow
+
+REVISION = "c" * 64
+TOKEN = "router-proof-fleet-0123456789abcdef"
+ONE_KEY, TPM_KEY = "sk-team-one-0123456789abcdef", "sk-team-tpm-0123456789abcdef"
+TPM = 600  # output tokens a minute, fleet-wide
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def token_file() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvfleet-fleet-") as tmp:
+        path = Path(tmp) / "token"
+        path.write_text(TOKEN)
+        yield path
+
+
+@pytest.fixture(scope="module")
+def engine(token_file: Path) -> Iterator[EngineServer]:
+    with running_server("--kv-cache-memory-mib", "64", "--router-token-file", str(token_file),
+                        "--revision", REVISION[:12], torch_threads=1) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with running_redis() as server:
+        yield server
+
+
+def _config(engine: EngineServer, token_file: Path) -> dict[str, Any]:
+    return {
+        "pools": [{"name": "smol", "status": {"servingRevision": REVISION, "traffic": [
+            {"revision": REVISION, "role": "stable", "weight": 100}]},
+            "endpoints": {REVISION: [engine.base_url.removeprefix("http://")]},
+            "routerTokenFile": str(token_file)}],
+        "tenants": [
+            {"tenant": "team-one", "keys": [ONE_KEY],
+             "quota": {"limits": {"maxConcurrentRequests": 1}}},
+            {"tenant": "team-tpm", "keys": [TPM_KEY],
+             "quota": {"limits": {"outputTokensPerMinute": TPM}}},
+        ],
+    }
+
+
+class Routers:
+    """Two `kvfleet router` processes on one config, --replicas 2, one Redis."""
+
+    def __init__(self, engine: EngineServer, token_file: Path, redis: RedisServer,
+                 tmp: Path) -> None:
+        self.config = tmp / "router.yaml"
+        self.config.write_text(yaml.safe_dump(_config(engine, token_file)))
+        self.args = ["--config", str(self.config), "--replicas", "2", "--redis", redis.url,
+                     "--redis-prefix", uuid.uuid4().hex]
+        self.urls: list[str] = []
+        self.processes: list[Any] = []
+
+    def start(self, stack: Any) -> None:
+        for _ in range(2):
+            port = free_port()
+            process, _ = stack.enter_context(running_kvfleet(
+                "router", *self.args, "--port", str(port), port=port, ready_timeout=60))
+            self.urls.append(f"http://127.0.0.1:{port}")
+            self.processes.append(process)
+        time.sleep(0.5)  # a first scrape of the engine's load
+
+
+@pytest.fixture()
+def routers(engine: EngineServer, token_file: Path, redis_server: RedisServer
+            ) -> Iterator[Routers]:
+    with tempfile.TemporaryDirectory(prefix="kvfleet-fleet-") as tmp, \
+            contextlib.ExitStack() as stack:
+        fleet = Routers(engine, token_file, redis_server, Path(tmp))
+        fleet.start(stack)
+        yield fleet
+
+
+def chat(url: str, key: str, max_tokens: int = MAX_TOKENS, **extra: Any) -> httpx.Response:
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Count to fifty."}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {key}"})
+
+
+def hammer(urls: list[str], key: str, clients: int, seconds: float
+           ) -> list[httpx.Response]:
+    """`clients` threads sending requests for `seconds`, client i to router i mod 2."""
+    answers: list[httpx.Response] = []
+    lock = threading.Lock()
+    end = time.monotonic() + seconds
+
+    def client(i: int) -> None:
+        while time.monotonic() < end:
+            answer = chat(urls[i % len(urls)], key)
+            with lock:
+                answers.append(answer)
+            if answer.status_code == 429:
+                time.sleep(0.2)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answers
+
+
+def engine_intervals(engine: EngineServer, tenant: str, since: float) -> list[tuple[float, float]]:
+    """(arrival, finish) of each request of `tenant` in the engine's request log."""
+    spans = []
+    for line in engine.log_lines():
+        if '"request_finished"' in line and f'"tenant":"{tenant}"' in line:
+            record = json.loads(line)
+            if record["ts"] >= since:
+                spans.append((record["arrival_time"], record["arrival_time"] + record["e2e_s"]))
+    return sorted(spans)
+
+
+def overlapping(spans: list[tuple[float, float]]) -> int:
+    return sum(1 for (_, end), (start, _) in itertools.pairwise(spans) if start < end)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported by {url}")
+
+
+def test_max_concurrent_one_is_never_two_across_two_routers_nor_after_one_dies(
+    routers: Routers, engine: EngineServer,
+) -> None:
+    since = time.time()
+    answers = hammer(routers.urls, ONE_KEY, clients=8, seconds=12)
+    codes = [a.status_code for a in answers]
+    assert set(codes) <= {200, 429}, codes
+    spans = engine_intervals(engine, "team-one", since)
+    print(f"\n8 clients, 2 routers, maxConcurrentRequests 1: {codes.count(200)} served, "
+          f"{codes.count(429)} refused, {overlapping(spans)} overlaps in the engine's log")
+    assert codes.count(200) >= 4 and len(spans) == codes.count(200)
+    assert overlapping(spans) == 0
+    # Router 0 dies (SIGKILL) while its request runs: its slot is a lease nobody renews, so
+    # router 1 keeps refusing until it runs out, then serves.
+    def long_request() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # (its router is killed under it)
+            chat(routers.urls[0], ONE_KEY, max_tokens=400)
+
+    hold = threading.Thread(target=long_request)
+    hold.start()
+    time.sleep(1.5)
+    routers.processes[0].send_signal(signal.SIGKILL)
+    hold.join()
+    killed = time.monotonic()
+    assert chat(routers.urls[1], ONE_KEY).status_code == 429
+    while (answer := chat(routers.urls[1], ONE_KEY)).status_code == 429:
+        assert time.monotonic() - killed < LEASE_SECONDS + 10, "the dead router's slot stays"
+        time.sleep(1)
+    print(f"the dead router's slot freed {time.monotonic() - killed:.0f} s after its death")
+    assert answer.status_code == 200
+
+
+def test_a_token_rate_holds_across_two_routers_within_one_request(
+    routers: Routers, engine: EngineServer,
+) -> None:
+    since, start = time.time(), time.monotonic()
+    # One router admits a reservation of the whole fleet-wide minute (its 1/2 share could
+    # never hold it); the short answer gives back what it did not use.
+    first = chat(routers.urls[0], TPM_KEY, max_tokens=TPM, ignore_eos=False,
+                 messages=[{"role": "user", "content": "Say hi."}])
+    assert first.status_code == 200, first.text
+    answers = [first, *hammer(routers.urls, TPM_KEY, clients=4, seconds=30)]
+    elapsed = time.monotonic() - start
+    served = [a for a in answers if a.status_code == 200]
+    billed = sum(a.json()["usage"]["completion_tokens"] for a in served)
+    # A full minute's bucket at the start, then the refill; over by at most one request.
+    bound = TPM + TPM * elapsed / 60 + MAX_TOKENS
+    logged = sum(1 for _ in engine_intervals(engine, "team-tpm", since))
+    print(f"\n{TPM} output tokens/min over 2 routers for {elapsed:.0f} s: {billed} generated "
+          f"in {len(served)} requests (bound {bound:.0f}), "
+          f"{sum(a.status_code == 429 for a in answers)} refused")
+    assert logged == len(served)
+    assert billed <= bound
+    assert billed >= 0.8 * (bound - MAX_TOKENS)  # the limit, not a router's share of it
+
+
+def test_with_redis_stopped_each_router_enforces_its_share_and_says_so(
+    routers: Routers, redis_server: RedisServer,
+) -> None:
+    assert all(metric(url, "kvfleet_router_shared_ledger_up") == 1 for url in routers.urls)
+    redis_server.stop()
+    try:
+        answers = [chat(url, TPM_KEY, max_tokens=TPM) for url in routers.urls]
+        # Each router's 1/2 share of 600 (300) cannot hold a 600-token reservation.
+        for answer in answers:
+            assert answer.status_code == 429, answer.text
+            assert "1/2 share" in answer.json()["error"]["message"]
+        assert all(metric(url, "kvfleet_router_shared_ledger_up") == 0 for url in routers.urls)
+    finally:
+        redis_server.start()
