@@ -5,10 +5,13 @@
 A fake upstream (its own process: aiohttp, answers at once, streams `--chunks` SSE frames and
 a usage frame, and serves the gauges the router scrapes) stands in for an engine. The same
 open-loop client (Poisson arrivals at each rate, streaming chat requests) runs against the
-upstream directly and through a real `kvfleet router --config` process, in turns at each rate.
-Prints, per rate, the time to the first byte and the gap between streamed chunks, p50/p99,
-direct and via the router, the difference (what the router adds), and the router's CPU time
-per request (from /proc). Writes `bench/out/router_overhead.png` (first-byte latency CDFs).
+upstream directly, through a real `kvfleet router --config` process, and through a second one
+whose quota ledger is shared in a real redis-server (`--redis`), in turns at each rate. The
+tenant's quota sets every limit (none binding), so each request takes the whole admission.
+Prints the shared ledger's script round trip alone, then per rate and router the time to the
+first byte and the gap between streamed chunks, p50/p99, direct and routed, the difference
+(what the router adds), and the router's CPU time per request (from /proc). Writes
+`bench/out/router_overhead.png` (first-byte latency CDFs).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,9 +32,16 @@ from pathlib import Path
 import latency_plot
 import yaml
 
+from kvfleet.api.tenantquota import TenantQuotaSpec
+
 ROOT = Path(__file__).resolve().parents[1]
 REVISION = "f" * 64
 KEY = "sk-bench-0123456789abcdef0123"
+# Limits on every resource the ledger keeps (none binding at these rates), so each request
+# takes the whole admission path: buckets, a concurrency slot, the settle.
+QUOTA = {"limits": {"requestsPerMinute": 1_000_000, "inputTokensPerMinute": 100_000_000,
+                    "outputTokensPerMinute": 100_000_000, "maxConcurrentRequests": 10_000}}
+QUOTA_SPEC = TenantQuotaSpec.model_validate({"tenant": "bench", **QUOTA})
 
 
 def free_port() -> int:
@@ -134,6 +145,44 @@ def wait_http(url: str, timeout: float = 30) -> None:
     raise RuntimeError(f"{url} did not answer in {timeout} s")
 
 
+def start_redis(port: int, tmp: str) -> subprocess.Popen[bytes]:
+    if shutil.which("redis-server") is None:
+        raise SystemExit("redis-server is not installed (Debian: apt-get install redis-server)")
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", tmp],
+                            stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True,
+                         check=False).stdout.strip() != b"PONG":
+        if time.monotonic() > deadline:
+            raise SystemExit("redis-server did not start")
+        time.sleep(0.05)
+    return proc
+
+
+async def script_latency(url: str, n: int = 2000) -> list[float]:
+    """One admission and its settle through the shared ledger's scripts, alone: what Redis
+    adds to a request (ms per admit)."""
+    import redis.asyncio
+
+    from kvfleet.router.fleet_ledger import SharedLedger
+    from kvfleet.router.quota import QuotaLedger
+
+    local = QuotaLedger()
+    local.set_quotas({"bench": ("bench/bench", QUOTA_SPEC)}, 0.0)
+    client = redis.asyncio.Redis.from_url(url)
+    ledger = SharedLedger(local, client, prefix="bench-latency")
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        reservation = await ledger.admit("bench", 20, 16, time.monotonic())
+        times.append((time.perf_counter() - start) * 1e3)
+        ledger.settle(reservation, 16, time.monotonic(), 20)
+        await ledger.drain()
+    await client.aclose()
+    return times
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,51 +194,71 @@ def main() -> int:
     if args.upstream:
         upstream(args.upstream, args.chunks)
         return 0
-    up_port, router_port = free_port(), free_port()
-    procs = []
+    up_port, redis_port = free_port(), free_port()
+    ports = {"router": free_port(), "router+redis": free_port()}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
     with tempfile.TemporaryDirectory(prefix="kvfleet-bench-") as tmp:
         config = Path(tmp) / "router.yaml"
         config.write_text(yaml.safe_dump({
             "pools": [{"name": "pool", "status": {"servingRevision": REVISION},
                        "endpoints": {REVISION: [f"127.0.0.1:{up_port}"]}}],
-            "tenants": [{"tenant": "bench", "keys": [KEY], "quota": {}}]}))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--upstream", str(up_port),
-                                       "--chunks", str(args.chunks)]))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "kvfleet", "router", "--config", str(config), "--port",
-             str(router_port), "--log-level", "warning"],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}))
+            "tenants": [{"tenant": "bench", "keys": [KEY], "quota": QUOTA}]}))
+        procs["redis"] = start_redis(redis_port, tmp)
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        procs["upstream"] = subprocess.Popen([sys.executable, __file__, "--upstream",
+                                              str(up_port), "--chunks", str(args.chunks)])
+        for name, port in ports.items():
+            extra = ["--redis", redis_url] if name == "router+redis" else []
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "kvfleet", "router", "--config", str(config), "--port",
+                 str(port), "--log-level", "warning", *extra],
+                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
             wait_http(f"http://127.0.0.1:{up_port}/metrics")
-            wait_http(f"http://127.0.0.1:{router_port}/health")
+            for port in ports.values():
+                wait_http(f"http://127.0.0.1:{port}/health")
             time.sleep(0.5)
-            direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
-            routed = f"http://127.0.0.1:{router_port}/v1/chat/completions"
+            urls = {"direct": f"http://127.0.0.1:{up_port}/v1/chat/completions"} | {
+                name: f"http://127.0.0.1:{port}/v1/chat/completions"
+                for name, port in ports.items()}
             auth = {"authorization": f"Bearer {KEY}"}
-            asyncio.run(load(routed, auth, 50, 1.0))  # warm up both
-            results: dict[float, dict[str, list[tuple[float, list[float]]]]] = {}
-            print(f"{'rate':>5} | first byte p50 / p99 ms: direct, router, added | "
-                  f"chunk gap p50 / p99 ms: direct, router | router CPU ms/request")
-            for rate in [float(r) for r in args.rates.split(",")]:
-                d = asyncio.run(load(direct, {}, rate, args.seconds))
-                cpu0 = cpu_seconds(procs[1].pid)
-                r = asyncio.run(load(routed, auth, rate, args.seconds))
-                cpu = (cpu_seconds(procs[1].pid) - cpu0) / max(1, len(r)) * 1e3
-                results[rate] = {"direct": d, "router": r}
-                fd, fr = [x[0] * 1e3 for x in d], [x[0] * 1e3 for x in r]
-                gd = [g * 1e3 for x in d for g in x[1]]
-                gr = [g * 1e3 for x in r for g in x[1]]
-                print(f"{rate:5.0f} | {pct(fd, .5):6.2f} / {pct(fd, .99):6.2f}, "
-                      f"{pct(fr, .5):6.2f} / {pct(fr, .99):6.2f}, "
-                      f"+{pct(fr, .5) - pct(fd, .5):5.2f} / +{pct(fr, .99) - pct(fd, .99):5.2f} | "
-                      f"{pct(gd, .5):5.3f} / {pct(gd, .99):5.3f}, "
-                      f"{pct(gr, .5):5.3f} / {pct(gr, .99):5.3f} | {cpu:5.2f}", flush=True)
+            for name in ports:
+                asyncio.run(load(urls[name], auth, 50, 1.0))  # warm up
+            admits = asyncio.run(script_latency(redis_url))
+            print(f"shared ledger admit (script round trip, alone): p50 {pct(admits, .5):.3f} "
+                  f"ms, p99 {pct(admits, .99):.3f} ms")
+            results = {rate: measure(urls, auth, rate, args.seconds, procs)
+                       for rate in [float(r) for r in args.rates.split(",")]}
             plot(results)
         finally:
-            for proc in procs:
+            for proc in procs.values():
                 proc.terminate()
                 proc.wait(10)
     return 0
+
+
+def measure(urls: dict[str, str], auth: dict[str, str], rate: float, seconds: float,
+            procs: dict[str, subprocess.Popen[bytes]]
+            ) -> dict[str, list[tuple[float, list[float]]]]:
+    """One rate, each target in turn; prints a row per router (added = router - direct)."""
+    runs: dict[str, list[tuple[float, list[float]]]] = {}
+    cpu: dict[str, float] = {}
+    for name, url in urls.items():
+        before = cpu_seconds(procs[name].pid) if name in procs else 0.0
+        runs[name] = asyncio.run(load(url, {} if name == "direct" else auth, rate, seconds))
+        if name in procs:
+            cpu[name] = (cpu_seconds(procs[name].pid) - before) / max(1, len(runs[name])) * 1e3
+    first = {name: [x[0] * 1e3 for x in r] for name, r in runs.items()}
+    gaps = {name: [g * 1e3 for x in r for g in x[1]] for name, r in runs.items()}
+    fd = first["direct"]
+    for name in cpu:
+        fr = first[name]
+        print(f"{rate:5.0f} {name:>12} | first byte p50 / p99 ms: direct {pct(fd, .5):5.2f} / "
+              f"{pct(fd, .99):5.2f}, routed {pct(fr, .5):5.2f} / {pct(fr, .99):5.2f}, added "
+              f"+{pct(fr, .5) - pct(fd, .5):5.2f} / +{pct(fr, .99) - pct(fd, .99):5.2f} | "
+              f"chunk gap p50 / p99 ms {pct(gaps[name], .5):5.3f} / {pct(gaps[name], .99):5.3f}"
+              f" | router CPU {cpu[name]:5.2f} ms/request", flush=True)
+    return runs
 
 
 def plot(results: dict[float, dict[str, list[tuple[float, list[float]]]]]) -> None:
