@@ -20,9 +20,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from starlette.applications import Starlette
@@ -72,6 +72,7 @@ from kvfleet.router.tokens import TokenCounter, texts_of
 from kvfleet.router.traffic import conversation_key
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TENANT_HEADER = "x-kvfleet-tenant"
 ROUTER_TOKEN_HEADER = "x-kvfleet-router-token"
@@ -241,6 +242,34 @@ async def _read_whole(resp: aiohttp.ClientResponse, endpoint: EndpointLoad
     finally:
         resp.release()
         endpoint.in_flight -= 1
+
+
+class ClientGone(Exception):
+    """The client hung up before its whole answer came."""
+
+
+async def _unless_gone(client: Request | None, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (and `work` cancelled) when `client` hangs up first.
+    The body is read by then, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    if client is None:
+        return await task
+
+    async def disconnected() -> None:
+        while (await client.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # its replica let go
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
 
 
 def _resolve(future: asyncio.Future[str | None] | None, value: str | None) -> None:
@@ -478,7 +507,7 @@ class Router:
         try:
             return await self._live(pool, plan.live, path, payload, headers, text, tenant,
                                     reservation, bool(body.get("stream")), live_text,
-                                    fallback=stable)
+                                    fallback=stable, client=request)
         except BaseException:
             _resolve(live_text, None)  # the shadow task must not wait for a live answer
             raise
@@ -543,23 +572,32 @@ class Router:
     async def _live(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                     headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
                     stream: bool, live_text: asyncio.Future[str | None] | None = None,
-                    fallback: str | None = None) -> Response:
+                    fallback: str | None = None, client: Request | None = None) -> Response:
         """The client's answer from `revision`. If none of its replicas answers before the
         first byte (a canary's pods going away as a rollback drains them, while this router
         still routes to it), `fallback` (stable) answers instead: the failure is the
-        revision's, counted against it, and not the client's."""
+        revision's, counted against it, and not the client's. A `client` that hangs up
+        while waiting for a whole answer cancels it upstream (the engine stops generating)
+        and is charged its whole output reservation: the engine worked, and how far it got
+        is not known (a streamed answer is billed by what was relayed)."""
         labels = (pool.namespace, pool.name, short_revision(revision), "live")
         started = time.monotonic()
         try:
             if not stream:
-                status, data, content_type = await self._request(
-                    pool, revision, path, payload, headers, text, tenant)
+                status, data, content_type = await _unless_gone(client, self._request(
+                    pool, revision, path, payload, headers, text, tenant))
             else:
                 resp, endpoint = await self._connect(pool, revision, path, payload, headers,
                                                      text, tenant, streamed=True)
                 status = resp.status
                 if status != 200:  # a refusal: a JSON body, not a stream
                     status, data, content_type = await _read_whole(resp, endpoint)
+        except ClientGone:
+            now = time.monotonic()
+            self._record(labels, Outcome.CLIENT_GONE, now - started, reservation.input_tokens)
+            self.settle(reservation, reservation.output_reserved, now, None)
+            _resolve(live_text, None)
+            return Response(status_code=499)  # (no one reads it)
         except RouterError as exc:
             now = time.monotonic()
             self._record(labels, classify(exc.status, exc.code), now - started,
@@ -567,7 +605,7 @@ class Router:
             if isinstance(exc, NoEndpoint) and fallback not in (None, revision):
                 assert fallback is not None
                 return await self._live(pool, fallback, path, payload, headers, text, tenant,
-                                        reservation, stream, live_text)
+                                        reservation, stream, live_text, client=client)
             self.settle(reservation, 0, now, 0)  # never answered
             _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())

@@ -25,6 +25,7 @@ STABLE, CANARY = "a" * 64, "b" * 64
 KEY_A, KEY_B = "sk-team-a-0123456789abcdef", "sk-team-b-0123456789abcdef"
 KEY_C = "sk-team-c-0123456789abcdef"
 KEY_E = "sk-team-e-0123456789abcdef"
+KEY_F = "sk-team-f-0123456789abcdef"
 TOKEN = "router-proof-0123456789abcdef0123"
 
 
@@ -50,6 +51,8 @@ def config(engines: dict[str, EngineServer], canary: int, shadow: int, token_fil
              "quota": {"limits": {"inputTokensPerMinute": 40}}},
             {"tenant": "team-e", "keys": [KEY_E],
              "quota": {"limits": {"outputTokensPerMinute": 300}}},
+            {"tenant": "team-f", "keys": [KEY_F],
+             "quota": {"limits": {"outputTokensPerMinute": 3000}}},
         ],
     }
 
@@ -353,3 +356,30 @@ def test_a_stream_cut_short_by_its_client_is_billed_what_was_relayed(
     left = int(re.search(r"max_tokens 250, (\d+) left", refused.json()["error"]["message"])[1])
     refill = 300 / 60 * (time.monotonic() - started)
     assert left <= 300 - relayed + refill + 1, (left, relayed, refill)  # (+1: shown rounded)
+
+
+def test_a_client_that_hangs_up_on_a_whole_answer_stops_the_engine_and_is_charged(
+    router: RouterProcess, engines: dict[str, EngineServer],
+) -> None:
+    """A non-streamed request kept generating after its client left, free: the router now
+    cancels it upstream (the engine aborts) and charges the whole output reservation."""
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Count to a thousand."}],
+            "max_tokens": 1400, "ignore_eos": True}  # (what the engines' KV cache holds)
+    started = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1.5 s
+        httpx.post(router.url + "/v1/chat/completions", json=body,
+                   headers={"authorization": f"Bearer {KEY_F}"},
+                   timeout=httpx.Timeout(60, read=1.5))
+    for engine in engines.values():
+        metrics = engine.wait_idle(timeout=10)
+        assert metrics["kvfleet_engine_requests_running"] == 0
+    assert time.monotonic() - started < 10  # 1400 tokens take far longer on 2 cores
+    finished = [json.loads(line) for engine in engines.values() for line in engine.log_lines()
+                if '"request_finished"' in line and '"tenant":"team-f"' in line]
+    assert len(finished) == 1 and finished[0]["completion_tokens"] < 1400, finished
+    # The output bucket (3000 a minute) was charged the whole 1400, not the 0 relayed.
+    refused = chat(router, KEY_F, max_tokens=2999)
+    assert refused.status_code == 429, refused.text
+    left = int(re.search(r"max_tokens 2999, (\d+) left", refused.json()["error"]["message"])[1])
+    assert left <= 3000 - 1400 + 3000 / 60 * (time.monotonic() - started) + 1, left
+    assert router.metric("kvfleet_router_requests_total", outcome="client_gone") >= 1
