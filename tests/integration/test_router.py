@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -383,3 +384,61 @@ def test_a_client_that_hangs_up_on_a_whole_answer_stops_the_engine_and_is_charge
     left = int(re.search(r"max_tokens 2999, (\d+) left", refused.json()["error"]["message"])[1])
     assert left <= 3000 - 1400 + 3000 / 60 * (time.monotonic() - started) + 1, left
     assert router.metric("kvfleet_router_requests_total", outcome="client_gone") >= 1
+
+
+def test_a_huge_prompt_is_tokenized_without_stalling_other_requests(
+    router: RouterProcess,
+) -> None:
+    """Tokenizing a 4 MiB prompt takes seconds; on the event loop it stalled every request
+    of every tenant that long. The router now tokenizes large prompts on a worker thread."""
+    assert chat(router, KEY_A).status_code == 200  # the revision's tokenizer is here
+    text = ("The quick brown fox jumps over the lazy dog. " * 100_000)[: (4 << 20) - 4096]
+    big: dict[str, httpx.Response] = {}
+
+    def send() -> None:  # team-c's 40 prompt tokens a minute: refused once counted
+        big["answer"] = chat(router, KEY_C, messages=[{"role": "user", "content": text}])
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    time.sleep(0.5)  # (the body is sent, its tokens being counted)
+    slowest = 0.0
+    while thread.is_alive():
+        start = time.monotonic()
+        httpx.get(router.url + "/v1/models", headers={"authorization": f"Bearer {KEY_A}"},
+                  timeout=30).raise_for_status()
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.05)
+    thread.join()
+    assert big["answer"].status_code == 429, big["answer"].text[:200]
+    assert "inputTokensPerMinute" in big["answer"].text
+    assert slowest < 0.5, f"a small request waited {slowest:.2f} s behind the tokenizing"
+
+
+def test_a_64_mib_body_is_refused_at_once_and_never_buffered(router: RouterProcess) -> None:
+    """413 by Content-Length before a byte is read, and for a chunked body (no length) as soon
+    as it passes the 4 MiB limit; the router's memory does not grow by the body."""
+    import psutil
+
+    process = psutil.Process(router.process.pid)
+    before = process.memory_info().rss
+    chunk = b"x" * (1 << 20)
+    headers = {"authorization": f"Bearer {KEY_A}", "content-type": "application/json"}
+
+    def chunked() -> Iterator[bytes]:
+        for _ in range(64):
+            yield chunk
+
+    for body in (chunk * 64, chunked()):
+        start = time.monotonic()
+        try:
+            answer = httpx.post(router.url + "/v1/chat/completions", content=body,
+                                headers=headers, timeout=30)
+            status = answer.status_code
+        except httpx.WriteError:  # the router answered and closed while this still sent
+            assert router.process.poll() is None  # (and did not die of it)
+            status = 413
+        took = time.monotonic() - start
+        assert status == 413 and took < 1.0, (status, took)
+    grown = (process.memory_info().rss - before) / (1 << 20)
+    print(f"\n64 MiB bodies refused; router RSS grew {grown:.1f} MiB")
+    assert grown < 16

@@ -205,14 +205,14 @@ async def test_prompt_tokens_are_counted_with_the_revisions_own_tokenizer(
     router = make_router(address)
     try:
         words = "hi there " * 30  # 60 words, 270 bytes
-        before = router.tokens.count(REVISION, [words], 1, [address])
+        before = await router.tokens.count(REVISION, [words], 1, [address])
         assert before == 270 // 3 + 4  # not fetched yet: the upper bound
         for _ in range(100):
             if router.tokens.known(REVISION):
                 break
             await asyncio.sleep(0.02)
-        assert router.tokens.count(REVISION, [words], 1, [address]) == 60 + 4
-        assert router.tokens.count(REVISION, [words, "hi"], 2, [address]) == 61 + 8
+        assert await router.tokens.count(REVISION, [words], 1, [address]) == 60 + 4
+        assert await router.tokens.count(REVISION, [words, "hi"], 2, [address]) == 61 + 8
     finally:
         await router.close()
 
