@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -122,22 +121,34 @@ def _cluster_api() -> Any:
 
 
 async def _watch(path: Path, router: Any) -> None:
-    """Re-read the config file when it changes; a bad edit is logged and the old one kept."""
-    from kvfleet.router.state import ConfigError, load_config
+    """Re-read the config file when it or a token file it names changes; a bad edit is
+    logged and the old one kept."""
+    from kvfleet.router.state import ConfigError, config_files, load_config
 
-    seen = path.stat().st_mtime_ns
+    def stamp(files: list[Path]) -> list[tuple[int, int] | None]:
+        found: list[tuple[int, int] | None] = []
+        for file in files:
+            try:
+                st = file.stat()
+                found.append((st.st_ino, st.st_mtime_ns))
+            except OSError:
+                found.append(None)
+        return found
+
+    files = config_files(path)
+    seen = stamp(files)
     while True:
         await asyncio.sleep(1.0)
-        with contextlib.suppress(OSError):
-            mtime = path.stat().st_mtime_ns
-            if mtime == seen:
-                continue
-            seen = mtime
-            try:
-                router.update(load_config(path))
-                log.info("router config %s reloaded", path)
-            except ConfigError as exc:
-                log.error("router config %s not reloaded (the previous one stays): %s", path, exc)
+        now = stamp(files)
+        if now == seen:
+            continue
+        files = config_files(path)
+        seen = stamp(files)
+        try:
+            router.update(load_config(path))
+            log.info("router config %s reloaded", path)
+        except ConfigError as exc:
+            log.error("router config %s not reloaded (the previous one stays): %s", path, exc)
 
 
 async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None) -> int:

@@ -18,6 +18,7 @@ from kvfleet.engine.admission import AdmissionLimits
 from kvfleet.engine.config import MIB, SchedulingPolicy
 from kvfleet.engine.faults import FAULTS_ENV, faults_for
 from kvfleet.engine.request_log import configure_json_logging
+from kvfleet.engine.router_token import MIN_LENGTH, RouterTokens
 from kvfleet.engine.runtime import RuntimeOptions, run_server
 from kvfleet.engine.server import ServerSettings
 
@@ -193,21 +194,31 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _router_token(path: str | None) -> RouterTokens | None:
+    """The router tokens from --router-token-file (re-read when it changes), else the one in
+    $KVFLEET_ROUTER_TOKEN, else None (the tenant header is trusted)."""
+    if path:
+        try:
+            return RouterTokens.from_file(Path(path))
+        except OSError as exc:
+            raise OSError(f"--router-token-file {path}: {exc.strerror}") from None
+    token = os.environ.get("KVFLEET_ROUTER_TOKEN", "").strip()
+    if not token:
+        return None
+    if len(token) < MIN_LENGTH:
+        raise ValueError(f"$KVFLEET_ROUTER_TOKEN: the router token needs at least "
+                         f"{MIN_LENGTH} characters")
+    return RouterTokens(token)
+
+
 def run(args: argparse.Namespace) -> int:
     configure_json_logging(getattr(logging, args.log_level.upper()))
     from kvfleet.engine.serving_core import build_loader  # imports torch: only when serving
 
-    router_token = os.environ.get("KVFLEET_ROUTER_TOKEN", "").strip() or None
-    if args.router_token_file:
-        try:
-            router_token = Path(args.router_token_file).read_text().strip()
-        except OSError as exc:
-            print(f"kvfleet serve: --router-token-file {args.router_token_file}: {exc.strerror}",
-                  file=sys.stderr)
-            return 2
-    if router_token is not None and len(router_token) < 16:
-        print("kvfleet serve: the router token (--router-token-file or $KVFLEET_ROUTER_TOKEN) "
-              "needs at least 16 characters", file=sys.stderr)
+    try:
+        router_token = _router_token(args.router_token_file)
+    except (OSError, ValueError) as exc:
+        print(f"kvfleet serve: {exc}", file=sys.stderr)
         return 2
     try:
         faults = faults_for(os.environ.get(FAULTS_ENV, ""), args.revision)

@@ -13,7 +13,6 @@ another tenant's cached KV; tenants named with `--shared-prefix-tenants` share o
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -55,6 +54,7 @@ from kvfleet.engine.protocol import (
     Usage,
 )
 from kvfleet.engine.request import SamplingParams
+from kvfleet.engine.router_token import RouterTokens
 
 STATUS_BY_CODE: dict[str, int] = {
     "invalid_request_error": 400,
@@ -92,8 +92,9 @@ class ServerSettings:
     default_tenant: str = "default"
     # With a router token set, only requests that carry it (ROUTER_TOKEN_HEADER) are served:
     # the router authenticated their tenant. Others are refused with 401, since serving them
-    # as any tenant would bypass the TenantQuota the router enforces.
-    router_token: str | None = None
+    # as any tenant would bypass the TenantQuota the router enforces. (Re-read from its file
+    # when that changes, the previous one accepted for a while: kvfleet.engine.router_token.)
+    router_token: RouterTokens | None = None
     shared_prefix_tenants: frozenset[str] = field(default_factory=frozenset)
     shared_prefix_scope: str = "kvfleet-shared"
     max_body_bytes: int = 4 * 1024 * 1024
@@ -309,8 +310,7 @@ class _Gate:
     def from_router(self, request: Request) -> bool:
         if self.cfg.router_token is None:
             return False
-        proof = request.headers.get(ROUTER_TOKEN_HEADER, "")
-        if not hmac.compare_digest(proof.encode(), self.cfg.router_token.encode()):
+        if not self.cfg.router_token.accepts(request.headers.get(ROUTER_TOKEN_HEADER, "")):
             raise ApiError("router_proof_required", "this engine serves only requests that come "
                            "through the kvfleet router (send them to the router's Service)",
                            ROUTER_TOKEN_HEADER)

@@ -338,7 +338,7 @@ class Router:
     # ---- state
 
     def update(self, state: RouterState) -> None:
-        carry_loads(state, self.state)
+        carry_loads(state, self.state, time.monotonic())
         self.state = state
         self.ledger.set_quotas(state.quotas, time.monotonic(),
                                state.default_quota or self.options.default_quota)
@@ -536,9 +536,7 @@ class Router:
             tried.add(endpoint.address)
             endpoint.in_flight += 1
             try:
-                resp = await self.session.post(f"http://{endpoint.address}{path}",
-                                               data=payload, headers=headers,
-                                               timeout=timeout)
+                resp = await self._post(pool, endpoint, path, payload, headers, timeout)
             except (TimeoutError, aiohttp.ClientError) as exc:
                 endpoint.in_flight -= 1
                 endpoint.failures += 1
@@ -560,6 +558,22 @@ class Router:
             return resp, endpoint
         raise NoEndpoint(f"pool {pool.name!r} revision {short_revision(revision)}: no replica "
                          f"answered ({last}); retry shortly")
+
+    async def _post(self, pool: PoolRoute, endpoint: EndpointLoad, path: str, payload: bytes,
+                    headers: dict[str, str], timeout: aiohttp.ClientTimeout
+                    ) -> aiohttp.ClientResponse:
+        """One attempt on `endpoint`. An engine that refuses the pool's token (401) while the
+        token it replaced is in its grace period is asked again with that one: its Secret
+        file has not been rewritten yet, and a rotation must fail no request."""
+        url = f"http://{endpoint.address}{path}"
+        resp = await self.session.post(url, data=payload, headers=headers, timeout=timeout)
+        previous = pool.previous(time.monotonic())
+        if resp.status != 401 or previous is None or \
+                headers.get(ROUTER_TOKEN_HEADER) != pool.router_token:
+            return resp
+        resp.release()
+        return await self.session.post(url, data=payload, timeout=timeout,
+                                       headers={**headers, ROUTER_TOKEN_HEADER: previous})
 
     async def _request(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                        headers: dict[str, str], text: str, tenant: str

@@ -42,6 +42,10 @@ from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad
 from kvfleet.router.traffic import TrafficTable
 
+# How long a replaced router token is still sent to engines that refuse the new one; the
+# engines accept a replaced one as long (kvfleet.engine.router_token.GRACE_SECONDS).
+TOKEN_GRACE_SECONDS = 600.0
+
 
 class ConfigError(ValueError):
     """The router's config file is unusable; the message names the field."""
@@ -59,9 +63,19 @@ class PoolRoute:
     namespace: str = "default"
     # The pool's (TTFT, TPOT) p95 SLOs in seconds: edges of its latency histograms' buckets.
     slos: tuple[float | None, float | None] = (None, None)
+    # The token it replaced and until when (monotonic) it is still sent to an engine that
+    # refuses the current one: engines see a re-minted Secret a kubelet sync later than the
+    # router does (kvfleet.engine.router_token).
+    previous_token: tuple[str, float] | None = None
 
     def ready(self, revision: str) -> list[EndpointLoad]:
         return self.endpoints.get(short_revision(revision), [])
+
+    def previous(self, now: float) -> str | None:
+        """The router token this pool's one replaced, while its grace lasts."""
+        if self.previous_token is not None and now < self.previous_token[1]:
+            return self.previous_token[0]
+        return None
 
 
 @dataclass(slots=True)
@@ -112,12 +126,22 @@ def slo_thresholds(raw: Any, where: str) -> tuple[float | None, float | None]:
     return slos.ttft_p95_seconds, slos.tpot_p95_seconds
 
 
-def carry_loads(new: RouterState, old: RouterState) -> None:
-    """Endpoints that stay keep what the router knows of their load."""
+def carry_loads(new: RouterState, old: RouterState, now: float) -> None:
+    """Endpoints that stay keep what the router knows of their load; a pool whose router
+    token changed keeps the one it replaced for TOKEN_GRACE_SECONDS."""
     known = {e.address: e for e in old.all_endpoints()}
-    for pool in new.pools.values():
+    for key, pool in new.pools.items():
         for revision, endpoints in pool.endpoints.items():
             pool.endpoints[revision] = [known.get(e.address, e) for e in endpoints]
+        before = old.pools.get(key)
+        if before is None:
+            continue
+        pool.previous_token = before.previous_token
+        if before.router_token not in (None, pool.router_token):
+            assert before.router_token is not None
+            pool.previous_token = (before.router_token, now + TOKEN_GRACE_SECONDS)
+        if pool.previous_token is not None and pool.previous_token[1] <= now:
+            pool.previous_token = None
 
 
 def _read_token(entry: Mapping[str, Any], where: str, base: Path) -> str | None:
@@ -203,3 +227,18 @@ def load_config(path: Path) -> RouterState:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not YAML ({exc})") from None
     return parse_config(data, path.parent)
+
+
+def config_files(path: Path) -> list[Path]:
+    """The config file and the router token files it names: a change to any is a reload (a
+    token file rewritten by a rotation, as a mounted Secret is)."""
+    files = [path]
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return files
+    pools = data.get("pools") if isinstance(data, dict) else None
+    for entry in pools if isinstance(pools, list) else []:
+        if isinstance(entry, dict) and "routerTokenFile" in entry:
+            files.append(path.parent / str(entry["routerTokenFile"]))
+    return files

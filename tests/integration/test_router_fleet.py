@@ -30,21 +30,25 @@ pytestmark = pytest.mark.slow
 REVISION = "c" * 64
 TOKEN = "router-proof-fleet-0123456789abcdef"
 ONE_KEY, TPM_KEY = "sk-team-one-0123456789abcdef", "sk-team-tpm-0123456789abcdef"
+ANY_KEY = "sk-team-any-0123456789abcdef"
 TPM = 600  # output tokens a minute, fleet-wide
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def token_file() -> Iterator[Path]:
+def tokens() -> Iterator[tuple[Path, Path]]:
+    """The engine's token file and the routers' (the same Secret, seen by each side at its
+    own time in a cluster)."""
     with tempfile.TemporaryDirectory(prefix="kvfleet-fleet-") as tmp:
-        path = Path(tmp) / "token"
-        path.write_text(TOKEN)
-        yield path
+        engine, routers = Path(tmp) / "engine-token", Path(tmp) / "router-token"
+        for path in (engine, routers):
+            path.write_text(TOKEN)
+        yield engine, routers
 
 
 @pytest.fixture(scope="module")
-def engine(token_file: Path) -> Iterator[EngineServer]:
-    with running_server("--kv-cache-memory-mib", "64", "--router-token-file", str(token_file),
+def engine(tokens: tuple[Path, Path]) -> Iterator[EngineServer]:
+    with running_server("--kv-cache-memory-mib", "64", "--router-token-file", str(tokens[0]),
                         "--revision", REVISION[:12], torch_threads=1) as server:
         yield server
 
@@ -66,6 +70,7 @@ def _config(engine: EngineServer, token_file: Path) -> dict[str, Any]:
              "quota": {"limits": {"maxConcurrentRequests": 1}}},
             {"tenant": "team-tpm", "keys": [TPM_KEY],
              "quota": {"limits": {"outputTokensPerMinute": TPM}}},
+            {"tenant": "team-any", "keys": [ANY_KEY], "quota": {}},
         ],
     }
 
@@ -93,11 +98,11 @@ class Routers:
 
 
 @pytest.fixture()
-def routers(engine: EngineServer, token_file: Path, redis_server: RedisServer
+def routers(engine: EngineServer, tokens: tuple[Path, Path], redis_server: RedisServer
             ) -> Iterator[Routers]:
     with tempfile.TemporaryDirectory(prefix="kvfleet-fleet-") as tmp, \
             contextlib.ExitStack() as stack:
-        fleet = Routers(engine, token_file, redis_server, Path(tmp))
+        fleet = Routers(engine, tokens[1], redis_server, Path(tmp))
         fleet.start(stack)
         yield fleet
 
@@ -109,7 +114,7 @@ def chat(url: str, key: str, max_tokens: int = MAX_TOKENS, **extra: Any) -> http
                       headers={"authorization": f"Bearer {key}"})
 
 
-def hammer(urls: list[str], key: str, clients: int, seconds: float
+def hammer(urls: list[str], key: str, clients: int, seconds: float, max_tokens: int = MAX_TOKENS
            ) -> list[httpx.Response]:
     """`clients` threads sending requests for `seconds`, client i to router i mod 2."""
     answers: list[httpx.Response] = []
@@ -118,7 +123,7 @@ def hammer(urls: list[str], key: str, clients: int, seconds: float
 
     def client(i: int) -> None:
         while time.monotonic() < end:
-            answer = chat(urls[i % len(urls)], key)
+            answer = chat(urls[i % len(urls)], key, max_tokens=max_tokens)
             with lock:
                 answers.append(answer)
             if answer.status_code == 429:
@@ -224,3 +229,30 @@ def test_with_redis_stopped_each_router_enforces_its_share_and_says_so(
         assert all(metric(url, "kvfleet_router_shared_ledger_up") == 0 for url in routers.urls)
     finally:
         redis_server.start()
+
+
+def test_a_rotated_router_token_fails_no_request(
+    routers: Routers, engine: EngineServer, tokens: tuple[Path, Path],
+) -> None:
+    """The token is re-minted under load. The routers see it first (a watch), the engines a
+    kubelet sync later (their mounted file): meanwhile the routers send the replaced token
+    to engines that refuse the new one, and then the engines accept both for a while."""
+    engine_file, router_file = tokens
+    new = "router-proof-rotated-0123456789abcdef"
+
+    def rotate() -> None:
+        time.sleep(2)
+        router_file.write_text(new)  # the routers' watch: at once
+        time.sleep(4)
+        engine_file.write_text(new)  # the engines' file: a sync later
+
+    rotation = threading.Thread(target=rotate)
+    rotation.start()
+    answers = hammer(routers.urls, ANY_KEY, clients=4, seconds=10, max_tokens=4)
+    rotation.join()
+    codes = [a.status_code for a in answers]
+    assert codes and set(codes) == {200}, [a.text for a in answers if a.status_code != 200][:3]
+    assert any("router token reloaded" in line for line in engine.log_lines())
+    # After the grace, only the new token is good: the routers send it and it is accepted.
+    assert chat(routers.urls[0], ANY_KEY, max_tokens=2).status_code == 200
+    print(f"\n{len(codes)} requests across the rotation, all answered")

@@ -408,6 +408,9 @@ def test_engine_and_router_agree_on_the_headers_and_defaults_between_them() -> N
     assert router.ROUTER_TOKEN_HEADER == engine.ROUTER_TOKEN_HEADER
     assert router.SHARED_PREFIX_HEADER == engine.SHARED_PREFIX_HEADER
     assert router.DEFAULT_MAX_TOKENS["/v1/chat/completions"] == settings.default_max_tokens
+    from kvfleet.engine.router_token import GRACE_SECONDS
+    from kvfleet.router.state import TOKEN_GRACE_SECONDS
+    assert TOKEN_GRACE_SECONDS == GRACE_SECONDS  # a replaced token: sent and accepted as long
 
 
 def _source_with_quota(name: str, status: dict[str, object] | None = None,

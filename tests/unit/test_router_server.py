@@ -438,6 +438,7 @@ async def engine() -> AsyncIterator[tuple[str, Any]]:
     from server_fakes import chat_template, make_engine
 
     from kvfleet.engine.lifecycle import Lifecycle, warm_up
+    from kvfleet.engine.router_token import RouterTokens
     from kvfleet.engine.server import ServerSettings, Serving, create_app
 
     core_engine, core = make_engine(max_context=64)
@@ -445,7 +446,7 @@ async def engine() -> AsyncIterator[tuple[str, Any]]:
     lifecycle = Lifecycle()
     await warm_up(core_engine, lifecycle, (1, 2, 3))
     app = create_app(Serving(lifecycle, core_engine, chat_template()),
-                     ServerSettings(router_token="t" * 32))
+                     ServerSettings(router_token=RouterTokens("t" * 32)))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                            lifespan="off"))
     task = asyncio.create_task(server.serve())
