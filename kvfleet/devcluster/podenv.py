@@ -3,10 +3,13 @@ ConfigMap and Secret keys, $(VAR) expansion), in-cluster credentials for its ser
 and its volumes.
 
 Volumes: an `emptyDir` is a folder of the pod's (`<pod folder>/volumes/<name>`, shared by its
-containers, removed with the pod). A local process has no mount namespace, so a container sees
-a volume through its paths instead: an env value or argument that is a volumeMount's
-`mountPath` (or lies under it) is rewritten to the volume's folder. Other volume types are not
-emulated; their mounts are left as written.
+containers, removed with the pod). A `secret` volume is such a folder holding one file per key
+(or per `items` entry), kept in step with the Secret as a kubelet does (`sync_secret_volumes`,
+every SECRET_SYNC_SECONDS: a changed key is replaced by a new file, so readers see a new inode;
+a missing Secret fails the container's start unless the volume is `optional`). A local process
+has no mount namespace, so a container sees a volume through its paths instead: an env value or
+argument that is a volumeMount's `mountPath` (or lies under it) is rewritten to the volume's
+folder. Other volume types are not emulated; their mounts are left as written.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from pathlib import Path
 import yaml
 
 from kvfleet.api.quantity import QuantityError, whole_cpus
-from kvfleet.devcluster.errors import DevClusterError
+from kvfleet.devcluster.errors import DevClusterError, KubeApiError
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.podstate import LocalPod, expand
 
 TOKEN_SECONDS = 24 * 3600  # outlives any test session or dev-cluster day
+# A kubelet refreshes mounted Secrets about every minute; the dev cluster every 10 s, still
+# well after the API's watchers (a router) see a change, which is the race that matters.
+SECRET_SYNC_SECONDS = 10.0
 
 
 def resolve_program(program: str, project_root: Path) -> str:
@@ -68,15 +74,54 @@ def volume_folder(pod: LocalPod, volume: str) -> Path:
 
 
 def mounts(pod: LocalPod, obj: JsonObj, spec: JsonObj) -> dict[str, Path]:
-    """The container's mountPath -> folder, for its emptyDir volumes (the folders exist)."""
-    empty_dirs = {v["name"] for v in obj["spec"].get("volumes") or [] if "emptyDir" in v}
+    """The container's mountPath -> folder, for its emptyDir and secret volumes (the folders
+    exist)."""
+    emulated = {v["name"] for v in obj["spec"].get("volumes") or []
+                if "emptyDir" in v or "secret" in v}
     found: dict[str, Path] = {}
     for mount in spec.get("volumeMounts") or []:
-        if mount["name"] in empty_dirs:
+        if mount["name"] in emulated:
             folder = volume_folder(pod, mount["name"])
             folder.mkdir(parents=True, exist_ok=True)
             found[mount["mountPath"].rstrip("/")] = folder
     return found
+
+
+def sync_secret_volumes(api: KubeClient, pod: LocalPod, obj: JsonObj) -> None:
+    """Each `secret` volume's folder holds the Secret's keys now; a key that changed is a new
+    file (written beside, then renamed over the old). DevClusterError names a missing
+    Secret or key (unless optional)."""
+    for volume in obj["spec"].get("volumes") or []:
+        source = volume.get("secret")
+        if source is None:
+            continue
+        name, optional = source.get("secretName", ""), bool(source.get("optional"))
+        try:
+            data = api.get("Secret", name, pod.namespace).get("data") or {}
+        except KubeApiError as exc:
+            if exc.status == 404 and optional:
+                continue
+            raise DevClusterError(f"volume {volume['name']}: Secret {pod.namespace}/{name}: "
+                                  f"{'not found' if exc.status == 404 else exc}") from None
+        wanted = {i["key"]: i["path"] for i in source.get("items") or []} or \
+            {key: key for key in data}
+        folder = volume_folder(pod, volume["name"])
+        folder.mkdir(parents=True, exist_ok=True)
+        for key, path in wanted.items():
+            if key not in data:
+                if optional:
+                    continue
+                raise DevClusterError(f"volume {volume['name']}: Secret {pod.namespace}/{name} "
+                                      f"has no key {key!r}")
+            content, target = base64.b64decode(data[key]), folder / path
+            if target.exists() and target.read_bytes() == content:
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fresh = target.with_name(f".{target.name}.new")
+            fresh.write_bytes(content)
+            fresh.chmod(0o400 if source.get("defaultMode") is None else
+                        int(source["defaultMode"]) & 0o777)
+            os.replace(fresh, target)
 
 
 def mounted(value: str, where: dict[str, Path]) -> str:

@@ -14,9 +14,9 @@ A container's `resources.limits.cpu` pins its process to that many whole CPUs (t
 fewest running containers hold), where a kubelet would set a CFS quota: several engines on a
 small host then each size their threads to their share instead of all of them to every core.
 
-What a real kubelet does that this one does not: images, volumes other than emptyDir (see
-`podenv`: a mount is seen through rewritten paths; its sizeLimit is not enforced), memory
-limits and CPU quotas (see above for CPU limits), startup probes, `kubectl exec`,
+What a real kubelet does that this one does not: images, volumes other than emptyDir and
+secret (see `podenv`: a mount is seen through rewritten paths; sizeLimit is not enforced),
+memory limits and CPU quotas (see above for CPU limits), startup probes, `kubectl exec`,
 termination-message files (`terminationMessagePath`: there is no per-container filesystem).
 Container output goes to files under the pod's folder; `kubectl logs` reads them through
 kvfleet.devcluster.kubeletlogs, and the cluster keeps them after teardown (DevCluster.stop).
@@ -48,12 +48,14 @@ from kvfleet.devcluster.errors import DevClusterError, KubeApiError
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.devcluster.kubeletlogs import KubeletLogServer
 from kvfleet.devcluster.podenv import (
+    SECRET_SYNC_SECONDS,
     container_env,
     cpu_limit,
     mounted,
     mounts,
     pick_cpus,
     resolve_program,
+    sync_secret_volumes,
     volume_folder,
 )
 from kvfleet.devcluster.podstate import (
@@ -292,6 +294,13 @@ class LocalPodRunner:
         if meta.get("deletionTimestamp"):
             self._terminate(pod, int(meta.get("deletionGracePeriodSeconds") or 0))
             return
+        if pod.secrets_synced and time.monotonic() - pod.secrets_synced >= SECRET_SYNC_SECONDS:
+            pod.secrets_synced = time.monotonic()
+            try:
+                sync_secret_volumes(self.api, pod, obj)
+            except DevClusterError as exc:  # a kubelet keeps the files it has, and says why
+                log.warning("local pod %s/%s: secret volume not refreshed: %s", pod.namespace,
+                            pod.name, exc)
         policy = spec.get("restartPolicy", "Always")
         pending_init = [c for c in pod.init_containers if not (c.done and c.exit_code == 0)]
         active = pending_init[:1] if pending_init else pod.containers
@@ -330,6 +339,8 @@ class LocalPodRunner:
             self._probe(pod, obj, c, now)
 
     def _start(self, pod: LocalPod, obj: JsonObj, c: Container) -> None:
+        sync_secret_volumes(self.api, pod, obj)  # (a missing Secret: the start fails)
+        pod.secrets_synced = time.monotonic()
         env = container_env(self.api, pod, obj, c.spec, self.project_root, self.extra_env)
         where = mounts(pod, obj, c.spec)
         argv = [mounted(expand(a, env), where)

@@ -77,6 +77,7 @@ class LocalPod:
     start_time: str = field(default_factory=now_iso)
     terminating_since: float | None = None
     last_status: JsonObj | None = None
+    secrets_synced: float = 0.0  # monotonic time its secret volumes were last written
 
 
 def falls_back_to_logs(spec: JsonObj, exit_code: int | None) -> bool:

@@ -27,10 +27,13 @@ from kvfleet.operator.placement import (
 )
 
 ENGINE_PORT = labels.ENGINE_PORT
-# The engine reads its pool's router token from this variable (a secretKeyRef): an env entry
-# works on every pod runtime, including the dev cluster's runner, which has no Secret volumes.
-ROUTER_TOKEN_ENV = "KVFLEET_ROUTER_TOKEN"
+# The engine reads its pool's router token from the Secret mounted as a volume, not from an env
+# var read once: the kubelet rewrites the file when the Secret is re-minted and the engine
+# follows it, accepting the replaced token for a while (kvfleet.engine.router_token).
+ROUTER_TOKEN_FILE_ENV = "KVFLEET_ROUTER_TOKEN_FILE"
 ROUTER_TOKEN_KEY = labels.ROUTER_TOKEN_KEY
+ROUTER_TOKEN_VOLUME = "router-token"
+ROUTER_TOKEN_DIR = "/var/run/kvfleet/router-token"
 ENGINE_PORT_NAME = "http"
 # The engine drains in-flight requests for this long after SIGTERM (`--drain-grace-seconds`).
 DRAIN_SECONDS = 30
@@ -247,8 +250,7 @@ def _container(
             "value": ",".join(f.sha256 for f in artifact.spec.weights.files),
         },
     ]
-    env.append({"name": ROUTER_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-        "name": naming.router_secret_name(pool.metadata.name), "key": ROUTER_TOKEN_KEY}}})
+    env.append({"name": ROUTER_TOKEN_FILE_ENV, "value": f"{ROUTER_TOKEN_DIR}/{ROUTER_TOKEN_KEY}"})
     env += [
         {"name": key, "valueFrom": {"configMapKeyRef": {"name": cm, "key": key}}}
         for key in sorted(settings)
@@ -297,7 +299,8 @@ def _container(
             "periodSeconds": 10,
             "failureThreshold": 6,
         },
-        "volumeMounts": [_CACHE_MOUNT],
+        "volumeMounts": [_CACHE_MOUNT, {"name": ROUTER_TOKEN_VOLUME, "mountPath": ROUTER_TOKEN_DIR,
+                                        "readOnly": True}],
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         # The engine's last log lines (e.g. a sha256 mismatch at load) become the container's
         # termination message, which the operator surfaces on the pool.
@@ -322,7 +325,10 @@ def build_deployment(
     pod_spec: dict[str, Any] = {
         "initContainers": [_fetch_container(pool, artifact, options)],
         "containers": [_container(pool, artifact, manifest_hash, settings, plan, options)],
-        "volumes": [_cache_volume(pool, artifact)],
+        "volumes": [_cache_volume(pool, artifact), {
+            "name": ROUTER_TOKEN_VOLUME,
+            "secret": {"secretName": naming.router_secret_name(name), "defaultMode": 0o400,
+                       "items": [{"key": ROUTER_TOKEN_KEY, "path": ROUTER_TOKEN_KEY}]}}],
         "nodeSelector": node_selector(pool.spec),
         "tolerations": tolerations(pool.spec),
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
@@ -406,8 +412,10 @@ def build_pdb(pool: ServingPool) -> dict[str, Any]:
 
 
 def build_router_secret(pool: ServingPool, token: str) -> dict[str, Any]:
-    """The token the pool's engines want from the router ($KVFLEET_ROUTER_TOKEN of `kvfleet
-    serve`): with it, a request's tenant header is believed; without it, the engine refuses."""
+    """The token the pool's engines want from the router (their mounted file, `kvfleet serve
+    --router-token-file`): with it, a request's tenant header is believed; without it, the
+    engine refuses. Re-minted (deleted, then made again by the operator), it reaches routers
+    and engines without a failed request (kvfleet.engine.router_token)."""
     name = pool.metadata.name
     labels = {**naming.pool_labels(name), naming.ROUTER_TOKEN_LABEL: naming.label_value(name)}
     return {

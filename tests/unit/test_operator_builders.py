@@ -230,14 +230,14 @@ def test_an_init_container_fetches_the_manifest_into_the_model_cache() -> None:
     spec = _deployment()["spec"]["template"]["spec"]
     (init,) = spec["initContainers"]
     assert init["command"] == ["kvfleet", "artifact", "fetch", "--from-env"]
-    (volume,) = spec["volumes"]
+    volume, _token = spec["volumes"]
     total = sum(f.size_bytes for f in a.spec.weights.files)
     limit = builders.model_cache_bytes(a)
     assert total < limit <= total * 1.1 + 2**20 and limit % 2**20 == 0
     assert volume == {"name": "model-cache", "emptyDir": {"sizeLimit": f"{limit // 2**20}Mi"}}
     for container in (init, spec["containers"][0]):
-        assert container["volumeMounts"] == [{"name": "model-cache",
-                                              "mountPath": builders.MODEL_CACHE_PATH}]
+        assert container["volumeMounts"][0] == {"name": "model-cache",
+                                                "mountPath": builders.MODEL_CACHE_PATH}
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert fetch.files_from_json(json.loads(env[fetch.FILES_ENV])) == [
             fetch.FileSpec(f.uri, f.sha256, f.size_bytes) for f in a.spec.weights.files]

@@ -319,9 +319,14 @@ def test_the_router_token_is_made_once_and_given_to_every_engine_pod() -> None:
     assert again.apply == ()
     deployment = converged.deployments[0]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    token_env = next(e for e in container["env"] if e["name"] == "KVFLEET_ROUTER_TOKEN")
-    assert token_env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
-                                                      "key": "token"}
+    # A mounted file the engine follows, not an env var read once: a re-minted Secret
+    # reaches running engines.
+    token_env = next(e for e in container["env"] if e["name"] == "KVFLEET_ROUTER_TOKEN_FILE")
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "router-token")
+    assert token_env["value"] == mount["mountPath"] + "/token" and mount["readOnly"]
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == "router-token")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
     policy = converged.network_policy
     assert policy is not None
     sources = policy["spec"]["ingress"][0]["from"]

@@ -117,8 +117,8 @@ def test_every_setting_reaches_the_deployment() -> None:
     assert (spec["priorityClassName"], spec["serviceAccountName"]) == ("llm-serving",
                                                                        "model-reader")
     assert spec["imagePullSecrets"] == [{"name": "registry"}]
-    assert spec["volumes"] == [{"name": "model-cache",
-                                "persistentVolumeClaim": {"claimName": "models"}}]
+    assert spec["volumes"][0] == {"name": "model-cache",
+                                  "persistentVolumeClaim": {"claimName": "models"}}
     (fetch,), (engine,) = spec["initContainers"], spec["containers"]
     for container in (fetch, engine):
         assert (container["image"], container["imagePullPolicy"]) == (
@@ -182,7 +182,7 @@ def test_a_memory_request_defaults_below_the_pools_own_limit() -> None:
 
 def test_an_empty_dir_cache_of_the_pools_size_caps_the_fetch() -> None:
     spec = _pod_spec(modelCache={"emptyDir": {"sizeLimit": "40Gi", "medium": "Memory"}})
-    assert spec["volumes"] == [{"name": "model-cache",
-                                "emptyDir": {"sizeLimit": "40Gi", "medium": "Memory"}}]
+    assert spec["volumes"][0] == {"name": "model-cache",
+                                  "emptyDir": {"sizeLimit": "40Gi", "medium": "Memory"}}
     env = {e["name"]: e.get("value") for e in spec["initContainers"][0]["env"]}
     assert env["KVFLEET_MODEL_CACHE_LIMIT_BYTES"] == str(40 * 2**30)
