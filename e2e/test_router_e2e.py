@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -177,8 +178,57 @@ def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
             assert time.monotonic() - changed < 1.0, resp.text
             time.sleep(0.05)
         assert resp.headers["x-kvfleet-revision"] == serving[:12]
+        _rotate_the_router_token_under_load(kube, namespace, router, pod["status"]["podIP"])
     finally:
         router.stop()
+
+
+def _rotate_the_router_token_under_load(kube: KubeClient, namespace: str,
+                                        router: RouterProcess, pod_ip: str) -> None:
+    """The pool's router token Secret is rewritten while clients are served: the router sees
+    it at once, the engine pod's mounted file a kubelet sync later (10 s here), and no
+    request fails meanwhile. Afterwards the engine takes the new token and, for a while,
+    the old one."""
+    (secret,) = kube.list("Secret", namespace, label_selector="kvfleet.io/router-token-for=smol")
+    old = base64.b64decode(secret["data"]["token"]).decode()
+    new = "rotated-" + os.urandom(16).hex()
+    codes: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            resp = chat(router.url, KEY)
+            codes.append(resp.status_code)
+            if resp.status_code != 200:
+                print("failed across the rotation:", resp.text)
+
+    client = threading.Thread(target=load)
+    client.start()
+    try:
+        time.sleep(2)
+        kube.request("PATCH", f"/api/v1/namespaces/{namespace}/secrets/"
+                     f"{secret['metadata']['name']}",
+                     {"data": {"token": base64.b64encode(new.encode()).decode()}},
+                     content_type="application/merge-patch+json")
+        rotated = time.monotonic()
+        while _engine_accepts(pod_ip, old) and not _engine_accepts(pod_ip, new):
+            assert time.monotonic() - rotated < 60, "the engine never read the new token"
+            time.sleep(1)
+        print(f"the engine took the new token {time.monotonic() - rotated:.0f} s after the "
+              f"Secret changed; {len(codes)} requests meanwhile")
+        time.sleep(2)
+    finally:
+        stop.set()
+        client.join()
+    assert codes and set(codes) == {200}, codes
+    assert _engine_accepts(pod_ip, new) and _engine_accepts(pod_ip, old)  # (the grace)
+
+
+def _engine_accepts(pod_ip: str, token: str) -> bool:
+    resp = httpx.post(f"http://{pod_ip}:8000/v1/chat/completions", timeout=30,
+                      headers={"x-kvfleet-tenant": "team-a", "x-kvfleet-router-token": token},
+                      json={"max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
+    return resp.status_code == 200
 
 
 def test_the_router_install_manifests_are_accepted_by_the_apiserver(
