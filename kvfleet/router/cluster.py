@@ -92,11 +92,45 @@ def _where(obj: Mapping[str, Any]) -> tuple[str, str]:
     return str(meta.get("namespace") or ""), str(meta.get("name") or "")
 
 
+def _controller(obj: Mapping[str, Any]) -> str | None:
+    """The UID of the object's controlling owner."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
+def pool_pods(pools: Iterable[JsonObj], deployments: Iterable[JsonObj],
+              replicasets: Iterable[JsonObj], pods: Iterable[JsonObj]) -> list[JsonObj]:
+    """The pods a ServingPool owns through its Deployments and their ReplicaSets (by UID, as
+    the garbage collector sees ownership): a pod that only wears an engine's labels, made by
+    anyone who can create pods, gets no prompts and no router token."""
+    pool_uids = {str(p["metadata"].get("uid")) for p in pools}
+    owned_deployments = {str(d["metadata"].get("uid")) for d in deployments
+                         if _controller(d) in pool_uids}
+    owned_sets = {str(r["metadata"].get("uid")) for r in replicasets
+                  if _controller(r) in owned_deployments}
+    kept = []
+    for pod in pods:
+        if _controller(pod) in owned_sets:
+            kept.append(pod)
+        elif _ready(pod):
+            namespace, name = _where(pod)
+            if (namespace, name) not in _STRAYS_LOGGED:
+                _STRAYS_LOGGED.add((namespace, name))
+                log.warning("pod %s/%s wears a pool's engine labels but no ServingPool's "
+                            "Deployment owns it: not routed to", namespace, name)
+    return kept
+
+
+_STRAYS_LOGGED: set[tuple[str, str]] = set()  # (once per pod, not every rebuild)
+
+
 def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
                        key_secrets: Iterable[JsonObj], token_secrets: Iterable[JsonObj],
                        quotas: Iterable[JsonObj], *, cluster_wide: bool) -> RouterState:
     """Clients name a pool by its name; a cluster-wide router also by `namespace/name`, and by
-    its bare name only where that is unique."""
+    its bare name only where that is unique. `pods`: the pools' own (`pool_pods`)."""
     tokens = {(_where(s)[0], (s["metadata"].get("labels") or {}).get(ROUTER_TOKEN_LABEL)):
               _secret_text(s, ROUTER_TOKEN_KEY) for s in token_secrets}
     endpoints: dict[tuple[str, str], dict[str, list[EndpointLoad]]] = {}
@@ -278,6 +312,10 @@ class ClusterSource:
         self.informers = {
             "pools": Informer(api, "ServingPool", "", self._changed, namespace=namespace),
             "pods": Informer(api, "Pod", ENGINE_SELECTOR, self._changed, namespace=namespace),
+            "deployments": Informer(api, "Deployment", ENGINE_SELECTOR, self._changed,
+                                    namespace=namespace),
+            "replicasets": Informer(api, "ReplicaSet", ENGINE_SELECTOR, self._changed,
+                                    namespace=namespace),
             "keys": Informer(api, "Secret", TENANT_LABEL, self._changed, namespace=namespace),
             "tokens": Informer(api, "Secret", ROUTER_TOKEN_LABEL, self._changed,
                                namespace=namespace),
@@ -298,8 +336,10 @@ class ClusterSource:
         return [o for objs in self.informers[name].store.values() for o in objs]
 
     def rebuild(self) -> None:
+        pods = pool_pods(self._objects("pools"), self._objects("deployments"),
+                         self._objects("replicasets"), self._objects("pods"))
         state = state_from_objects(
-            self._objects("pools"), self._objects("pods"), self._objects("keys"),
+            self._objects("pools"), pods, self._objects("keys"),
             self._objects("tokens"), self._objects("quotas"),
             cluster_wide=self.namespace is None)
         self.router.update(state)

@@ -30,6 +30,8 @@ def role_rules() -> list[dict[str, Any]]:
         {"apiGroups": [""], "resources": ["pods"], "verbs": [*WATCH]},
         # API keys and each pool's engine token.
         {"apiGroups": [""], "resources": ["secrets"], "verbs": [*WATCH]},
+        # Who owns an engine pod: only pods of the pool's own Deployments get its traffic.
+        {"apiGroups": ["apps"], "resources": ["deployments", "replicasets"], "verbs": [*WATCH]},
     ]
 
 

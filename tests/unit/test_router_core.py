@@ -7,6 +7,7 @@ import logging
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -609,3 +610,27 @@ def test_a_key_minted_outside_its_tenants_namespace_is_ignored(
     # A tenant without any TenantQuota has no home: its key authenticates, and the ledger
     # refuses it (or holds it to the router's default quota).
     assert state.keys.tenant_for("Bearer sk-orphan-0123456789abcdef") == "team-z"
+
+
+def test_only_pods_the_pools_deployments_own_are_routed_to(caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    """Engine labels are no proof: any pod can wear them. A pod gets prompts and the router
+    token only if its ReplicaSet's Deployment is the ServingPool's (by UID)."""
+    from kvfleet.router.cluster import pool_pods
+
+    def obj(uid: str, owner: str | None, name: str = "") -> dict[str, Any]:
+        meta: dict[str, Any] = {"uid": uid, "name": name or uid, "namespace": "llm"}
+        if owner is not None:
+            meta["ownerReferences"] = [{"uid": "other", "controller": False},
+                                       {"uid": owner, "controller": True}]
+        return {"metadata": meta, "status": {"podIP": "10.0.0.9", "conditions": [
+            {"type": "Ready", "status": "True"}]}}
+
+    pools = [obj("pool-uid", None)]
+    deployments = [obj("dep", "pool-uid"), obj("dep-foreign", "someone-else")]
+    sets = [obj("rs", "dep"), obj("rs-foreign", "dep-foreign")]
+    pods = [obj("good", "rs"), obj("forged", None), obj("foreign", "rs-foreign"),
+            obj("direct", "dep")]
+    assert [p["metadata"]["uid"] for p in pool_pods(pools, deployments, sets, pods)] == ["good"]
+    assert "llm/forged wears a pool's engine labels but no ServingPool's Deployment" \
+        in caplog.text
