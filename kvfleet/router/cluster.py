@@ -192,7 +192,15 @@ def _keys_of_their_namespace(secrets: Iterable[JsonObj], owners: dict[str, str]
     """The key Secrets that may speak for their tenant: a tenant belongs to the namespace of
     its (oldest) TenantQuota, and a key for it minted in any other namespace is ignored
     (logged, never its key) — else whoever can write a Secret anywhere a router watches could
-    spend another namespace's budget. The webhook refuses the second TenantQuota itself."""
+    spend another namespace's budget. The webhook refuses the second TenantQuota itself. A
+    tenant with no TenantQuota (held to the router's default quota) belongs to the namespace of
+    its oldest key Secret: else two namespaces' keys for one name would share its buckets,
+    its engine fair share and prefix-cache scope."""
+    secrets = sorted(secrets, key=lambda s: str(s["metadata"].get("creationTimestamp", "")))
+    owners = dict(owners)
+    for secret in secrets:
+        tenant = (secret["metadata"].get("labels") or {}).get(TENANT_LABEL)
+        owners.setdefault(str(tenant), _where(secret)[0])
     kept = []
     for secret in secrets:
         namespace, name = _where(secret)
@@ -200,7 +208,8 @@ def _keys_of_their_namespace(secrets: Iterable[JsonObj], owners: dict[str, str]
         home = owners.get(str(tenant))
         if home is not None and home != namespace:
             log.warning("Secret %s/%s: ignored, its tenant %r belongs to namespace %s (where "
-                        "its TenantQuota is)", namespace, name, tenant, home)
+                        "its TenantQuota is, or without one its oldest key)", namespace, name,
+                        tenant, home)
             continue
         kept.append(secret)
     return kept

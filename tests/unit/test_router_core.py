@@ -607,9 +607,19 @@ def test_a_key_minted_outside_its_tenants_namespace_is_ignored(
         state.keys.tenant_for(f"Bearer {forged_key}")
     assert "Secret other/forged: ignored, its tenant 'team-a' belongs to namespace llm" in \
         caplog.text and forged_key not in caplog.text
-    # A tenant without any TenantQuota has no home: its key authenticates, and the ledger
-    # refuses it (or holds it to the router's default quota).
+    # A tenant without any TenantQuota: its key authenticates, and the ledger refuses it (or
+    # holds it to the router's default quota). Its home is the namespace of its oldest key: a
+    # later key for the same name elsewhere would share its default-quota buckets.
     assert state.keys.tenant_for("Bearer sk-orphan-0123456789abcdef") == "team-z"
+    orphan["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"  # type: ignore[index]
+    squatter = secret("squat", "team-z", "sk-squatter-0123456789abcdef")
+    squatter["metadata"].update(namespace="other",  # type: ignore[attr-defined]
+                                creationTimestamp="2026-02-01T00:00:00Z")
+    state = state_from_objects([pool_object("smol")], [], [squatter, orphan], [], [],
+                               cluster_wide=True)
+    assert state.keys.tenant_for("Bearer sk-orphan-0123456789abcdef") == "team-z"
+    with pytest.raises(Unauthorized):
+        state.keys.tenant_for("Bearer sk-squatter-0123456789abcdef")
 
 
 def test_only_pods_the_pools_deployments_own_are_routed_to(caplog: pytest.LogCaptureFixture
