@@ -5,6 +5,7 @@ pod (which refuses anyone without the pool's router token); it writes the quota'
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import subprocess
@@ -41,14 +42,15 @@ KEY = "sk-e2e-team-a-0123456789abcdef"
 
 
 class RouterProcess:
-    def __init__(self, kubeconfig: str, namespace: str, log: Path) -> None:
+    def __init__(self, kubeconfig: str, namespace: str | None, log: Path) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         command = [str(KVFLEET)] if KVFLEET.exists() else [sys.executable, "-m", "kvfleet"]
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [*command, "router", "-n", namespace, "--port", str(self.port)],
+                [*command, "router", *(["-n", namespace] if namespace else ["-A"]),
+                 "--port", str(self.port)],
                 env={**os.environ, "KUBECONFIG": kubeconfig, "PYTHONPATH": str(ROOT)},
                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -83,10 +85,10 @@ def router_pool(kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess,  
     return "smol"
 
 
-def chat(url: str, key: str | None) -> httpx.Response:
+def chat(url: str, key: str | None, model: str = "smol") -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} if key else {}
     return httpx.post(url + "/v1/chat/completions", headers=headers, timeout=60,
-                      json={"model": "smol", "max_tokens": 2,
+                      json={"model": model, "max_tokens": 2,
                             "messages": [{"role": "user", "content": "Hi"}]})
 
 
@@ -94,10 +96,7 @@ def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
     kube: KubeClient, cluster: DevCluster | ExistingCluster, namespace: str, router_pool: str,
     tmp_path: Path, argo_health: ArgoHealth,
 ) -> None:
-    kube.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
-        "apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": "team-a-key", "labels": {"kvfleet.io/tenant": "team-a"}},
-        "data": {"key": base64.b64encode(KEY.encode()).decode()}})
+    _key_secret(kube, namespace, "team-a-key", "team-a", KEY)
     kube.request("POST", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenantquotas", {
         "apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
         "metadata": {"name": "team-a"},
@@ -229,6 +228,77 @@ def _engine_accepts(pod_ip: str, token: str) -> bool:
                       headers={"x-kvfleet-tenant": "team-a", "x-kvfleet-router-token": token},
                       json={"max_tokens": 1, "messages": [{"role": "user", "content": "x"}]})
     return resp.status_code == 200
+
+
+def test_a_key_minted_in_another_namespace_cannot_spend_a_tenants_budget(
+    kube: KubeClient, kubectl: Kubectl, cluster: DevCluster | ExistingCluster, namespace: str,
+    router_pool: str, tmp_path: Path,
+) -> None:
+    """Mallory may create Secrets in her own namespace only. With a router watching every
+    namespace she mints a key labelled for team-a (whose TenantQuota is elsewhere) and one
+    for a tenant of her own without a TenantQuota: the first never authenticates, the second
+    is refused (fail closed), and team-a is served as before."""
+    other = f"{namespace}-b"
+    kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": other}})
+    rbac = "/apis/rbac.authorization.k8s.io/v1/namespaces/" + other
+    kube.request("POST", rbac + "/roles", {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": {"name": "secret-maker"},
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]})
+    kube.request("POST", rbac + "/rolebindings", {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": "mallory"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                    "name": "secret-maker"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                      "name": "mallory"}]})
+    _key_secret(kube, namespace, "team-a-key", "team-a", KEY)
+    kube.request("POST", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenantquotas", {
+        "apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+        "metadata": {"name": "team-a"}, "spec": {"tenant": "team-a"}})
+    forged, own = "sk-mallory-as-team-a-0123456789", "sk-mallory-own-0123456789abc"
+
+    def mint(target: str, tenant: str, key: str) -> subprocess.CompletedProcess[str]:
+        manifest = json.dumps({
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": f"key-{tenant}", "namespace": target,
+                         "labels": {"kvfleet.io/tenant": tenant}},
+            "data": {"key": base64.b64encode(key.encode()).decode()}})
+        return kubectl("create", "--as", "mallory", "-f", "-", input=manifest, check=False)
+
+    denied = mint(namespace, "team-a", forged)  # not in team-a's namespace: no rights
+    assert denied.returncode != 0 and "forbidden" in denied.stderr.lower(), denied.stderr
+    assert mint(other, "team-a", forged).returncode == 0
+    assert mint(other, "mallory", own).returncode == 0
+    router = RouterProcess(cluster.kubeconfig, None, tmp_path / "router.log")
+    try:
+        router.wait_ready()
+        time.sleep(0.5)  # a first scrape of the engine's load
+        pool = f"{namespace}/{router_pool}"
+        assert chat(router.url, KEY, pool).status_code == 200
+        forged_answer = chat(router.url, forged, pool)
+        assert forged_answer.status_code == 401, forged_answer.text
+        refused = chat(router.url, own, pool)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "no_tenant_quota"
+        assert chat(router.url, KEY, pool).status_code == 200
+        log = router.log.read_text()
+        assert f"Secret {other}/key-team-a: ignored" in log and forged not in log
+        served = httpx.get(router.url + "/metrics", timeout=10).text
+        admitted = sum(float(line.rsplit(" ", 1)[1]) for line in served.splitlines()
+                       if line.startswith("kvfleet_router_requests_total{")
+                       and 'outcome="completed"' in line)
+        assert admitted == 2  # team-a's two; nothing of Mallory's reached an engine
+    finally:
+        router.stop()
+        kube.delete("Namespace", other)
+
+
+def _key_secret(kube: KubeClient, namespace: str, name: str, tenant: str, key: str) -> None:
+    kube.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": name, "labels": {"kvfleet.io/tenant": tenant}},
+        "data": {"key": base64.b64encode(key.encode()).decode()}})
 
 
 def test_the_router_install_manifests_are_accepted_by_the_apiserver(
