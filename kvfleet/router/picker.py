@@ -19,6 +19,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvfleet.api.saturation import load_score
+
 # Characters of the prompt that key affinity: about the first two KV blocks of tokens.
 PREFIX_CHARS = 128
 REFUSED_BACKOFF_S = 10.0
@@ -43,10 +45,9 @@ class EndpointLoad:
         if self.scraped_at is None or now - self.scraped_at > stale_after or self.failures or (
                 self.refused_at is not None and now - self.refused_at < REFUSED_BACKOFF_S):
             return float("inf")
-        # A waiting request costs more than a running one (it has no KV yet and will queue);
-        # a nearly full KV cache means preemptions.
-        kv_pressure = max(0.0, self.kv_usage - 0.8) * 50
-        return 2 * self.waiting + self.running + self.in_flight + kv_pressure
+        # The engine's own load (shared with the operator's autoscaler), plus what this router
+        # sent since that was read.
+        return load_score(self.waiting, self.running, self.kv_usage) + self.in_flight
 
 
 def affinity(tenant: str, prefix: str, address: str) -> int:

@@ -1,0 +1,164 @@
+"""How many replicas a pool wants, from the signals its engines and routers already export:
+the pure decision of the autoscaler (issue 37), apart from where the signals come from and
+where the count goes.
+
+Each interval the operator hands `decide` the pool's policy, the latest signals (None when it
+has none), what it observed of the pool's replicas and the history it keeps between calls. The
+recommendation is the largest of:
+
+- load: the replicas that put each at `target_load`, in the unit the router picks replicas by
+  (`kvfleet.api.saturation.load_score`: waiting, running and KV pressure), so the router and
+  the autoscaler agree on what saturated means;
+- KV cache: the replicas that put the mean KV-cache use at `target_kv_usage`;
+- SLOs: one more replica than now while the TTFT or TPOT p95 misses the pool's SLO;
+- demand at zero: one replica while the routers hold requests for a pool at zero.
+
+It is then bounded by [min, max] and stabilised as Kubernetes' HPA does: a scale-up takes the
+lowest recommendation of the last `up_window` seconds, a scale-down the highest of the last
+`down_window`, so a scale-down never comes sooner than `down_window` after the recommendation
+that raised the count; each decision moves at most `max_step` replicas. A pool idle for
+`idle_seconds` (with `min_replicas` 0 and no request held) goes to zero at once: the idle time
+is its own stabilisation.
+
+Never silent: signals that are missing or older than `stale_after` hold the count and say why
+(`active` False, `why_inactive`); replicas Pending longer than `pending_grace` (no GPU to place
+them) stop the count from growing and say so (`limited`, `why_limited`), instead of asking for
+more that cannot be placed. Signals of replicas still warming up are left out by the caller
+(an engine keeps its warm-up out of its metrics), so a scale-up does not overshoot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    min_replicas: int
+    max_replicas: int
+    target_load: float  # load_score per replica the pool is sized for
+    target_kv_usage: float | None = None  # 0..1
+    ttft_slo: float | None = None  # the pool's p95 SLOs, seconds
+    tpot_slo: float | None = None
+    up_window: float = 0.0
+    down_window: float = 300.0
+    max_step: int = 4
+    idle_seconds: float | None = None  # to zero after this long without a request (min 0)
+    stale_after: float = 60.0
+    pending_grace: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    at: float  # when they were measured (the operator's clock)
+    loads: tuple[float, ...] = ()  # load_score of each warm Ready replica
+    kv_usage: tuple[float, ...] = ()  # its KV-cache use, 0..1
+    ttft_p95: float | None = None
+    tpot_p95: float | None = None
+    held: int = 0  # requests the routers hold for the pool while it is at zero
+    last_request_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    current: int  # the replicas asked for now
+    ready: int
+    pending_since: float | None = None  # since when the oldest unready replica waits
+
+
+@dataclass(slots=True)
+class History:
+    """Recommendations of the last window, (time, count), oldest first."""
+
+    recommendations: list[tuple[float, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    desired: int
+    signal: str  # what decided: load, kvCache, slo, held, idle, min, max, stale, hold
+    active: bool = True
+    why_inactive: str = ""
+    limited: bool = False
+    why_limited: str = ""
+
+
+def _recommend(policy: Policy, signals: Signals, current: int, now: float
+               ) -> tuple[int, str]:
+    """The raw count the signals ask for, and which signal asks for it."""
+    if current == 0:
+        return (1, "held") if signals.held > 0 else (0, "idle")
+    idle_since = signals.last_request_at
+    if (policy.idle_seconds is not None and policy.min_replicas == 0 and signals.held == 0
+            and idle_since is not None and now - idle_since >= policy.idle_seconds):
+        return 0, "idle"
+    wants = [(current, "hold")]  # no warm replica measured: nothing says otherwise
+    if signals.loads:
+        wants = [(math.ceil(sum(signals.loads) / policy.target_load - 1e-9), "load")]
+    if policy.target_kv_usage and signals.kv_usage:
+        wants.append((math.ceil(sum(signals.kv_usage) / policy.target_kv_usage - 1e-9),
+                      "kvCache"))
+    missed = any(slo is not None and p95 is not None and p95 > slo for slo, p95 in (
+        (policy.ttft_slo, signals.ttft_p95), (policy.tpot_slo, signals.tpot_p95)))
+    if missed:
+        wants.append((current + 1, "slo"))
+    return max(wants, key=lambda w: w[0])
+
+
+def _bounded(policy: Policy, count: int, signal: str) -> tuple[int, str]:
+    if signal == "idle" and count == 0:
+        return 0, signal
+    floor = max(policy.min_replicas, 1)
+    if count < floor:
+        return floor, "min"
+    if count > policy.max_replicas:
+        return policy.max_replicas, "max"
+    return count, signal
+
+
+def decide(policy: Policy, signals: Signals | None, observed: Observed, history: History,
+           now: float) -> Decision:
+    """The pool's desired replica count now; updates `history`."""
+    current = observed.current
+    if signals is None or now - signals.at > policy.stale_after:
+        why = "no signals for this pool" if signals is None else (
+            f"its signals are {now - signals.at:.0f} s old (over {policy.stale_after:.0f} s)")
+        return Decision(current, "stale", active=False,
+                        why_inactive=f"{why}: holding {current} replicas")
+    raw, signal = _bounded(policy, *_recommend(policy, signals, current, now))
+    if signal in ("idle", "held"):  # the idle time, or a waiting request, is the window
+        history.recommendations.clear()
+        desired = raw
+    else:
+        window = max(policy.up_window, policy.down_window)
+        if not history.recommendations:  # (a restarted operator: as if the count had been
+            history.recommendations = [(now, current)]  # recommended all along)
+        older = [(t, c) for t, c in history.recommendations if now - t < window]
+        ups = [raw] + [c for t, c in older if now - t < policy.up_window]
+        downs = [raw] + [c for t, c in older if now - t < policy.down_window]
+        history.recommendations = [*older, (now, raw)]
+        desired = current
+        if min(ups) > current:
+            desired = min(ups)
+        elif max(downs) < current:
+            desired = max(downs)
+        desired = max(current - policy.max_step, min(current + policy.max_step, desired))
+    if desired > current and observed.pending_since is not None and \
+            now - observed.pending_since > policy.pending_grace:
+        waited = now - observed.pending_since
+        return Decision(current, signal, limited=True, why_limited=(
+            f"{current - observed.ready} replicas not Ready for {waited:.0f} s (no GPU to "
+            f"place them?): holding {current}, not growing to {desired}"))
+    return Decision(desired, signal)
+
+
+def split(total: int, canary_weight: int) -> tuple[int, int]:
+    """(stable, canary) replicas for `total` during a rollout, in proportion to their weights;
+    a revision that has weight never rounds to zero replicas (then both get one)."""
+    if canary_weight <= 0:
+        return total, 0
+    if canary_weight >= 100:
+        return 0, total
+    canary = max(1, round(total * canary_weight / 100))
+    return max(1, total - canary), canary

@@ -1,0 +1,98 @@
+"""The autoscaler's pure decision: signals to a replica count, bounded, stabilised, never
+silent about stale signals or replicas that cannot be placed; and the rollout's split."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfleet.operator.autoscale import History, Observed, Policy, Signals, decide, split
+
+POLICY = Policy(min_replicas=1, max_replicas=4, target_load=2.0, target_kv_usage=0.8,
+                ttft_slo=1.0, up_window=0.0, down_window=60.0, max_step=4)
+
+
+def test_a_load_ramp_scales_up_at_once_and_down_only_after_the_window() -> None:
+    history = History()
+    up = decide(POLICY, Signals(at=0, loads=(6.0,)), Observed(1, 1), history, 0)
+    assert (up.desired, up.signal) == (3, "load")
+    # The load is gone: the window still holds the recommendation of 3.
+    for t in (10, 30, 59):
+        quiet = decide(POLICY, Signals(at=t, loads=(0.2, 0.2, 0.2)), Observed(3, 3), history, t)
+        assert quiet.desired == 3
+    down = decide(POLICY, Signals(at=61, loads=(0.2, 0.2, 0.2)), Observed(3, 3), history, 61)
+    assert (down.desired, down.signal) == (1, "load")
+
+
+def test_every_signal_can_decide_and_the_bounds_hold() -> None:
+    cases = [(Signals(at=0, loads=(100.0,)), 4, "max"),
+             (Signals(at=0, loads=(1.0, 1.0), kv_usage=(0.95, 0.95)), 3, "kvCache"),
+             (Signals(at=0, loads=(1.0, 1.0), ttft_p95=1.5), 3, "slo"),
+             # (a scale-down waits for its window, even for a fresh operator)
+             (Signals(at=0, loads=(0.0, 0.0)), 2, "min")]
+    for signals, desired, signal in cases:
+        decision = decide(POLICY, signals, Observed(2, 2), History(), 0)
+        assert (decision.desired, decision.signal) == (desired, signal), (signals, decision)
+
+
+def test_stale_or_missing_signals_hold_the_count_and_say_why() -> None:
+    missing = decide(POLICY, None, Observed(2, 2), History(), 100)
+    assert (missing.desired, missing.active) == (2, False)
+    assert "no signals" in missing.why_inactive
+    stale = decide(POLICY, Signals(at=0, loads=(50.0,)), Observed(2, 2), History(), 100)
+    assert (stale.desired, stale.active) == (2, False)
+    assert "100 s old (over 60 s): holding 2" in stale.why_inactive
+
+
+def test_replicas_pending_past_the_grace_stop_the_count_growing() -> None:
+    busy = Signals(at=500, loads=(9.0, 9.0))
+    fresh = decide(POLICY, busy, Observed(3, 2, pending_since=450), History(), 500)
+    assert fresh.desired == 4 and not fresh.limited  # within the grace: it may still land
+    stuck = decide(POLICY, busy, Observed(3, 2, pending_since=300), History(), 500)
+    assert (stuck.desired, stuck.limited) == (3, True)
+    assert "1 replicas not Ready for 200 s" in stuck.why_limited
+
+
+def test_idle_goes_to_zero_and_a_held_request_wakes_one() -> None:
+    policy = Policy(min_replicas=0, max_replicas=4, target_load=2.0, idle_seconds=300)
+    history = History()
+    busy = decide(policy, Signals(at=100, loads=(0.0,), last_request_at=0), Observed(1, 1),
+                  history, 100)
+    assert busy.desired == 1
+    idle = decide(policy, Signals(at=300, loads=(0.0,), last_request_at=0), Observed(1, 1),
+                  history, 300)
+    assert (idle.desired, idle.signal) == (0, "idle")
+    asleep = decide(policy, Signals(at=400, last_request_at=0), Observed(0, 0), history, 400)
+    assert asleep.desired == 0
+    woken = decide(policy, Signals(at=401, held=3, last_request_at=0), Observed(0, 0), history,
+                   401)
+    assert (woken.desired, woken.signal) == (1, "held")
+
+
+def test_a_rollout_splits_replicas_by_weight_and_never_starves_a_revision() -> None:
+    assert split(10, 0) == (10, 0) and split(10, 100) == (0, 10)
+    assert split(10, 20) == (8, 2) and split(10, 1) == (9, 1)  # 0.1 replicas: still one
+    assert split(1, 50) == (1, 1) and split(3, 99) == (1, 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.1, 30), st.lists(st.floats(0, 20), max_size=6),
+                          st.one_of(st.none(), st.floats(0, 3))), min_size=2, max_size=60))
+def test_no_signals_make_it_flap_within_a_window(steps: list[tuple[float, list[float],
+                                                                   float | None]]) -> None:
+    """Whatever the samples, the count stays in bounds, moves at most max_step at a time, and
+    never falls sooner than a down window after it last rose."""
+    policy = Policy(min_replicas=1, max_replicas=8, target_load=2.0, ttft_slo=1.0,
+                    down_window=60.0, max_step=2)
+    history, now, current, last_rise = History(), 0.0, 1, None
+    for gap, loads, ttft in steps:
+        now += gap
+        loads = loads[:current]
+        decision = decide(policy, Signals(at=now, loads=tuple(loads), ttft_p95=ttft),
+                          Observed(current, current), history, now)
+        assert 1 <= decision.desired <= 8 and abs(decision.desired - current) <= 2
+        if decision.desired > current:
+            last_rise = now
+        elif decision.desired < current and last_rise is not None:
+            assert now - last_rise >= policy.down_window, (now, last_rise)
+        current = decision.desired
