@@ -196,7 +196,9 @@ def _keys_of_their_namespace(secrets: Iterable[JsonObj], owners: dict[str, str]
     tenant with no TenantQuota (held to the router's default quota) belongs to the namespace of
     its oldest key Secret: else two namespaces' keys for one name would share its buckets,
     its engine fair share and prefix-cache scope."""
-    secrets = sorted(secrets, key=lambda s: str(s["metadata"].get("creationTimestamp", "")))
+    # (ties of the 1 s timestamps broken the same way by every router replica)
+    secrets = sorted(secrets, key=lambda s: (str(s["metadata"].get("creationTimestamp", "")),
+                                             *_where(s)))
     owners = dict(owners)
     for secret in secrets:
         tenant = (secret["metadata"].get("labels") or {}).get(TENANT_LABEL)

@@ -22,7 +22,9 @@ When Redis cannot be reached (or answers an error) the router falls back to its 
 where it enforces `1 / replicas` of each limit: the declared degraded mode. It says so in its
 log (once per outage), in `kvfleet_router_shared_ledger_up` and in each TenantQuota's
 `FleetWide` condition, and tries Redis again every RETRY_SECONDS. A fallback's buckets start
-full: an outage can admit up to one extra minute's allowance per replica.
+full: an outage can admit up to one extra minute's allowance per replica. A Redis that answers
+too late (0.5 s) may still have run the script: the request is then charged twice (once there,
+once here) and its slot there held a lease — more than it used, never less.
 """
 
 from __future__ import annotations
@@ -194,27 +196,28 @@ redis.call('ZREM', KEYS[2], id)
 redis.call('ZREM', KEYS[3], id)
 for ri, r in ipairs(RES) do
   local cap, bcap, refund = num(2 + ri), num(5 + ri), num(8 + ri)
-  if cap >= 0 and refund ~= 0 then
-    local l = level(KEYS[1], r, cap)
-    for j = 1, m do
-      local base = 13 + 3 * (j - 1)
-      if num(base) == ri and refund > 0 then
-        local back, key, lcap = math.min(num(base + 1), refund), KEYS[3 + j], num(base + 2)
-        put(key, r, math.min(lcap, level(key, r, lcap) + back))
-        put_debt(KEYS[1], r, math.max(0, debt(KEYS[1], r, bcap) - back))
-        refund = refund - back
-      end
+  local l = cap >= 0 and level(KEYS[1], r, cap) or nil
+  for j = 1, m do
+    local base = 13 + 3 * (j - 1)
+    if num(base) == ri and refund > 0 then
+      local back, key, lcap = math.min(num(base + 1), refund), KEYS[3 + j], num(base + 2)
+      put(key, r, math.min(lcap, level(key, r, lcap) + back))
+      if l then put_debt(KEYS[1], r, math.max(0, debt(KEYS[1], r, bcap) - back)) end
+      refund = refund - back
     end
-    put(KEYS[1], r, math.min(cap, l + refund))
   end
+  if l and refund ~= 0 then put(KEYS[1], r, math.min(cap, l + refund)) end
 end
 return 1
 """
 
-# KEYS: slot sets; ARGV: now, lease, then the id held in each. Renews leases still held.
+# KEYS: slot sets; ARGV: now, lease, then the id held in each. Renews the leases of requests
+# still running, and the sets' own expiry; re-adds a lease that ran out while Redis was away
+# (a request settled just before costs at most one lease).
 _RENEW = _COMMON + """
 for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, 'XX', now + num(2), ARGV[2 + i])
+  redis.call('ZADD', key, now + num(2), ARGV[2 + i])
+  redis.call('EXPIRE', key, math.ceil(num(2) * 2))
 end
 return 1
 """
@@ -357,20 +360,21 @@ class SharedLedger:
                              prompt_tokens: int, now: float) -> None:
         held = self._held.pop(reservation.id, None)
         tenant = reservation.tenant
-        spec = self.local.quota(tenant)
-        if spec is None:
-            return  # its TenantQuota is gone: nothing left to settle against
-        limits = rate_limits(spec)
+        # Its TenantQuota gone since: no buckets of its own to settle, but the slot and what
+        # its lenders are owed still are.
+        spec = self.local.quota(tenant) if self.local.known(tenant) else None
+        limits = rate_limits(spec) if spec is not None else dict.fromkeys(RESOURCES)
         refunds = settle_refunds(reservation, output_tokens, prompt_tokens)
         slot = (held.keys[0] if held is not None else self._key("s", tenant))
         keys = [self._key("q", tenant), slot, self._key("o", tenant)]
         args: list[Any] = [self._now(), reservation.id]
         args += [_cap(limits[r]) for r in RESOURCES]
-        args += [borrow_cap(spec, r, limits[r] or 0) for r in RESOURCES]
+        args += [borrow_cap(spec, r, limits[r] or 0) if spec is not None else 0.0
+                 for r in RESOURCES]
         args += [refunds.get(r, 0.0) for r in RESOURCES]
         entries = []
         for (resource, lender), amount in reservation.borrowed.items():
-            lender_spec = self.local.quota(lender)
+            lender_spec = self.local.quota(lender) if self.local.known(lender) else None
             cap = None if lender_spec is None else rate_limits(lender_spec)[resource]
             if cap is not None:
                 keys.append(self._key("q", lender))
@@ -394,16 +398,19 @@ class SharedLedger:
         """Renews the slot leases of the requests still running, every RENEW_SECONDS."""
         while True:
             await asyncio.sleep(RENEW_SECONDS)
-            keys, ids = [], []
-            for rid, held in list(self._held.items()):
-                keys += held.keys
-                ids += [rid] * len(held.keys)
-            if not keys:
-                continue
-            try:
-                await self._renew(keys=keys, args=[self._now(), LEASE_SECONDS, *ids])
-            except UNREACHABLE as exc:
-                self._lost(exc, time.monotonic())
+            await self.renew()
+
+    async def renew(self) -> None:
+        keys, ids = [], []
+        for rid, held in list(self._held.items()):
+            keys += held.keys
+            ids += [rid] * len(held.keys)
+        if not keys:
+            return
+        try:
+            await self._renew(keys=keys, args=[self._now(), LEASE_SECONDS, *ids])
+        except UNREACHABLE as exc:
+            self._lost(exc, time.monotonic())
 
     async def levels(self, tenant: str) -> dict[str, float]:
         """What the tenant's fleet-wide buckets hold now (resource name -> level)."""

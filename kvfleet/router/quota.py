@@ -332,22 +332,22 @@ class QuotaLedger:
             return
         reservation.settled = True
         state = self._tenants.get(reservation.tenant)
-        if state is None:
-            return
-        state.in_flight = max(0, state.in_flight - 1)
         prompt = reservation.input_tokens if prompt_tokens is None else prompt_tokens
-        state.tokens_total += prompt + output_tokens
+        if state is not None:
+            state.in_flight = max(0, state.in_flight - 1)
+            state.tokens_total += prompt + output_tokens
         if reservation.shared:
             return  # (the shared ledger settles its buckets; this only counts the usage)
+        # What is owed to lenders is paid even if the borrower's TenantQuota is gone since.
         if reservation.slot_lender is not None:
-            state.slots_borrowed = max(0, state.slots_borrowed - 1)
+            if state is not None:
+                state.slots_borrowed = max(0, state.slots_borrowed - 1)
             if (lender := self._tenants.get(reservation.slot_lender)) is not None:
                 lender.slots_lent = max(0, lender.slots_lent - 1)
         for resource, refund in settle_refunds(reservation, output_tokens, prompt).items():
-            bucket = state.buckets.get(resource)
-            if bucket is None:
-                continue
-            bucket.refill(now)
+            bucket = state.buckets.get(resource) if state is not None else None
+            if bucket is not None:
+                bucket.refill(now)
             for (r, other), amount in reservation.borrowed.items():
                 theirs = self._tenants[other].buckets.get(r) if other in self._tenants else None
                 if r is not resource or refund <= 0 or theirs is None:
@@ -355,9 +355,16 @@ class QuotaLedger:
                 back = min(amount, refund)
                 theirs.refill(now)
                 theirs.level = min(theirs.capacity, theirs.level + back)
-                bucket.debt, refund = max(0.0, bucket.debt - back), refund - back
-            # An underestimate is charged now: the level may go below zero for a while.
-            bucket.level = min(bucket.capacity, bucket.level + refund)
+                refund -= back
+                if bucket is not None:
+                    bucket.debt = max(0.0, bucket.debt - back)
+            if bucket is not None:
+                # An underestimate is charged now: the level may go below zero for a while.
+                bucket.level = min(bucket.capacity, bucket.level + refund)
+
+    def known(self, tenant: str) -> bool:
+        """Whether the tenant has state here (a TenantQuota, or admitted on the default)."""
+        return tenant in self._tenants
 
     def count_shared(self, state: TenantState, reservation: Reservation) -> Reservation:
         """A request the shared ledger admitted, counted in this router's usage report."""

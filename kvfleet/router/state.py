@@ -130,10 +130,13 @@ def carry_loads(new: RouterState, old: RouterState, now: float) -> None:
     """Endpoints that stay keep what the router knows of their load; a pool whose router
     token changed keeps the one it replaced for TOKEN_GRACE_SECONDS."""
     known = {e.address: e for e in old.all_endpoints()}
-    for key, pool in new.pools.items():
+    # By the pool itself, not by the name clients use: a cluster-wide router's bare-name alias
+    # may point to another namespace's pool after a change.
+    previous = {(p.namespace, p.name): p for p in old.pools.values()}
+    for pool in {id(p): p for p in new.pools.values()}.values():
         for revision, endpoints in pool.endpoints.items():
             pool.endpoints[revision] = [known.get(e.address, e) for e in endpoints]
-        before = old.pools.get(key)
+        before = previous.get((pool.namespace, pool.name))
         if before is None:
             continue
         pool.previous_token = before.previous_token

@@ -147,6 +147,37 @@ def test_a_slot_is_a_lease_a_dead_router_cannot_keep(redis_server: RedisServer) 
     asyncio.run(run())
 
 
+def test_a_running_request_keeps_its_slot_however_long_and_after_an_outage(
+    redis_server: RedisServer,
+) -> None:
+    """Renewal extends the lease and the slot set's own expiry, and puts back a lease that ran
+    out while Redis was away: a request that runs for minutes holds its slot throughout."""
+
+    async def run() -> None:
+        clock = Clock()
+        prefix = uuid.uuid4().hex
+        one, two = _shared(redis_server.url, clock, prefix), _shared(redis_server.url, clock,
+                                                                   prefix)
+        try:
+            await one.admit("team-b", 1, 1, clock.now)  # team-b: 1 slot
+            slots = f"{prefix}:s:team-b"
+            await one.client.expire(slots, 3)  # (the set's own expiry, near its end)
+            clock.now += 10
+            await one.renew()
+            assert await one.client.ttl(slots) >= 2 * LEASE_SECONDS - 1  # extended
+            with pytest.raises(QuotaExceeded, match="maxConcurrentRequests"):
+                await two.admit("team-b", 1, 1, clock.now)
+            clock.now += LEASE_SECONDS + 1  # an outage outlived the lease...
+            await one.renew()  # ...and the next renewal puts it back
+            with pytest.raises(QuotaExceeded, match="maxConcurrentRequests"):
+                await two.admit("team-b", 1, 1, clock.now)
+        finally:
+            await one.client.aclose()
+            await two.client.aclose()
+
+    asyncio.run(run())
+
+
 def test_with_redis_away_the_router_enforces_its_share_and_says_so(
     redis_server: RedisServer,
 ) -> None:

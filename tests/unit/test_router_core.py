@@ -138,6 +138,40 @@ def test_borrowing_uses_other_tenants_idle_allowance_up_to_max_percent() -> None
         ledger2.admit("team-a", 1, 1, 0.0)
 
 
+def test_a_lender_gets_its_slot_and_tokens_back_when_the_borrowers_quota_is_gone() -> None:
+    borrower = TenantQuotaSpec(tenant="team-a", limits=Limits(
+        max_concurrent_requests=1, output_tokens_per_minute=100), borrowing=Borrowing(
+        resources=[BorrowableResource.MAX_CONCURRENT_REQUESTS,
+                   BorrowableResource.OUTPUT_TOKENS_PER_MINUTE], max_percent=100))
+    lender = TenantQuotaSpec(tenant="team-b", limits=Limits(
+        max_concurrent_requests=1, output_tokens_per_minute=100))
+    ledger = QuotaLedger()
+    both = {"team-a": ("llm/a", borrower), "team-b": ("llm/b", lender)}
+    ledger.set_quotas(both, 0.0)
+    own = ledger.admit("team-a", 1, 100, 0.0)
+    lent = ledger.admit("team-a", 1, 100, 0.0)  # team-b's slot and its 100 tokens
+    assert lent.slot_lender == "team-b" and lent.borrowed
+    with pytest.raises(QuotaExceeded):
+        ledger.admit("team-b", 1, 1, 0.0)
+    ledger.set_quotas({"team-b": ("llm/b", lender)}, 0.0)  # team-a's TenantQuota deleted
+    for reservation in (own, lent):
+        ledger.settle(reservation, 0, 0.0)
+    ledger.admit("team-b", 1, 100, 0.0)  # its slot and its whole minute are back
+
+
+def test_a_replaced_token_follows_its_pool_not_the_name_clients_use() -> None:
+    from kvfleet.router.state import PoolRoute, RouterState, carry_loads
+
+    old, new = RouterState(), RouterState()
+    old.pools["ns1/llm"] = old.pools["llm"] = PoolRoute("llm", None, router_token="tok-ns1" * 3,
+                                                        namespace="ns1")
+    # ns1's pool went away and ns2's came in one change: the bare name now means ns2's.
+    new.pools["ns2/llm"] = new.pools["llm"] = PoolRoute("llm", None, router_token="tok-ns2" * 3,
+                                                        namespace="ns2")
+    carry_loads(new, old, 100.0)
+    assert new.pools["llm"].previous(100.0) is None  # never ns1's token to ns2's engines
+
+
 def test_each_router_replica_enforces_its_share() -> None:
     ledger = QuotaLedger(replicas=2)
     ledger.set_quotas({"team-a": ("llm/team-a", quota(requests_per_minute=5))}, 0.0)
