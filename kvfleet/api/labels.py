@@ -19,6 +19,15 @@ TENANT_LABEL = f"{GROUP}/tenant"  # on API-key Secrets: the tenant
 # On the Secret holding a pool's router token (key ROUTER_TOKEN_KEY): the pool's name.
 ROUTER_TOKEN_LABEL = f"{GROUP}/router-token-for"
 ROUTER_TOKEN_KEY = "token"
+# With engine TLS (the operator's --engine-tls), the same Secret holds the engines' certificate
+# and key, and the certificate they had before a renewal (the router trusts both meanwhile).
+ENGINE_CERT_KEY, ENGINE_KEY_KEY, ENGINE_PREVIOUS_CERT_KEY = "tls.crt", "tls.key", "previous.crt"
+
+
+def engine_server_name(pool: str, namespace: str) -> str:
+    """The name a pool's engine certificate is issued for and the router checks: engines are
+    reached by pod IP, which no certificate can name in advance."""
+    return f"{pool}.{namespace}.engines.kvfleet.io"
 ENGINE_COMPONENT = "engine"  # app.kubernetes.io/component of engine pods
 ROUTER_APP = "kvfleet-router"  # app.kubernetes.io/name of router pods
 ENGINE_PORT = 8000  # the engine container's `http` port

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import ssl
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from kvfleet.engine.request_log import configure_json_logging
 from kvfleet.engine.router_token import MIN_LENGTH, RouterTokens
 from kvfleet.engine.runtime import RuntimeOptions, run_server
 from kvfleet.engine.server import ServerSettings
+from kvfleet.tls import ServingCertificate
 
 
 def _csv(value: str) -> frozenset[str]:
@@ -108,6 +110,13 @@ def register(subparsers: Any) -> None:
                               "$KVFLEET_ROUTER_TOKEN_FILE, else the token in "
                               "$KVFLEET_ROUTER_TOKEN (what the operator sets), else trust the "
                               "tenant header")
+    tenancy.add_argument("--tls-cert-file", type=Path, metavar="PATH",
+                         default=os.environ.get("KVFLEET_TLS_CERT_FILE") or None,
+                         help="serve HTTPS with this certificate (PEM), reloaded when it "
+                              "changes; with --tls-key-file (default: $KVFLEET_TLS_CERT_FILE)")
+    tenancy.add_argument("--tls-key-file", type=Path, metavar="PATH",
+                         default=os.environ.get("KVFLEET_TLS_KEY_FILE") or None,
+                         help="its private key (default: $KVFLEET_TLS_KEY_FILE)")
     tenancy.add_argument("--shared-prefix-tenants", type=_csv, default=frozenset(),
                          help="comma-separated tenants that share one prefix-cache scope")
     tenancy.add_argument("--tenant-weights", type=_weights, default={},
@@ -238,7 +247,19 @@ def run(args: argparse.Namespace) -> int:
     limits = AdmissionLimits(max_in_flight=args.max_in_flight,
                              max_in_flight_per_tenant=args.max_in_flight_per_tenant)
     load = build_loader(args, limits)
+    if (args.tls_cert_file is None) != (args.tls_key_file is None):
+        print("kvfleet serve: --tls-cert-file and --tls-key-file go together", file=sys.stderr)
+        return 2
+    tls = None
+    if args.tls_cert_file is not None:
+        tls = (args.tls_cert_file, args.tls_key_file)
+        try:
+            ServingCertificate(*tls)  # unreadable or mismatched: say so now, not at the listener
+        except (OSError, ssl.SSLError) as exc:
+            print(f"kvfleet serve: --tls-cert-file {args.tls_cert_file} / --tls-key-file "
+                  f"{args.tls_key_file}: {exc}", file=sys.stderr)
+            return 2
     options = RuntimeOptions(host=args.host, port=args.port,
                              grace_seconds=args.drain_grace_seconds,
-                             stall_seconds=args.stall_seconds, settings=settings)
+                             stall_seconds=args.stall_seconds, settings=settings, tls=tls)
     return asyncio.run(run_server(load, options))

@@ -21,10 +21,11 @@ import yaml
 from kvfleet.compat import MatrixError, default_matrix, load_matrix
 from kvfleet.kube.credentials import Credentials, CredentialsError
 from kvfleet.pki import PkiError
+from kvfleet.tls import ServingCertificate
 from kvfleet.webhooks.certs import make_serving_certs
 from kvfleet.webhooks.config import build_validating_webhook_configuration
 from kvfleet.webhooks.kube import ObjectReader
-from kvfleet.webhooks.server import VALIDATE_PATH, ServingCertificate, make_app, start
+from kvfleet.webhooks.server import VALIDATE_PATH, make_app, start
 
 
 def register(subparsers: Any) -> None:

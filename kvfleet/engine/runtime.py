@@ -18,6 +18,7 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
@@ -28,6 +29,7 @@ from kvfleet.engine.chat_template import ChatTemplate
 from kvfleet.engine.errors import KvfleetEngineError
 from kvfleet.engine.lifecycle import Lifecycle, LifecycleState, WarmupError, warm_up
 from kvfleet.engine.server import ServerSettings, Serving, create_app
+from kvfleet.tls import ServingCertificate
 
 logger = logging.getLogger("kvfleet.engine.runtime")
 
@@ -46,6 +48,8 @@ class RuntimeOptions:
     grace_seconds: float = 30.0
     stall_seconds: float = 60.0  # the engine watchdog's limit (`AsyncEngine.check`)
     settings: ServerSettings = field(default_factory=ServerSettings)
+    # HTTPS with this (certificate, key) pair, reloaded when the files change; None: HTTP.
+    tls: tuple[Path, Path] | None = None
 
 
 class _DrainingServer(uvicorn.Server):
@@ -115,6 +119,14 @@ async def run_server(load: Callable[[], LoadedEngine], options: RuntimeOptions) 
                             access_log=False, lifespan="off",
                             timeout_graceful_shutdown=int(options.grace_seconds) + 5)
     loop = asyncio.get_running_loop()
+    watch_certificate = None
+    if options.tls is not None:
+        # uvicorn loads its config once; its SSL context is then swapped for one whose
+        # certificate reloads in place (a renewed Secret) without a restart.
+        certificate = ServingCertificate(*options.tls)
+        config.load()
+        config.ssl = certificate.context
+        watch_certificate = loop.create_task(certificate.watch())
 
     async def drain() -> None:
         lifecycle.advance(LifecycleState.DRAINING)
@@ -158,6 +170,8 @@ async def run_server(load: Callable[[], LoadedEngine], options: RuntimeOptions) 
                      extra={"fields": {"event": "start_failed"}})
     if serving.engine is not None:
         await serving.engine.stop()
+    if watch_certificate is not None:
+        watch_certificate.cancel()
     if not server.started and exit_code == 0:
         exit_code = 1  # e.g. the port was taken; uvicorn logged why
     return exit_code

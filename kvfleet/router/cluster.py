@@ -20,6 +20,7 @@ import base64
 import binascii
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
@@ -28,14 +29,17 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvfleet.api.labels import (
+    ENGINE_CERT_KEY,
     ENGINE_COMPONENT,
     ENGINE_PORT,
+    ENGINE_PREVIOUS_CERT_KEY,
     POOL_LABEL,
     REVISION_LABEL,
     ROUTER_APP,
     ROUTER_TOKEN_KEY,
     ROUTER_TOKEN_LABEL,
     TENANT_LABEL,
+    engine_server_name,
     label_value,
 )
 from kvfleet.api.servingpool import ServingPoolStatus
@@ -47,7 +51,13 @@ from kvfleet.router.fleet_ledger import UNREACHABLE
 from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad
 from kvfleet.router.quota import QuotaLedger
-from kvfleet.router.state import ConfigError, PoolRoute, RouterState, slo_thresholds
+from kvfleet.router.state import (
+    ConfigError,
+    PoolRoute,
+    RouterState,
+    engine_tls,
+    slo_thresholds,
+)
 from kvfleet.router.traffic import TrafficTable
 
 log = logging.getLogger("kvfleet.router")
@@ -131,8 +141,15 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
                        quotas: Iterable[JsonObj], *, cluster_wide: bool) -> RouterState:
     """Clients name a pool by its name; a cluster-wide router also by `namespace/name`, and by
     its bare name only where that is unique. `pods`: the pools' own (`pool_pods`)."""
-    tokens = {(_where(s)[0], (s["metadata"].get("labels") or {}).get(ROUTER_TOKEN_LABEL)):
-              _secret_text(s, ROUTER_TOKEN_KEY) for s in token_secrets}
+    tokens: dict[tuple[str, str | None], str | None] = {}
+    certs: dict[tuple[str, str | None], str] = {}  # the engines' certificate(s), PEM
+    for s in token_secrets:
+        key = (_where(s)[0], (s["metadata"].get("labels") or {}).get(ROUTER_TOKEN_LABEL))
+        tokens[key] = _secret_text(s, ROUTER_TOKEN_KEY)
+        pem = "\n".join(filter(None, (_secret_text(s, ENGINE_CERT_KEY),
+                                      _secret_text(s, ENGINE_PREVIOUS_CERT_KEY))))
+        if pem:
+            certs[key] = pem
     endpoints: dict[tuple[str, str], dict[str, list[EndpointLoad]]] = {}
     for pod in pods:
         labels = pod["metadata"].get("labels") or {}
@@ -156,9 +173,11 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
             slos = slo_thresholds((raw.get("spec") or {}).get("slos"), "spec.slos")
         except ConfigError:
             slos = (None, None)  # the webhook admits none such; the ladder alone then
-        route = PoolRoute(name, TrafficTable.from_status(status),
-                          endpoints.get((namespace, label_value(name)), {}),
-                          tokens.get((namespace, label_value(name))), namespace, slos)
+        ours = (namespace, label_value(name))
+        route = PoolRoute(name, TrafficTable.from_status(status), endpoints.get(ours, {}),
+                          tokens.get(ours), namespace, slos)
+        if (cert := certs.get(ours)) is not None:
+            _serve_https(route, cert)
         if cluster_wide:
             state.pools[f"{namespace}/{name}"] = route
             names.setdefault(name, []).append(f"{namespace}/{name}")
@@ -185,6 +204,22 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
         state.quotas[spec.tenant] = (f"{namespace}/{name}", spec)
     state.keys = KeyRing.from_secrets(_keys_of_their_namespace(key_secrets, owners))
     return state
+
+
+def _serve_https(route: PoolRoute, pem: str) -> None:
+    """The pool's engines serve HTTPS with the certificate in its router-token Secret: the
+    router trusts exactly that one (and the one it renewed, while engines switch)."""
+    try:
+        tls = engine_tls(pem, engine_server_name(route.name, route.namespace))
+    except ssl.SSLError as exc:
+        # Refusing to send prompts in the clear is the safe side: no endpoint, a 503.
+        log.warning("ServingPool %s/%s: its engine certificate does not load (%s); not routed",
+                    route.namespace, route.name, exc)
+        route.endpoints = {}
+        return
+    for endpoints in route.endpoints.values():
+        for endpoint in endpoints:
+            endpoint.tls = tls
 
 
 def _keys_of_their_namespace(secrets: Iterable[JsonObj], owners: dict[str, str]

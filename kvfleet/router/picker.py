@@ -16,14 +16,25 @@ leaving moves only the prefixes that hash to it.
 from __future__ import annotations
 
 import hashlib
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfleet.api.saturation import load_score
 
 # Characters of the prompt that key affinity: about the first two KV blocks of tokens.
 PREFIX_CHARS = 128
 REFUSED_BACKOFF_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTLS:
+    """How the router reaches a pool's engines over HTTPS: the context trusting the pool's
+    certificate(s), and the name they are issued for (engines are reached by pod IP)."""
+
+    context: ssl.SSLContext
+    server_name: str
 
 
 @dataclass(slots=True)
@@ -40,6 +51,16 @@ class EndpointLoad:
     # When it last refused this router's token (401): an engine that answers every request
     # so at once looks idle and would draw the traffic; it counts as saturated for a while.
     refused_at: float | None = None
+    tls: EngineTLS | None = None  # None: plain HTTP
+
+    def url(self, path: str) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.address}{path}"
+
+    def connection(self) -> dict[str, Any]:
+        """aiohttp request arguments for this endpoint's TLS (none for plain HTTP)."""
+        if self.tls is None:
+            return {}
+        return {"ssl": self.tls.context, "server_hostname": self.tls.server_name}
 
     def score(self, now: float, stale_after: float) -> float:
         if self.scraped_at is None or now - self.scraped_at > stale_after or self.failures or (

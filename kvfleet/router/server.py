@@ -394,8 +394,8 @@ class Router:
     async def _scrape(self, endpoint: EndpointLoad) -> None:
         try:
             timeout = aiohttp.ClientTimeout(total=self.options.stale_after)
-            async with self.session.get(f"http://{endpoint.address}/metrics",
-                                        timeout=timeout) as resp:
+            async with self.session.get(endpoint.url("/metrics"), timeout=timeout,
+                                        **endpoint.connection()) as resp:
                 text = await resp.text()
             if resp.status != 200:  # an error page says nothing of the load: not idle
                 raise ValueError(f"HTTP {resp.status}")
@@ -474,7 +474,7 @@ class Router:
             texts, messages = texts_of(body)
             text = "\n".join(texts)
             prompt_tokens = await self.tokens.count(
-                plan.live, texts, messages, [e.address for e in pool.ready(plan.live)])
+                plan.live, texts, messages, pool.ready(plan.live))
             reservation = await self.admit(tenant, prompt_tokens, max_tokens)
         except RouterError as exc:
             reason = exc.limit if isinstance(exc, QuotaExceeded) else exc.code
@@ -565,15 +565,16 @@ class Router:
         """One attempt on `endpoint`. An engine that refuses the pool's token (401) while the
         token it replaced is in its grace period is asked again with that one: its Secret
         file has not been rewritten yet, and a rotation must fail no request."""
-        url = f"http://{endpoint.address}{path}"
-        resp = await self.session.post(url, data=payload, headers=headers, timeout=timeout)
+        url, tls = endpoint.url(path), endpoint.connection()
+        resp = await self.session.post(url, data=payload, headers=headers, timeout=timeout,
+                                       **tls)
         previous = pool.previous(time.monotonic())
         if resp.status != 401 or previous is None or \
                 headers.get(ROUTER_TOKEN_HEADER) != pool.router_token:
             return resp
         resp.release()
         return await self.session.post(url, data=payload, timeout=timeout,
-                                       headers={**headers, ROUTER_TOKEN_HEADER: previous})
+                                       headers={**headers, ROUTER_TOKEN_HEADER: previous}, **tls)
 
     async def _request(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                        headers: dict[str, str], text: str, tenant: str

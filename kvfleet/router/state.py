@@ -15,6 +15,7 @@ The config file (YAML; keys are what `kubectl get -o yaml` shows for the same fa
         endpoints:                         # per revision (full or 12-digit short hash)
           <hash>: ["127.0.0.1:8101", "127.0.0.1:8102"]
         routerTokenFile: /path/to/token    # the token the pool's engines want (or routerToken)
+        tls: {caFile: engines.crt, serverName: smol.llm.engines.kvfleet.io}  # HTTPS to them
         slos: {ttftP95Seconds: 2}          # a ServingPool's spec.slos: latency buckets at them
     tenants:
       - tenant: team-a
@@ -27,6 +28,8 @@ The config file (YAML; keys are what `kubectl get -o yaml` shows for the same fa
 
 from __future__ import annotations
 
+import functools
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +42,7 @@ from kvfleet.api.labels import short_revision
 from kvfleet.api.servingpool import ServingPoolStatus, SLOs
 from kvfleet.api.tenantquota import TenantQuotaSpec
 from kvfleet.router.keys import KeyRing
-from kvfleet.router.picker import EndpointLoad
+from kvfleet.router.picker import EndpointLoad, EngineTLS
 from kvfleet.router.traffic import TrafficTable
 
 # How long a replaced router token is still sent to engines that refuse the new one; the
@@ -126,6 +129,14 @@ def slo_thresholds(raw: Any, where: str) -> tuple[float | None, float | None]:
     return slos.ttft_p95_seconds, slos.tpot_p95_seconds
 
 
+def _carried(old: EndpointLoad | None, new: EndpointLoad) -> EndpointLoad:
+    """The endpoint with what the router knew of its load, and how it is reached now."""
+    if old is None:
+        return new
+    old.tls = new.tls
+    return old
+
+
 def carry_loads(new: RouterState, old: RouterState, now: float) -> None:
     """Endpoints that stay keep what the router knows of their load; a pool whose router
     token changed keeps the one it replaced for TOKEN_GRACE_SECONDS."""
@@ -135,7 +146,7 @@ def carry_loads(new: RouterState, old: RouterState, now: float) -> None:
     previous = {(p.namespace, p.name): p for p in old.pools.values()}
     for pool in {id(p): p for p in new.pools.values()}.values():
         for revision, endpoints in pool.endpoints.items():
-            pool.endpoints[revision] = [known.get(e.address, e) for e in endpoints]
+            pool.endpoints[revision] = [_carried(known.get(e.address), e) for e in endpoints]
         before = previous.get((pool.namespace, pool.name))
         if before is None:
             continue
@@ -145,6 +156,35 @@ def carry_loads(new: RouterState, old: RouterState, now: float) -> None:
             pool.previous_token = (before.router_token, now + TOKEN_GRACE_SECONDS)
         if pool.previous_token is not None and pool.previous_token[1] <= now:
             pool.previous_token = None
+
+
+@functools.lru_cache(maxsize=256)
+def engine_tls(pem: str, server_name: str) -> EngineTLS:
+    """HTTPS to engines whose certificate is one of `pem` (the pool's own, self-issued:
+    trusted as is, for `server_name`). Cached: state is rebuilt on every change."""
+    context = ssl.create_default_context(cadata=pem)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # A leaf in `pem` is a trust anchor itself (pinned), not only a CA that signs one.
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return EngineTLS(context, server_name)
+
+
+def _read_tls(entry: Mapping[str, Any], where: str, base: Path) -> EngineTLS | None:
+    """A pool's `tls: {caFile, serverName}`: its engines serve HTTPS."""
+    tls = entry.get("tls")
+    if tls is None:
+        return None
+    if not isinstance(tls, dict) or not tls.get("caFile") or not tls.get("serverName"):
+        raise ConfigError(f"{where}.tls: needs caFile (the engines' certificate or its CA, "
+                          "PEM) and serverName (the name it is issued for)")
+    path = base / str(tls["caFile"])
+    try:
+        return engine_tls(path.read_text(), str(tls["serverName"]))
+    except OSError as exc:
+        raise ConfigError(f"{where}.tls.caFile: cannot read {path}: {exc.strerror}") from None
+    except ssl.SSLError as exc:
+        raise ConfigError(f"{where}.tls.caFile: {path} holds no PEM certificate ({exc})") \
+            from None
 
 
 def _read_token(entry: Mapping[str, Any], where: str, base: Path) -> str | None:
@@ -174,7 +214,8 @@ def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
         except ValidationError as exc:
             raise ConfigError(f"{where}.status: {exc.errors()[0]['msg']} at "
                               f"{'.'.join(map(str, exc.errors()[0]['loc']))}") from None
-        endpoints = {short_revision(str(rev)): [EndpointLoad(str(a)) for a in addresses]
+        tls = _read_tls(entry, where, base)
+        endpoints = {short_revision(str(rev)): [EndpointLoad(str(a), tls=tls) for a in addresses]
                      for rev, addresses in (entry.get("endpoints") or {}).items()}
         state.pools[str(entry["name"])] = PoolRoute(
             str(entry["name"]), TrafficTable.from_status(status), endpoints,

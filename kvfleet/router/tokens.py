@@ -20,6 +20,7 @@ import aiohttp
 from tokenizers import Tokenizer
 
 from kvfleet.router.errors import BadRequest
+from kvfleet.router.picker import EndpointLoad
 
 log = logging.getLogger("kvfleet.router")
 
@@ -74,12 +75,12 @@ class TokenCounter:
         return revision in self._tokenizers
 
     async def count(self, revision: str, texts: Sequence[str], messages: int,
-                    addresses: Sequence[str]) -> int:
+                    endpoints: Sequence[EndpointLoad]) -> int:
         """Prompt tokens of the request on `revision`; starts fetching its tokenizer from one
-        of `addresses` if it is not here yet (this request then gets the upper bound)."""
+        of `endpoints` if it is not here yet (this request then gets the upper bound)."""
         tokenizer = self._tokenizers.get(revision)
         if tokenizer is None:
-            self._fetch_later(revision, addresses)
+            self._fetch_later(revision, endpoints)
             return sum(estimate(t) for t in texts) + PER_MESSAGE * messages
         if sum(len(t) for t in texts) > OFF_LOOP_BYTES:
             ids = await asyncio.to_thread(_count_ids, tokenizer, list(texts))
@@ -87,32 +88,34 @@ class TokenCounter:
             ids = _count_ids(tokenizer, list(texts))
         return max(1, ids + PER_MESSAGE * messages)
 
-    def _fetch_later(self, revision: str, addresses: Sequence[str]) -> None:
+    def _fetch_later(self, revision: str, endpoints: Sequence[EndpointLoad]) -> None:
         failed = self._failed_at.get(revision)
-        if not addresses or revision in self._fetching or (
+        if not endpoints or revision in self._fetching or (
                 failed is not None and time.monotonic() - failed < RETRY_SECONDS):
             return
         self._fetching.add(revision)
-        task = asyncio.get_running_loop().create_task(self._fetch(revision, list(addresses)))
+        task = asyncio.get_running_loop().create_task(self._fetch(revision, list(endpoints)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _fetch(self, revision: str, addresses: list[str]) -> None:
+    async def _fetch(self, revision: str, endpoints: list[EndpointLoad]) -> None:
         try:
-            for address in addresses:
+            for endpoint in endpoints:
                 try:
                     async with self._session().get(
-                            f"http://{address}/tokenizer.json",
-                            timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                            endpoint.url("/tokenizer.json"),
+                            timeout=aiohttp.ClientTimeout(total=30),
+                            **endpoint.connection()) as resp:
                         if resp.status != 200:
                             continue
                         text = await resp.text()
                     self._tokenizers[revision] = Tokenizer.from_str(text)
-                    log.info("tokenizer of revision %s loaded from %s", revision[:12], address)
+                    log.info("tokenizer of revision %s loaded from %s", revision[:12],
+                             endpoint.address)
                     return
                 except Exception as exc:  # network, HTTP, or tokenizers' bare Exception
                     log.warning("tokenizer of revision %s not loaded from %s (%s)",
-                                revision[:12], address, type(exc).__name__)
+                                revision[:12], endpoint.address, type(exc).__name__)
             self._failed_at[revision] = time.monotonic()
         finally:
             self._fetching.discard(revision)

@@ -46,7 +46,7 @@ class EngineServer:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled-sum view of /metrics: sample name -> value summed over label sets."""
-        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        text = httpx.get(self.base_url + "/metrics", timeout=10, verify=False).text
         values: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -68,7 +68,7 @@ class EngineServer:
 
 @contextmanager
 def running_kvfleet(*argv: str, port: int, ready_timeout: float = 180.0,
-                    env: dict[str, str] | None = None
+                    env: dict[str, str] | None = None, scheme: str = "http"
                     ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """`kvfleet <argv>` as a process until its /ready answers 200 on `port`; always stopped
     (SIGTERM, then SIGKILL). Yields the process and its log file."""
@@ -90,8 +90,8 @@ def running_kvfleet(*argv: str, port: int, ready_timeout: float = 180.0,
                     raise RuntimeError(f"kvfleet {argv[0]} exited with {process.returncode}:\n"
                                        + tail())
                 try:
-                    url = f"http://127.0.0.1:{port}/ready"
-                    if httpx.get(url, timeout=2).status_code == 200:
+                    url = f"{scheme}://127.0.0.1:{port}/ready"
+                    if httpx.get(url, timeout=2, verify=False).status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
@@ -111,9 +111,9 @@ def running_kvfleet(*argv: str, port: int, ready_timeout: float = 180.0,
 
 @contextmanager
 def running_server(*flags: str, ready_timeout: float = 180.0,
-                   torch_threads: int = 2) -> Iterator[EngineServer]:
+                   torch_threads: int = 2, scheme: str = "http") -> Iterator[EngineServer]:
     port = free_port()
     with running_kvfleet("serve", "--port", str(port), *flags, port=port,
-                         ready_timeout=ready_timeout,
+                         ready_timeout=ready_timeout, scheme=scheme,
                          env={"OMP_NUM_THREADS": str(torch_threads)}) as (process, log_path):
-        yield EngineServer(f"http://127.0.0.1:{port}", process, log_path)
+        yield EngineServer(f"{scheme}://127.0.0.1:{port}", process, log_path)

@@ -13,8 +13,9 @@ import pytest
 
 from kvfleet.api.builders import make_artifact, make_pool
 from kvfleet.compat import default_matrix
+from kvfleet.tls import ServingCertificate, server_ssl_context
 from kvfleet.webhooks.certs import make_serving_certs
-from kvfleet.webhooks.server import ServingCertificate, make_app, server_ssl_context, start
+from kvfleet.webhooks.server import make_app, start
 
 pytestmark = pytest.mark.slow
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvfleet.router.outcome import Outcome
+from kvfleet.router.picker import EndpointLoad
 from kvfleet.router.server import Router, RouterOptions, build_app
 from kvfleet.router.state import parse_config
 
@@ -205,14 +206,15 @@ async def test_prompt_tokens_are_counted_with_the_revisions_own_tokenizer(
     router = make_router(address)
     try:
         words = "hi there " * 30  # 60 words, 270 bytes
-        before = await router.tokens.count(REVISION, [words], 1, [address])
+        before = await router.tokens.count(REVISION, [words], 1, [EndpointLoad(address)])
         assert before == 270 // 3 + 4  # not fetched yet: the upper bound
         for _ in range(100):
             if router.tokens.known(REVISION):
                 break
             await asyncio.sleep(0.02)
-        assert await router.tokens.count(REVISION, [words], 1, [address]) == 60 + 4
-        assert await router.tokens.count(REVISION, [words, "hi"], 2, [address]) == 61 + 8
+        engines = [EndpointLoad(address)]
+        assert await router.tokens.count(REVISION, [words], 1, engines) == 60 + 4
+        assert await router.tokens.count(REVISION, [words, "hi"], 2, engines) == 61 + 8
     finally:
         await router.close()
 
