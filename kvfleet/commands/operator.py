@@ -105,6 +105,13 @@ def register(subparsers: Any) -> None:
         "prometheus in any namespace)",
     )
     p.add_argument(
+        "--engine-tls",
+        action="store_true",
+        help="engines serve HTTPS with a certificate the operator issues per pool (in its "
+        "router-token Secret, renewed 30 days before its end) and the router pins: the router "
+        "token and prompts never cross the network in the clear",
+    )
+    p.add_argument(
         "--prometheus-url",
         default=os.environ.get("KVFLEET_PROMETHEUS_URL"),
         metavar="URL",
@@ -162,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     config = OperatorConfig(
         matrix=matrix,
         options=EngineOptions(image=args.engine_image, router_namespace=args.router_namespace,
-                              prometheus_namespace=args.prometheus_namespace),
+                              prometheus_namespace=args.prometheus_namespace,
+                              tls=args.engine_tls),
         drift_interval_seconds=args.drift_interval,
         max_concurrent_reconciles=args.max_concurrent_reconciles,
         prometheus_url=args.prometheus_url,

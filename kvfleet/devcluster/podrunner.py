@@ -178,7 +178,8 @@ class LocalPodRunner:
         self._thread: threading.Thread | None = None
         self._next_heartbeat = 0.0
         self._since = now_iso()  # the nodes' conditions have held since the runner started
-        self._http = httpx.Client(timeout=1.0)
+        # (as a kubelet's, its HTTPS probes check no certificate)
+        self._http = httpx.Client(timeout=1.0, verify=False)
         # `kubectl logs` reaches container output through this, as through a kubelet.
         self.logs = KubeletLogServer(workdir / ".kubelet", self.log_path, self._has_pod)
 

@@ -40,12 +40,21 @@ def build_config(api_server: str, ca: Path, client: CertPair) -> dict[str, Any]:
                 "kubernetes_sd_configs": [
                     {"role": "pod", "api_server": api_server, "tls_config": tls}
                 ],
+                # Engines with TLS (the operator's --engine-tls) serve metrics over HTTPS with
+                # a certificate only the router checks (it pins it).
+                "tls_config": {"insecure_skip_verify": True},
                 "relabel_configs": [
                     {"source_labels": [f"{annotation}scrape"], "action": "keep", "regex": "true"},
                     {
                         "source_labels": ["__meta_kubernetes_pod_ip"],
                         "action": "keep",
                         "regex": r"127\..*",
+                    },
+                    {
+                        "source_labels": [f"{annotation}scheme"],
+                        "action": "replace",
+                        "target_label": "__scheme__",
+                        "regex": "(https?)",
                     },
                     {
                         "source_labels": [f"{annotation}path"],

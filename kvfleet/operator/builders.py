@@ -32,6 +32,8 @@ ENGINE_PORT = labels.ENGINE_PORT
 # follows it, accepting the replaced token for a while (kvfleet.engine.router_token).
 ROUTER_TOKEN_FILE_ENV = "KVFLEET_ROUTER_TOKEN_FILE"
 ROUTER_TOKEN_KEY = labels.ROUTER_TOKEN_KEY
+ENGINE_CERT_KEY, ENGINE_KEY_KEY = labels.ENGINE_CERT_KEY, labels.ENGINE_KEY_KEY
+ENGINE_PREVIOUS_CERT_KEY = labels.ENGINE_PREVIOUS_CERT_KEY
 ROUTER_TOKEN_VOLUME = "router-token"
 ROUTER_TOKEN_DIR = "/var/run/kvfleet/router-token"
 ENGINE_PORT_NAME = "http"
@@ -71,6 +73,9 @@ class EngineOptions:
     # own) and Prometheus' (None: any namespace, by its pods' name label alone).
     router_namespace: str | None = None
     prometheus_namespace: str | None = None
+    # Engines serve HTTPS with a certificate of their pool's (in its router-token Secret), which
+    # the router pins (--engine-tls): the router token and prompts never cross in the clear.
+    tls: bool = False
 
 
 def _meta(name: str, pool: ServingPool, labels: dict[str, str]) -> dict[str, Any]:
@@ -251,6 +256,9 @@ def _container(
         },
     ]
     env.append({"name": ROUTER_TOKEN_FILE_ENV, "value": f"{ROUTER_TOKEN_DIR}/{ROUTER_TOKEN_KEY}"})
+    if options.tls:
+        env += [{"name": "KVFLEET_TLS_CERT_FILE", "value": f"{ROUTER_TOKEN_DIR}/{ENGINE_CERT_KEY}"},
+                {"name": "KVFLEET_TLS_KEY_FILE", "value": f"{ROUTER_TOKEN_DIR}/{ENGINE_KEY_KEY}"}]
     env += [
         {"name": key, "valueFrom": {"configMapKeyRef": {"name": cm, "key": key}}}
         for key in sorted(settings)
@@ -278,6 +286,7 @@ def _container(
     if threads is not None:
         env.append({"name": CPU_THREADS_ENV, "value": str(threads)})
     env += _pool_env(pool)
+    scheme = "HTTPS" if options.tls else "HTTP"  # (a kubelet does not verify it)
     return {
         "name": "engine",
         **_image(pool, options),
@@ -287,12 +296,12 @@ def _container(
         "ports": [{"name": ENGINE_PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": _resources(pool, plan),
         "readinessProbe": {
-            "httpGet": {"path": "/ready", "port": ENGINE_PORT_NAME},
+            "httpGet": {"path": "/ready", "port": ENGINE_PORT_NAME, "scheme": scheme},
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
         "livenessProbe": {
-            "httpGet": {"path": "/health", "port": ENGINE_PORT_NAME},
+            "httpGet": {"path": "/health", "port": ENGINE_PORT_NAME, "scheme": scheme},
             # Loading weights can take minutes; /health answers during LOADING, so this only
             # catches a hung server.
             "initialDelaySeconds": 30,
@@ -328,7 +337,9 @@ def build_deployment(
         "volumes": [_cache_volume(pool, artifact), {
             "name": ROUTER_TOKEN_VOLUME,
             "secret": {"secretName": naming.router_secret_name(name), "defaultMode": 0o400,
-                       "items": [{"key": ROUTER_TOKEN_KEY, "path": ROUTER_TOKEN_KEY}]}}],
+                       "items": [{"key": k, "path": k} for k in (
+                           (ROUTER_TOKEN_KEY, ENGINE_CERT_KEY, ENGINE_KEY_KEY) if options.tls
+                           else (ROUTER_TOKEN_KEY,))]}}],
         "nodeSelector": node_selector(pool.spec),
         "tolerations": tolerations(pool.spec),
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
@@ -368,6 +379,7 @@ def build_deployment(
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(ENGINE_PORT),
                         "prometheus.io/path": "/metrics",
+                        "prometheus.io/scheme": "https" if options.tls else "http",
                     },
                 },
                 "spec": pod_spec,
@@ -411,20 +423,50 @@ def build_pdb(pool: ServingPool) -> dict[str, Any]:
     }
 
 
-def build_router_secret(pool: ServingPool, token: str) -> dict[str, Any]:
+def build_router_secret(pool: ServingPool, token: str,
+                        tls: EngineCertificate | None = None) -> dict[str, Any]:
     """The token the pool's engines want from the router (their mounted file, `kvfleet serve
     --router-token-file`): with it, a request's tenant header is believed; without it, the
     engine refuses. Re-minted (deleted, then made again by the operator), it reaches routers
-    and engines without a failed request (kvfleet.engine.router_token)."""
+    and engines without a failed request (kvfleet.engine.router_token). With engine TLS, also
+    the engines' certificate and key, and the certificate a renewal replaced (the router
+    trusts both while the engines switch)."""
     name = pool.metadata.name
     labels = {**naming.pool_labels(name), naming.ROUTER_TOKEN_LABEL: naming.label_value(name)}
+    data = {ROUTER_TOKEN_KEY: token}
+    if tls is not None:
+        data |= {ENGINE_CERT_KEY: tls.cert, ENGINE_KEY_KEY: tls.key}
+        if tls.previous:
+            data[ENGINE_PREVIOUS_CERT_KEY] = tls.previous
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _meta(naming.router_secret_name(name), pool, labels),
         "type": "Opaque",
-        "data": {ROUTER_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
     }
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCertificate:
+    """A pool's engine certificate and key (PEM), and the certificate it replaced."""
+
+    cert: str
+    key: str
+    previous: str = ""
+
+
+def engine_certificate_of(secret: dict[str, Any] | None) -> EngineCertificate | None:
+    data = (secret or {}).get("data") or {}
+    try:
+        found = {k: base64.b64decode(data[k]).decode() for k in (ENGINE_CERT_KEY, ENGINE_KEY_KEY)
+                 if k in data}
+        previous = base64.b64decode(data.get(ENGINE_PREVIOUS_CERT_KEY, "")).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if len(found) < 2:
+        return None
+    return EngineCertificate(found[ENGINE_CERT_KEY], found[ENGINE_KEY_KEY], previous)
 
 
 def router_token_of(secret: dict[str, Any] | None) -> str | None:

@@ -17,16 +17,20 @@ a new revision but never delete what is already serving.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from kvfleet.api import ModelArtifact, ServingPool, manifest_hash
+from kvfleet.api.labels import engine_server_name
 from kvfleet.capacity import MemoryPlan, plan_for_pool
 from kvfleet.compat import Matrix, check
 from kvfleet.operator import builders, naming
+from kvfleet.operator.builders import EngineCertificate
 from kvfleet.operator.conditions import Cond, merge_conditions
 from kvfleet.operator.drift import has_drifted
+from kvfleet.operator.engine_tls import issue_engine_certificate, wanted_certificate
 from kvfleet.operator.events import Event
 from kvfleet.operator.placement import Diagnosis, diagnose
 from kvfleet.operator.rollout import ACTIVE
@@ -159,10 +163,11 @@ def _desired(
     plan: MemoryPlan,
     options: builders.EngineOptions,
     router_token: str,
+    tls: EngineCertificate | None = None,
 ) -> list[dict[str, Any]]:
     return [
         builders.build_config_map(pool),
-        builders.build_router_secret(pool, router_token),
+        builders.build_router_secret(pool, router_token, tls),
         builders.build_deployment(pool, artifact, revision, plan, options),
         builders.build_service(pool),
         builders.build_pdb(pool),
@@ -282,11 +287,13 @@ def reconcile(
     now: datetime,
     options: builders.EngineOptions = builders.EngineOptions(),  # noqa: B008 (frozen)
     new_router_token: str = "",
+    new_engine_certificate: Callable[[str], EngineCertificate] = issue_engine_certificate,
     rollout: RolloutDecision | None = None,
 ) -> Plan:
     """`new_router_token`: the pool's router token if it has none yet (random, from the
-    caller: this function stays pure); an existing token is kept. `rollout`: the decision of
-    the Rollout that governs the pool, if one does."""
+    caller: this function stays pure); an existing token is kept. `new_engine_certificate`:
+    issues one (engine TLS), called only when the pool has none or it is due for renewal.
+    `rollout`: the decision of the Rollout that governs the pool, if one does."""
     previous = pool.status.to_wire() if pool.status is not None else {}
     plan, capacity = (None, None) if artifact is None else _capacity(pool, artifact, matrix)
     blocker = _blocker(pool, artifact, matrix, capacity)
@@ -309,8 +316,14 @@ def reconcile(
     children = _Children()
     if blocker is None and artifact is not None and revision is not None and plan is not None:
         token = builders.router_token_of(observed.router_secret) or new_router_token
-        children = _children(facts, _desired(pool, artifact, revision, plan, options, token),
-                             observed)
+        tls = None
+        if options.tls:
+            tls = wanted_certificate(
+                builders.engine_certificate_of(observed.router_secret),
+                engine_server_name(pool.metadata.name, pool.metadata.namespace or ""), now,
+                new_engine_certificate)
+        children = _children(
+            facts, _desired(pool, artifact, revision, plan, options, token, tls), observed)
     delete, scale, events = _retire(facts, observed, children)
     status, warnings = _status(facts, observed, children, plan, capacity, now)
     return Plan(apply=tuple(children.apply), delete=tuple(delete), status=status,
