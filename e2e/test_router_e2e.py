@@ -294,6 +294,57 @@ def test_a_key_minted_in_another_namespace_cannot_spend_a_tenants_budget(
         kube.delete("Namespace", other)
 
 
+def test_with_engine_tls_prompts_reach_the_engines_over_https_only(
+    kube: KubeClient, kubectl: Kubectl, cluster: DevCluster | ExistingCluster,
+    operator: OperatorProcess, namespace: str, local_node: str, fake_nodes: list[str],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The operator with --engine-tls: the pool's engine serves HTTPS with the certificate the
+    operator issued, the router (which pins it) serves clients through it, plain HTTP to the
+    engine goes nowhere, and Prometheus still scrapes it."""
+    operator.extra_args = ("--engine-tls",)
+    operator.restart()
+    try:
+        kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "01-modelartifact-smollm2.yaml"))
+        with _only_the_local_l4_node(kube, kubectl):
+            _create(kube, _local_engine_pool("smol", "smollm2-135m-instruct", namespace))
+            _wait_pool(kube, operator, namespace, "smol", _available, "HTTPS pod Ready", 300)
+        _key_secret(kube, namespace, "team-a-key", "team-a", KEY)
+        kube.request("POST", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenantquotas",
+                     {"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+                      "metadata": {"name": "team-a"}, "spec": {"tenant": "team-a"}})
+        (secret,) = kube.list("Secret", namespace,
+                              label_selector="kvfleet.io/router-token-for=smol")
+        assert {"token", "tls.crt", "tls.key"} <= set(secret["data"])
+        (pod,) = kube.list("Pod", namespace, label_selector="kvfleet.io/pool=smol")
+        address = f"{pod['status']['podIP']}:8000"
+        with pytest.raises(httpx.HTTPError):  # no plain HTTP at all
+            httpx.get(f"http://{address}/health", timeout=5)
+        assert httpx.get(f"https://{address}/health", timeout=5, verify=False).status_code \
+            == 200
+        router = RouterProcess(cluster.kubeconfig, namespace, tmp_path / "router.log")
+        try:
+            router.wait_ready()
+            time.sleep(0.5)  # a first scrape of the engine's load, over HTTPS
+            answer = chat(router.url, KEY)
+            assert answer.status_code == 200, answer.text
+        finally:
+            router.stop()
+        if cluster.prometheus is not None:
+            deadline = time.monotonic() + 30
+            while True:
+                found = httpx.get(cluster.prometheus.url + "/api/v1/query",
+                                  params={"query": f'up{{instance="{address}"}}'},
+                                  timeout=10).json()["data"]["result"]
+                if found and found[0]["value"][1] == "1":
+                    break
+                assert time.monotonic() < deadline, f"Prometheus does not scrape it: {found}"
+                time.sleep(1)
+    finally:
+        operator.extra_args = ()
+        operator.restart()
+
+
 def _key_secret(kube: KubeClient, namespace: str, name: str, tenant: str, key: str) -> None:
     kube.request("POST", f"/api/v1/namespaces/{namespace}/secrets", {
         "apiVersion": "v1", "kind": "Secret",
