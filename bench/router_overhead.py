@@ -6,7 +6,8 @@ A fake upstream (its own process: aiohttp, answers at once, streams `--chunks` S
 a usage frame, and serves the gauges the router scrapes) stands in for an engine. The same
 open-loop client (Poisson arrivals at each rate, streaming chat requests) runs against the
 upstream directly, through a real `kvfleet router --config` process, and through a second one
-whose quota ledger is shared in a real redis-server (`--redis`), in turns at each rate. The
+whose quota ledger is shared in a real redis-server (`--redis`), in turns at each rate (the
+router not being measured is paused). The
 tenant's quota sets every limit (none binding), so each request takes the whole admission.
 Prints the shared ledger's script round trip alone, then per rate and router the time to the
 first byte and the gap between streamed chunks, p50/p99, direct and routed, the difference
@@ -22,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -243,11 +245,22 @@ def measure(urls: dict[str, str], auth: dict[str, str], rate: float, seconds: fl
     """One rate, each target in turn; prints a row per router (added = router - direct)."""
     runs: dict[str, list[tuple[float, list[float]]]] = {}
     cpu: dict[str, float] = {}
+    routers = [name for name in urls if name in procs]
     for name, url in urls.items():
-        before = cpu_seconds(procs[name].pid) if name in procs else 0.0
-        runs[name] = asyncio.run(load(url, {} if name == "direct" else auth, rate, seconds))
-        if name in procs:
-            cpu[name] = (cpu_seconds(procs[name].pid) - before) / max(1, len(runs[name])) * 1e3
+        # Each target measured alone: the other router is paused (its replica scrape would
+        # take the CPU this one's requests wait for).
+        paused = [procs[other] for other in routers if other != name]
+        for proc in paused:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            before = cpu_seconds(procs[name].pid) if name in procs else 0.0
+            runs[name] = asyncio.run(load(url, {} if name == "direct" else auth, rate, seconds))
+            if name in procs:
+                cpu[name] = (cpu_seconds(procs[name].pid) - before) / max(1, len(runs[name])) \
+                    * 1e3
+        finally:
+            for proc in paused:
+                proc.send_signal(signal.SIGCONT)
     first = {name: [x[0] * 1e3 for x in r] for name, r in runs.items()}
     gaps = {name: [g * 1e3 for x in r for g in x[1]] for name, r in runs.items()}
     fd = first["direct"]
