@@ -8,7 +8,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff"; ruff check kvfleet tests e2e bench
 echo "== mypy"; mypy
 echo "== import-linter"; lint-imports
-echo "== redis-server (Argo CD's cache in the GitOps e2e test), from Debian's packages"
+echo "== redis-server (Argo CD's cache in the GitOps e2e test; the router's shared quota ledger), from Debian's packages"
 if ! command -v redis-server >/dev/null; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
   export DEBIAN_FRONTEND=noninteractive
