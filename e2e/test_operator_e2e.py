@@ -447,6 +447,27 @@ def test_pod_settings_place_pods_on_a_teams_tainted_gpu_nodes(
         kube.delete("PriorityClass", f"e2e-{namespace}")
 
 
+def test_kubectl_scale_sets_the_pools_count_and_the_operator_keeps_it(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str
+) -> None:
+    """Without `spec.autoscaling`, the pool's /scale subresource is its replica count: whoever
+    writes it (a person with kubectl, an HPA, KEDA) sets the Deployment's, and the operator
+    keeps it there (issue 37's item f)."""
+    _artifact_and_pool(kube, namespace, "chat", spec__replicas=1)
+    pool = _wait_pool(kube, operator, namespace, "chat", _available, "Available")
+    deployment = naming.deployment_name("chat", pool["status"]["servingRevision"])
+    kubectl("scale", "servingpool", "chat", "-n", namespace, "--replicas=2")
+    scale = kube.request("GET", path_of("ServingPool", namespace, "chat") + "/scale")
+    assert scale["spec"]["replicas"] == 2
+    kube.wait_for(f"Deployment {deployment} at 2", lambda: kube.get(
+        "Deployment", deployment, namespace)["spec"]["replicas"] == 2 or None, 30)
+    # Kept: a drift round later (the operator reconciles its children every few seconds).
+    time.sleep(2 * DRIFT_INTERVAL_S)
+    assert kube.get("Deployment", deployment, namespace)["spec"]["replicas"] == 2
+    _wait_pool(kube, operator, namespace, "chat",
+               lambda p: p.get("status", {}).get("readyReplicas") == 2 or None, "2 ready", 60)
+
+
 def test_drift_is_restored_and_deleted_service_recreated(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str
 ) -> None:
