@@ -111,29 +111,23 @@ def _controller(obj: Mapping[str, Any]) -> str | None:
 
 
 def pool_pods(pools: Iterable[JsonObj], deployments: Iterable[JsonObj],
-              replicasets: Iterable[JsonObj], pods: Iterable[JsonObj]) -> list[JsonObj]:
-    """The pods a ServingPool owns through its Deployments and their ReplicaSets (by UID, as
-    the garbage collector sees ownership): a pod that only wears an engine's labels, made by
-    anyone who can create pods, gets no prompts and no router token."""
+              replicasets: Iterable[JsonObj], pods: Iterable[JsonObj]
+              ) -> tuple[list[JsonObj], list[JsonObj]]:
+    """(the pods a ServingPool owns through its Deployments and their ReplicaSets, by UID as
+    the garbage collector sees ownership; the Ready ones that only wear an engine's labels).
+    A pod anyone who can create pods made gets no prompts and no router token."""
     pool_uids = {str(p["metadata"].get("uid")) for p in pools}
     owned_deployments = {str(d["metadata"].get("uid")) for d in deployments
                          if _controller(d) in pool_uids}
     owned_sets = {str(r["metadata"].get("uid")) for r in replicasets
                   if _controller(r) in owned_deployments}
-    kept = []
+    kept, strays = [], []
     for pod in pods:
         if _controller(pod) in owned_sets:
             kept.append(pod)
         elif _ready(pod):
-            namespace, name = _where(pod)
-            if (namespace, name) not in _STRAYS_LOGGED:
-                _STRAYS_LOGGED.add((namespace, name))
-                log.warning("pod %s/%s wears a pool's engine labels but no ServingPool's "
-                            "Deployment owns it: not routed to", namespace, name)
-    return kept
-
-
-_STRAYS_LOGGED: set[tuple[str, str]] = set()  # (once per pod, not every rebuild)
+            strays.append(pod)
+    return kept, strays
 
 
 def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
@@ -354,6 +348,7 @@ class ClusterSource:
         self.name = name  # this replica's name in the TenantQuotas' reports: its pod's
         self.on_fatal = exit_process  # what a background loop's end does (tests record it)
         self._seeded: set[str] = set()  # TenantQuotas whose reports this router started from
+        self._strays_logged: set[tuple[str, str]] = set()
         self._dirty = asyncio.Event()
         self.informers = {
             "pools": Informer(api, "ServingPool", "", self._changed, namespace=namespace),
@@ -382,8 +377,14 @@ class ClusterSource:
         return [o for objs in self.informers[name].store.values() for o in objs]
 
     def rebuild(self) -> None:
-        pods = pool_pods(self._objects("pools"), self._objects("deployments"),
-                         self._objects("replicasets"), self._objects("pods"))
+        pods, strays = pool_pods(self._objects("pools"), self._objects("deployments"),
+                                 self._objects("replicasets"), self._objects("pods"))
+        for pod in strays:
+            where = _where(pod)
+            if where not in self._strays_logged:  # (once per pod, not every rebuild)
+                self._strays_logged.add(where)
+                log.warning("pod %s/%s wears a pool's engine labels but no ServingPool's "
+                            "Deployment owns it: not routed to", *where)
         state = state_from_objects(
             self._objects("pools"), pods, self._objects("keys"),
             self._objects("tokens"), self._objects("quotas"),

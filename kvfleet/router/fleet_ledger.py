@@ -34,7 +34,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -237,14 +236,6 @@ def _cap(value: float | None) -> float:
     return -1.0 if value is None else float(value)
 
 
-@dataclass(slots=True)
-class _Held:
-    """A shared reservation's lease: the slot set it sits in, and its tenant's `o` set when
-    the slot is borrowed."""
-
-    keys: list[str] = field(default_factory=list)
-
-
 class SharedLedger:
     """Admission against the fleet-wide limits in Redis, with the router's own `QuotaLedger`
     (`local`) as the specs' source, the usage counter, and the fallback while Redis is away.
@@ -265,7 +256,9 @@ class SharedLedger:
         self._settle = client.register_script(_SETTLE)
         self._renew = client.register_script(_RENEW)
         self._levels = client.register_script(_LEVELS)
-        self._held: dict[str, _Held] = {}  # id -> lease keys, while the request runs
+        # id -> the slot sets its lease is in (its slot's, and its tenant's `o` when the
+        # slot is borrowed), while the request runs
+        self._held: dict[str, list[str]] = {}
         self._pending: set[asyncio.Task[None]] = set()
 
     # ---- keys
@@ -308,7 +301,7 @@ class SharedLedger:
         self._back()
         if int(reply[0]) == 0:
             raise self._refused(state.tenant, state.quota_name, reply, concurrency, limits,
-                                spec, input_tokens, max_output_tokens)
+                                input_tokens, max_output_tokens)
         lender_name = lenders[int(reply[1]) - 1].tenant if int(reply[1]) else None
         borrowed: dict[tuple[BorrowableResource, str], float] = {}
         for i in range(2, len(reply), 3):
@@ -320,11 +313,11 @@ class SharedLedger:
             held = [self._key("s", lender_name or tenant)]
             if lender_name is not None:
                 held.append(self._key("o", tenant))
-            self._held[rid] = _Held(held)
+            self._held[rid] = held
         return self.local.count_shared(state, reservation)
 
     def _refused(self, tenant: str, quota_name: str, reply: list[Any], concurrency: int | None,
-                 limits: dict[BorrowableResource, int | None], spec: Any, input_tokens: int,
+                 limits: dict[BorrowableResource, int | None], input_tokens: int,
                  max_output_tokens: int) -> Exception:
         name = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
         if name == "maxConcurrentRequests":
@@ -365,7 +358,7 @@ class SharedLedger:
         spec = self.local.quota(tenant) if self.local.known(tenant) else None
         limits = rate_limits(spec) if spec is not None else dict.fromkeys(RESOURCES)
         refunds = settle_refunds(reservation, output_tokens, prompt_tokens)
-        slot = (held.keys[0] if held is not None else self._key("s", tenant))
+        slot = held[0] if held else self._key("s", tenant)
         keys = [self._key("q", tenant), slot, self._key("o", tenant)]
         args: list[Any] = [self._now(), reservation.id]
         args += [_cap(limits[r]) for r in RESOURCES]
@@ -403,8 +396,8 @@ class SharedLedger:
     async def renew(self) -> None:
         keys, ids = [], []
         for rid, held in list(self._held.items()):
-            keys += held.keys
-            ids += [rid] * len(held.keys)
+            keys += held
+            ids += [rid] * len(held)
         if not keys:
             return
         try:

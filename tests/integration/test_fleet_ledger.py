@@ -5,8 +5,9 @@ is away the declared fallback applies and says so."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -64,6 +65,19 @@ def _shared(url: str, clock: Clock, prefix: str | None = None) -> SharedLedger:
     client = redis.asyncio.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
     return SharedLedger(_ledger(clock.now), client, prefix or uuid.uuid4().hex,
                         where=url.removeprefix("redis://"), clock=clock)
+
+
+@contextlib.asynccontextmanager
+async def two_routers(url: str, clock: Clock) -> AsyncIterator[tuple[SharedLedger, SharedLedger,
+                                                                    str]]:
+    """Two routers' ledgers on the same keys (and that prefix), closed after."""
+    prefix = uuid.uuid4().hex
+    one, two = _shared(url, clock, prefix), _shared(url, clock, prefix)
+    try:
+        yield one, two, prefix
+    finally:
+        await one.client.aclose()
+        await two.client.aclose()
 
 
 async def _decide(admit: Any) -> tuple[str, Reservation | None]:
@@ -131,18 +145,12 @@ def test_the_shared_ledger_decides_as_the_routers_own_ledger(
 def test_a_slot_is_a_lease_a_dead_router_cannot_keep(redis_server: RedisServer) -> None:
     async def run() -> None:
         clock = Clock()
-        prefix = uuid.uuid4().hex
-        one, two = _shared(redis_server.url, clock, prefix), _shared(redis_server.url, clock,
-                                                                   prefix)
-        try:
+        async with two_routers(redis_server.url, clock) as (one, two, _):
             await one.admit("team-b", 1, 1, clock.now)  # team-b: 1 slot, fleet-wide
             with pytest.raises(QuotaExceeded, match="maxConcurrentRequests = 1 "):
                 await two.admit("team-b", 1, 1, clock.now)
             clock.now += LEASE_SECONDS + 1  # router one died: its lease was never renewed
             await two.admit("team-b", 1, 1, clock.now)
-        finally:
-            await one.client.aclose()
-            await two.client.aclose()
 
     asyncio.run(run())
 
@@ -155,10 +163,7 @@ def test_a_running_request_keeps_its_slot_however_long_and_after_an_outage(
 
     async def run() -> None:
         clock = Clock()
-        prefix = uuid.uuid4().hex
-        one, two = _shared(redis_server.url, clock, prefix), _shared(redis_server.url, clock,
-                                                                   prefix)
-        try:
+        async with two_routers(redis_server.url, clock) as (one, two, prefix):
             await one.admit("team-b", 1, 1, clock.now)  # team-b: 1 slot
             slots = f"{prefix}:s:team-b"
             await one.client.expire(slots, 3)  # (the set's own expiry, near its end)
@@ -171,9 +176,6 @@ def test_a_running_request_keeps_its_slot_however_long_and_after_an_outage(
             await one.renew()  # ...and the next renewal puts it back
             with pytest.raises(QuotaExceeded, match="maxConcurrentRequests"):
                 await two.admit("team-b", 1, 1, clock.now)
-        finally:
-            await one.client.aclose()
-            await two.client.aclose()
 
     asyncio.run(run())
 
