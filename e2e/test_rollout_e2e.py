@@ -558,29 +558,37 @@ def test_a_canary_slow_only_on_long_prompts_is_stopped_by_the_prompt_class_split
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
     local_node: str, fake_nodes: list[str], faults: dict[str, str],
 ) -> None:
-    """c) A canary 14 s slower on prompts of 1300 tokens, which are 1 request in 40: the p95
+    """c) A canary 14 s slower on prompts of 1300 tokens, which are 1 request in 60: the p95
     over all requests does not see it, the ≤4096-token class does. Rolled back; with the
     split switched off (and a retry) the same canary is promoted, so the split is what
     caught it."""
     with _only_the_local_l4_node(kube, kubectl):
         hashes = _setup(kube, namespace)
-        # Long requests are rare: a step long enough to see a few, a class minimum to match.
+        # Long requests are rare: a step long enough to see a few (some 14 at the 5.7 requests
+        # a second measured here, each revision's 3 missed about 1 time in 80), a class
+        # minimum to match. The p95 over all requests is judged on 60 of the canary's: 3 slow
+        # in 60 is 5 %, still fast. On the demo's 12 a p95 is nearly the slowest request, and
+        # a window with 2 slow in 38 failed it (a share of 1 in N holds only on average).
+        policy = kube.get("Rollout", POOL, namespace)["spec"]
+        metrics = [{**m, "minSamples": 60} if m["name"] == "ttft" else m
+                   for m in policy["analysis"]["metrics"]]
         kube.merge_patch("Rollout", POOL, {"spec": {
-            "steps": [{"weight": 50, "pauseSeconds": 90}, {"weight": 100}],
-            "analysis": {"byPromptLength": {"maxRatio": 3.0, "minSamples": 3,
+            "steps": [{"weight": 50, "pauseSeconds": 150}, {"weight": 100}],
+            "analysis": {"metrics": metrics,
+                         "byPromptLength": {"maxRatio": 3.0, "minSamples": 3,
                                             "minDifferenceSeconds": 1.0}}}}, namespace)
         _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
         stable_pods = _pods(kube, namespace, hashes["smol-v1"])
         slow = hashes["smol-v2"]
         os.environ[FAULTS_ENV] = long_prompt_fault(slow)
-        traffic = Traffic(router_on_node(kube, namespace, local_node), long_every=40)
+        traffic = Traffic(router_on_node(kube, namespace, local_node), long_every=60)
         try:
             started = time.monotonic()
             set_artifact(kube, namespace, POOL, "smol-v2")
             done = _wait_rollout(kube, operator, namespace, lambda r: _phase(
                 "RolledBack", "Promoted", "Paused")(r) and r["status"].get(
                 "canaryRevision") == slow, "the long-prompt canary stopped", 420)
-            _decided_in(started, "slow on long prompts only (1 in 40)")
+            _decided_in(started, "slow on long prompts only (1 in 60)")
             status = done["status"]
             assert status["phase"] == "RolledBack", yaml.safe_dump(status)
             assert "-le4096 canary/stable" in status["message"], status["message"]

@@ -163,6 +163,72 @@ class Reserves(KubeModel):
     burst: int = Field(default=0, ge=0, description="Replicas for traffic bursts.")
 
 
+class Autoscaling(KubeModel):
+    """Replicas from the load the engines and routers measure (absent: spec.replicas, or
+    whatever writes the /scale subresource: HPA, KEDA, `kubectl scale`). The operator writes
+    spec.replicas itself, as HPA writes a Deployment's: leave it out of Git (or ignore its
+    difference) so a GitOps sync does not fight it.
+
+    Each interval the desired count is the largest of: the load signal (the same load score
+    the router picks replicas by, so the two agree on what saturated means), the KV-cache
+    signal, and one more replica while the TTFT or TPOT p95 misses the pool's spec.slos; then
+    bounded, stabilised (a scale-down takes the highest count recommended over its window)
+    and moved at most maxStep. Missing or stale signals hold the count (AutoscalingActive
+    False says which); replicas that stay unready stop it growing (ScalingLimited)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.minReplicas <= self.maxReplicas",
+                    "minReplicas must not exceed maxReplicas", ".minReplicas"),
+            ]
+        }
+    )
+
+    min_replicas: int = Field(default=1, ge=1, le=10000, description="Fewest replicas.")
+    max_replicas: int = Field(ge=1, le=10000, description="Most replicas.")
+    target_load: float = Field(
+        default=4.0, gt=0, le=100000,
+        description="Load per replica the pool is sized for, in the router's load score: 2 "
+        "per waiting request, 1 per running request, and 50 per unit of KV-cache use over "
+        "80 %. 4: some 4 concurrent streams per replica, none queued.")
+    target_kv_cache_usage: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Mean KV-cache use per replica the pool is sized for (0-1); unset: not "
+        "a signal.")
+    slo_scaling: bool = Field(
+        default=True,
+        description="Add a replica while the pool's TTFT or TPOT p95 (over the last minute, "
+        "live traffic) misses spec.slos, once every replica asked for is Ready and a minute "
+        "has passed since the last scale-up.")
+    scale_up_stabilization_seconds: int = Field(
+        default=0, ge=0, le=3600,
+        description="A scale-up takes the lowest count recommended over this window.")
+    scale_down_stabilization_seconds: int = Field(
+        default=300, ge=0, le=86400,
+        description="A scale-down takes the highest count recommended over this window.")
+    max_step: int = Field(default=4, ge=1, le=1000, description="Most replicas one decision "
+                          "adds or removes.")
+    stale_after_seconds: int = Field(
+        default=60, ge=5, le=3600,
+        description="Signals older than this hold the count (AutoscalingActive False).")
+    pending_grace_seconds: int = Field(
+        default=120, ge=10, le=3600,
+        description="How long replicas may stay unready before the count stops growing "
+        "(ScalingLimited): new GPU pods that stay Pending are not asked for again and again.")
+
+
+class AutoscalingStatus(KubeModel):
+    """The autoscaler's last decision."""
+
+    desired_replicas: int = Field(ge=0, description="The count it decided.")
+    signal: str = Field(max_length=32, description="What decided it: load, kvCache, slo, "
+                        "min, max, hold (no replica measured), stale (signals missing).")
+    message: str = Field(default="", max_length=1024, description="The deciding numbers.")
+    last_scale_time: str | None = Field(default=None, description="When it last changed "
+                                        "spec.replicas (RFC 3339).")
+
+
 class DataClass(StrEnum):
     PUBLIC = "public"
     INTERNAL = "internal"
@@ -182,6 +248,8 @@ class ServingPoolSpec(KubeModel):
         json_schema_extra={"default": {}},
     )
     slos: SLOs | None = Field(default=None, description="Service level objectives.")
+    autoscaling: Autoscaling | None = Field(
+        default=None, description="Replicas from measured load (absent: spec.replicas).")
     reserves: Reserves = Field(
         default_factory=Reserves, description="Reserve replicas.", json_schema_extra={"default": {}}
     )
@@ -257,6 +325,8 @@ class ServingPoolStatus(KubeModel):
         default_factory=list, max_length=4,
         description="The router's traffic table, written by the Rollout controller; empty: "
         "every request goes to servingRevision.")
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None, description="The autoscaler's last decision (with spec.autoscaling).")
     observed_generation: int | None = Field(default=None, ge=0, description="Generation seen.")
     conditions: list[Condition] = conditions_field()
 
@@ -275,7 +345,9 @@ class ServingPool(KubeModel):
             PrinterColumn("Serving", ".status.servingArtifact"),
             PrinterColumn("GPU", ".spec.gpu.product"),
             PrinterColumn("Desired", ".spec.replicas", type="integer"),
+            PrinterColumn("Current", ".status.replicas", type="integer"),
             PrinterColumn("Ready-Replicas", ".status.readyReplicas", type="integer"),
+            PrinterColumn("Scaled-By", ".status.autoscaling.signal"),
             PrinterColumn(
                 "KV-Tokens", ".status.capacity.kvTokensPerReplica", type="integer", priority=1
             ),

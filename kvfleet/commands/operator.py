@@ -81,6 +81,14 @@ def register(subparsers: Any) -> None:
         help="how often every pool is re-read and drift restored",
     )
     p.add_argument(
+        "--autoscale-interval",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="how often the pools with spec.autoscaling are measured (one Prometheus query "
+        "for all of them) and their replicas decided",
+    )
+    p.add_argument(
         "--max-concurrent-reconciles",
         type=int,
         default=4,
@@ -115,8 +123,9 @@ def register(subparsers: Any) -> None:
         "--prometheus-url",
         default=os.environ.get("KVFLEET_PROMETHEUS_URL"),
         metavar="URL",
-        help="Prometheus the Rollout analysis queries (without one, every analysis is an "
-        "error and rollouts pause; default $KVFLEET_PROMETHEUS_URL)",
+        help="Prometheus the Rollout analysis and autoscaling query (without one, every "
+        "analysis is an error and rollouts pause, and autoscaled pools hold their count; "
+        "default $KVFLEET_PROMETHEUS_URL)",
     )
     p.add_argument("--matrix", default=None, help="compatibility matrix file (default: bundled)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -148,10 +157,11 @@ def run(args: argparse.Namespace) -> int:
     if args.print_rbac:
         yaml.safe_dump_all(install_rbac(args.rbac_namespace), sys.stdout, sort_keys=False)
         return 0
-    if args.drift_interval <= 0 or args.max_concurrent_reconciles < 1:
+    if args.drift_interval <= 0 or args.autoscale_interval <= 0 or \
+            args.max_concurrent_reconciles < 1:
         print(
-            "kvfleet operator: --drift-interval must be > 0 seconds and "
-            "--max-concurrent-reconciles >= 1",
+            "kvfleet operator: --drift-interval and --autoscale-interval must be > 0 seconds "
+            "and --max-concurrent-reconciles >= 1",
             file=sys.stderr,
         )
         return 2
@@ -172,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
                               prometheus_namespace=args.prometheus_namespace,
                               tls=args.engine_tls),
         drift_interval_seconds=args.drift_interval,
+        autoscale_interval_seconds=args.autoscale_interval,
         max_concurrent_reconciles=args.max_concurrent_reconciles,
         prometheus_url=args.prometheus_url,
     )

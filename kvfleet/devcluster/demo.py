@@ -208,8 +208,13 @@ def stream_problem(text: str) -> str | None:
 
 class Traffic:
     """Clients streaming short chats through the router; each request its own conversation
-    (with `long_every` N, every Nth request of a worker has a long prompt). Counts status codes
-    and revisions; keeps what failed, with the revision that answered."""
+    (with `long_every` N, every Nth request overall has a long prompt). Counts status codes
+    and revisions; keeps what failed, with the revision that answered.
+
+    The long ones are counted over all workers, not per worker: workers that start together
+    reached their own Nth request together, so long prompts came in pairs, and a pair sent to
+    one revision was twice the share in a short window (a canary meant to be slow on 1
+    request in 40 was slow on 2 of its first 38, and its p95 over all requests saw it)."""
 
     def __init__(self, url: str, key: str = TENANT_KEY, workers: int = 2,
                  model: str = POOL, long_every: int = 0) -> None:
@@ -219,6 +224,7 @@ class Traffic:
         self.revisions: Counter[str] = Counter()
         self.failures: list[str] = []
         self.lock = threading.Lock()
+        self.sent = 0  # requests begun, over all workers (under the lock)
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
                         for i in range(workers)]
         for thread in self.threads:
@@ -230,7 +236,10 @@ class Traffic:
             while not self.stop_event.is_set():
                 n += 1
                 prompt = chat_prompt(n + 31 * worker)  # (workers apart: not in lockstep)
-                if self.long_every and n % self.long_every == 0:
+                with self.lock:
+                    self.sent += 1
+                    long = bool(self.long_every) and self.sent % self.long_every == 0
+                if long:
                     prompt = f"{LONG_FILLER}\n{prompt}"
                 body = {"model": self.model, "max_tokens": 4, "stream": True,
                         "user": f"w{worker}-{n}",

@@ -23,8 +23,12 @@ is its own stabilisation.
 Never silent: signals that are missing or older than `stale_after` hold the count and say why
 (`active` False, `why_inactive`); replicas Pending longer than `pending_grace` (no GPU to place
 them) stop the count from growing and say so (`limited`, `why_limited`), instead of asking for
-more that cannot be placed. Signals of replicas still warming up are left out by the caller
-(an engine keeps its warm-up out of its metrics), so a scale-up does not overshoot.
+more that cannot be placed.
+
+No overshoot from cold starts: the SLO signal adds a replica only once every replica asked for
+is Ready and the SLO window has passed since the last scale-up, so the slow first requests of
+fresh replicas (and the p95 of the load they were added for) do not ask for yet another; the
+load signal needs no such rule (a fresh replica adds no load, it takes some).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Policy:
     idle_seconds: float | None = None  # to zero after this long without a request (min 0)
     stale_after: float = 60.0
     pending_grace: float = 120.0
+    slo_window: float = 60.0  # what the p95s are measured over
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +63,7 @@ class Signals:
     tpot_p95: float | None = None
     held: int = 0  # requests the routers hold for the pool while it is at zero
     last_request_at: float | None = None
+    missing: tuple[str, ...] = ()  # what should be there and is not, each a phrase
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,61 +78,84 @@ class History:
     """Recommendations of the last window, (time, count), oldest first."""
 
     recommendations: list[tuple[float, int]] = field(default_factory=list)
+    last_up_at: float | None = None  # the last scale-up (the SLO signal waits a window)
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     desired: int
     signal: str  # what decided: load, kvCache, slo, held, idle, min, max, stale, hold
+    message: str = ""  # the deciding signal's numbers, for status and events
     active: bool = True
     why_inactive: str = ""
     limited: bool = False
     why_limited: str = ""
 
 
-def _recommend(policy: Policy, signals: Signals, current: int, now: float
-               ) -> tuple[int, str]:
-    """The raw count the signals ask for, and which signal asks for it."""
+def _recommend(policy: Policy, signals: Signals, observed: Observed, history: History,
+               now: float) -> tuple[int, str, str]:
+    """The raw count the signals ask for, which signal asks for it, and its numbers."""
+    current = observed.current
     if current == 0:
-        return (1, "held") if signals.held > 0 else (0, "idle")
+        return (1, "held", f"{signals.held} requests held") if signals.held > 0 else (
+            0, "idle", "no request held")
     idle_since = signals.last_request_at
     if (policy.idle_seconds is not None and policy.min_replicas == 0 and signals.held == 0
             and idle_since is not None and now - idle_since >= policy.idle_seconds):
-        return 0, "idle"
-    wants = [(current, "hold")]  # no warm replica measured: nothing says otherwise
+        return 0, "idle", f"no request for {now - idle_since:.0f} s"
+    # No warm replica measured: nothing says otherwise.
+    wants = [(current, "hold", "no replica measured")]
     if signals.loads:
-        wants = [(math.ceil(sum(signals.loads) / policy.target_load - 1e-9), "load")]
+        load = sum(signals.loads)
+        wants = [(math.ceil(load / policy.target_load - 1e-9), "load",
+                  f"load {load:.1f} over {len(signals.loads)} replicas, target "
+                  f"{policy.target_load:g} each")]
     if policy.target_kv_usage and signals.kv_usage:
-        wants.append((math.ceil(sum(signals.kv_usage) / policy.target_kv_usage - 1e-9),
-                      "kvCache"))
-    missed = any(slo is not None and p95 is not None and p95 > slo for slo, p95 in (
-        (policy.ttft_slo, signals.ttft_p95), (policy.tpot_slo, signals.tpot_p95)))
-    if missed:
-        wants.append((current + 1, "slo"))
+        used = sum(signals.kv_usage)
+        wants.append((math.ceil(used / policy.target_kv_usage - 1e-9), "kvCache",
+                      f"KV cache {used / len(signals.kv_usage):.0%} used on average, target "
+                      f"{policy.target_kv_usage:.0%}"))
+    missed = [f"{name} p95 {p95:.3g} s over its SLO {slo:g} s" for name, slo, p95 in (
+        ("TTFT", policy.ttft_slo, signals.ttft_p95), ("TPOT", policy.tpot_slo, signals.tpot_p95))
+        if slo is not None and p95 is not None and p95 > slo]
+    settled = observed.ready >= current and (
+        history.last_up_at is None or now - history.last_up_at >= policy.slo_window)
+    if missed and settled:
+        wants.append((current + 1, "slo", "; ".join(missed)))
     return max(wants, key=lambda w: w[0])
 
 
-def _bounded(policy: Policy, count: int, signal: str) -> tuple[int, str]:
+def _bounded(policy: Policy, count: int, signal: str, message: str) -> tuple[int, str, str]:
     if signal == "idle" and count == 0:
-        return 0, signal
+        return 0, signal, message
     floor = max(policy.min_replicas, 1)
     if count < floor:
-        return floor, "min"
+        return floor, "min", f"{message}; at least minReplicas {floor}"
     if count > policy.max_replicas:
-        return policy.max_replicas, "max"
-    return count, signal
+        return policy.max_replicas, "max", \
+            f"{message}: wants {count}, at most maxReplicas {policy.max_replicas}"
+    return count, signal, message
+
+
+def _inactive(signals: Signals | None, policy: Policy, now: float) -> str | None:
+    if signals is None:
+        return "no signals for this pool"
+    if signals.missing:
+        return "; ".join(signals.missing)
+    if now - signals.at > policy.stale_after:
+        return f"its signals are {now - signals.at:.0f} s old (over {policy.stale_after:.0f} s)"
+    return None
 
 
 def decide(policy: Policy, signals: Signals | None, observed: Observed, history: History,
            now: float) -> Decision:
     """The pool's desired replica count now; updates `history`."""
     current = observed.current
-    if signals is None or now - signals.at > policy.stale_after:
-        why = "no signals for this pool" if signals is None else (
-            f"its signals are {now - signals.at:.0f} s old (over {policy.stale_after:.0f} s)")
+    why = _inactive(signals, policy, now)
+    if why is not None or signals is None:
         return Decision(current, "stale", active=False,
                         why_inactive=f"{why}: holding {current} replicas")
-    raw, signal = _bounded(policy, *_recommend(policy, signals, current, now))
+    raw, signal, message = _bounded(policy, *_recommend(policy, signals, observed, history, now))
     if signal in ("idle", "held"):  # the idle time, or a waiting request, is the window
         history.recommendations.clear()
         desired = raw
@@ -147,18 +176,9 @@ def decide(policy: Policy, signals: Signals | None, observed: Observed, history:
     if desired > current and observed.pending_since is not None and \
             now - observed.pending_since > policy.pending_grace:
         waited = now - observed.pending_since
-        return Decision(current, signal, limited=True, why_limited=(
+        return Decision(current, signal, message, limited=True, why_limited=(
             f"{current - observed.ready} replicas not Ready for {waited:.0f} s (no GPU to "
             f"place them?): holding {current}, not growing to {desired}"))
-    return Decision(desired, signal)
-
-
-def split(total: int, canary_weight: int) -> tuple[int, int]:
-    """(stable, canary) replicas for `total` during a rollout, in proportion to their weights;
-    a revision that has weight never rounds to zero replicas (then both get one)."""
-    if canary_weight <= 0:
-        return total, 0
-    if canary_weight >= 100:
-        return 0, total
-    canary = max(1, round(total * canary_weight / 100))
-    return max(1, total - canary), canary
+    if desired > current:
+        history.last_up_at = now
+    return Decision(desired, signal, message)

@@ -37,6 +37,7 @@ from kvfleet.kube.credentials import Credentials, CredentialsError
 from kvfleet.kube.informer import Informer
 from kvfleet.kube.tasks import exit_process, fatal_if_it_ends
 from kvfleet.operator import cache, metrics, naming, podwatch
+from kvfleet.operator.autoscaler import DEFAULT_INTERVAL_SECONDS
 from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.promquery import PromQuery
 from kvfleet.operator.runtime import InvalidObjectError, Key, Runtime
@@ -74,7 +75,8 @@ class OperatorConfig:
     options: EngineOptions = field(default_factory=EngineOptions)
     drift_interval_seconds: float = 30.0
     max_concurrent_reconciles: int = 4
-    prometheus_url: str | None = None  # what Rollout analysis queries
+    prometheus_url: str | None = None  # what Rollout analysis and autoscaling query
+    autoscale_interval_seconds: float = DEFAULT_INTERVAL_SECONDS
     # What a background loop's end does (tests record it instead of exiting).
     on_fatal: Callable[[str], None] = exit_process
 
@@ -226,6 +228,13 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         state.loops.append(fatal_if_it_ends(loop.create_task(drift(), name="drift"),
                                             config.on_fatal))
 
+        async def autoscale() -> None:
+            await state.synced()
+            await runtime.autoscaler.run_forever(runtime.autoscaled_pools)
+
+        state.loops.append(fatal_if_it_ends(loop.create_task(autoscale(), name="autoscale"),
+                                            config.on_fatal))
+
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> kopf.ConnectionInfo:
         try:
@@ -259,6 +268,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 options=config.options,
                 max_concurrent=config.max_concurrent_reconciles,
                 prometheus=PromQuery(config.prometheus_url),
+                autoscale_interval=config.autoscale_interval_seconds,
             )
             start(state.runtime)
         return connection_info(credentials)

@@ -32,6 +32,12 @@ from kvfleet.api.rollout import REQUEST_ANNOTATION, Phase, RolloutRequest, Rollo
 from kvfleet.compat import Matrix
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.operator import metrics, naming
+from kvfleet.operator.autoscaler import (
+    DEFAULT_INTERVAL_SECONDS,
+    Autoscaler,
+    FleetSignals,
+    signals_query,
+)
 from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.cache import Cache
 from kvfleet.operator.coalesce import Coalescer
@@ -86,6 +92,8 @@ class Runtime:
     artifacts: Coalescer[Key] = field(init=False)
 
     max_concurrent: int = 10
+    autoscale_interval: float = DEFAULT_INTERVAL_SECONDS
+    autoscaler: Autoscaler = field(init=False)
     _slots: asyncio.Semaphore = field(init=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +106,9 @@ class Runtime:
         self.artifacts = Coalescer(self._timed("ModelArtifact", self.reconcile_artifact))
         self._kv_blocks: tuple[float, dict[Key, dict[str, int]] | None] = (-1e18, None)
         self._kv_lock = asyncio.Lock()
+        self.autoscaler = Autoscaler(self.fleet_signals, self._set_replicas,
+                                     lambda key: self.wake(key, 0), self._post_event_of,
+                                     self.autoscale_interval)
 
     def _timed(self, kind: str, fn: Any) -> Any:
         async def run(key: Key) -> None:
@@ -260,6 +271,45 @@ class Runtime:
             self._kv_blocks = (time.monotonic(), found)
             return found
 
+    # -- autoscaling ----------------------------------------------------------------------
+
+    async def fleet_signals(self) -> FleetSignals:
+        """Every pool's autoscaling signals: one query (`autoscaler.signals_query`)."""
+        now = time.time()
+        if self.prometheus.url is None:
+            return FleetSignals(now, error="the operator has no Prometheus to read load from "
+                                "(start it with --prometheus-url)")
+        try:
+            rows = await self.prometheus.vector(signals_query())
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as error:
+            log.warning("autoscaling signals not read from Prometheus: %s", error)
+            return FleetSignals(now, error=f"Prometheus did not answer the signals query "
+                                f"({type(error).__name__}: {error})")
+        return FleetSignals.parse(rows, now)
+
+    def autoscaled_pools(self) -> list[ServingPool]:
+        """The cached pools with spec.autoscaling (only those are parsed)."""
+        pools = []
+        for ns, name in self.cache.keys("ServingPool"):
+            raw = self.cache.get("ServingPool", ns, name)
+            if raw is not None and (raw.get("spec") or {}).get("autoscaling") and \
+                    not raw["metadata"].get("deletionTimestamp"):
+                try:
+                    pools.append(_parse(ServingPool, raw))
+                except InvalidObjectError as exc:
+                    log.debug("not autoscaled: %s", exc)
+        return pools
+
+    async def _set_replicas(self, key: Key, replicas: int) -> None:
+        """The pool's spec.replicas (a merge patch of that field only, like a /scale write)."""
+        self.cache.wrote(await self.api.patch("ServingPool", key[0], key[1],
+                                              {"spec": {"replicas": replicas}}))
+
+    async def _post_event_of(self, key: Key, event: Event) -> None:
+        raw = self.cache.get("ServingPool", *key)
+        if raw is not None:
+            await self._post_event(raw, event)
+
     def _owned_named(self, kind: str, ns: str, uid: str, name: str) -> JsonObj | None:
         return next(
             (o for o in self.cache.owned(kind, ns, uid) if o["metadata"]["name"] == name), None
@@ -289,6 +339,7 @@ class Runtime:
         plan = reconcile(
             pool, artifact, observed, matrix=self.matrix, now=_now(), options=self.options,
             new_router_token=secrets.token_hex(24), rollout=decision,
+            autoscaling=self.autoscaler.report(key),
         )
         # Every write is independent of the others (a pod waits for its ConfigMap by itself;
         # the status describes what was decided, and is corrected below if an apply fails),

@@ -27,6 +27,7 @@ from kvfleet.api.labels import engine_server_name
 from kvfleet.capacity import MemoryPlan, plan_for_pool
 from kvfleet.compat import Matrix, check
 from kvfleet.operator import builders, naming
+from kvfleet.operator.autoscaler import Report as AutoscaleReport
 from kvfleet.operator.builders import EngineCertificate
 from kvfleet.operator.conditions import Cond, merge_conditions
 from kvfleet.operator.drift import has_drifted
@@ -268,6 +269,7 @@ class _Facts:
     blocker: _Blocker | None
     diagnosis: Diagnosis | None  # what is wrong with the revision's pods, if anything
     rollover: _Rollover | None
+    autoscaling: AutoscaleReport | None = None
 
 
 @dataclass
@@ -289,11 +291,13 @@ def reconcile(
     new_router_token: str = "",
     new_engine_certificate: Callable[[str], EngineCertificate] = issue_engine_certificate,
     rollout: RolloutDecision | None = None,
+    autoscaling: AutoscaleReport | None = None,
 ) -> Plan:
     """`new_router_token`: the pool's router token if it has none yet (random, from the
     caller: this function stays pure); an existing token is kept. `new_engine_certificate`:
     issues one (engine TLS), called only when the pool has none or it is due for renewal.
-    `rollout`: the decision of the Rollout that governs the pool, if one does."""
+    `rollout`: the decision of the Rollout that governs the pool, if one does.
+    `autoscaling`: the autoscaler's last decision for the pool, if it made one."""
     previous = pool.status.to_wire() if pool.status is not None else {}
     plan, capacity = (None, None) if artifact is None else _capacity(pool, artifact, matrix)
     blocker = _blocker(pool, artifact, matrix, capacity)
@@ -311,7 +315,7 @@ def reconcile(
             ready_replicas(revision_deployment(observed, revision)),
             diagnosis is not None and diagnosis.reason == "Unschedulable", previous)
     facts = _Facts(pool, previous, revision, serving, governed, rollout, blocker, diagnosis,
-                   rollover)
+                   rollover, autoscaling)
     # (artifact is None implies a blocker; the explicit checks narrow the types.)
     children = _Children()
     if blocker is None and artifact is not None and revision is not None and plan is not None:
@@ -445,7 +449,11 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     allocation = _allocation(plan, observed, serving, num_ready)
     decided = [available, progressing, *([capacity] if capacity is not None else []),
                *([allocation] if allocation is not None else []), degraded,
-               Cond("Ready", available.status, available.reason, available.message)]
+               Cond("Ready", available.status, available.reason, available.message),
+               *_autoscaling_conditions(facts.autoscaling)]
+    previous_conditions = [c for c in facts.previous.get("conditions", [])
+                           if pool.spec.autoscaling is not None
+                           or c.get("type") not in AUTOSCALING_CONDITIONS]
     old: dict[str, Any] = next((c for c in facts.previous.get("conditions", [])
                                 if c.get("type") == "Degraded"), {})
     warnings = [Event("Warning", degraded.reason, degraded.message)] if degraded.status and (
@@ -454,9 +462,12 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     status: dict[str, Any] = {
         "replicas": num_replicas,
         "readyReplicas": num_ready,
-        "conditions": merge_conditions(facts.previous.get("conditions", []), decided,
-                                       generation, now),
+        "conditions": merge_conditions(previous_conditions, decided, generation, now),
     }
+    if pool.spec.autoscaling is not None:
+        shown = _autoscaling_status(facts.autoscaling) or facts.previous.get("autoscaling")
+        if shown:
+            status["autoscaling"] = shown
     if plan is not None:
         status["capacity"] = plan.to_status().to_wire()
     if serving is not None:
@@ -470,6 +481,41 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     if generation is not None:
         status["observedGeneration"] = generation
     return status, warnings
+
+
+AUTOSCALING_CONDITIONS = ("AutoscalingActive", "ScalingLimited")
+
+
+def _autoscaling_conditions(report: AutoscaleReport | None) -> list[Cond]:
+    """AutoscalingActive and ScalingLimited, from the autoscaler's last decision (none before
+    its first: the previous ones stay)."""
+    if report is None:
+        return []
+    decision = report.decision
+    active = Cond("AutoscalingActive", True, "SignalsFresh",
+                  f"{decision.desired} replicas: {decision.signal}"
+                  + (f" ({decision.message})" if decision.message else "")) \
+        if decision.active else Cond("AutoscalingActive", False, "SignalsMissing",
+                                     decision.why_inactive)
+    if decision.limited:
+        limited = Cond("ScalingLimited", True, "ReplicasNotReady", decision.why_limited)
+    elif decision.signal in ("max", "min"):
+        limited = Cond("ScalingLimited", True, f"{decision.signal.capitalize()}Replicas",
+                       decision.message)
+    else:
+        limited = Cond("ScalingLimited", False, "WithinBounds", "")
+    return [active, limited]
+
+
+def _autoscaling_status(report: AutoscaleReport | None) -> dict[str, Any] | None:
+    if report is None:
+        return None
+    decision = report.decision
+    status: dict[str, Any] = {"desiredReplicas": decision.desired, "signal": decision.signal,
+                              "message": (decision.message or decision.why_inactive)[:1024]}
+    if report.last_scale_time is not None:
+        status["lastScaleTime"] = report.last_scale_time
+    return status
 
 
 def _allocation(plan: MemoryPlan | None, observed: Observed, serving: str | None,

@@ -1,12 +1,12 @@
 """The autoscaler's pure decision: signals to a replica count, bounded, stabilised, never
-silent about stale signals or replicas that cannot be placed; and the rollout's split."""
+silent about stale signals or replicas that cannot be placed."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfleet.operator.autoscale import History, Observed, Policy, Signals, decide, split
+from kvfleet.operator.autoscale import History, Observed, Policy, Signals, decide
 
 POLICY = Policy(min_replicas=1, max_replicas=4, target_load=2.0, target_kv_usage=0.8,
                 ttft_slo=1.0, up_window=0.0, down_window=60.0, max_step=4)
@@ -69,10 +69,27 @@ def test_idle_goes_to_zero_and_a_held_request_wakes_one() -> None:
     assert (woken.desired, woken.signal) == (1, "held")
 
 
-def test_a_rollout_splits_replicas_by_weight_and_never_starves_a_revision() -> None:
-    assert split(10, 0) == (10, 0) and split(10, 100) == (0, 10)
-    assert split(10, 20) == (8, 2) and split(10, 1) == (9, 1)  # 0.1 replicas: still one
-    assert split(1, 50) == (1, 1) and split(3, 99) == (1, 3)
+def test_missing_series_hold_the_count_and_are_named() -> None:
+    gone = Signals(at=100, loads=(9.0,), missing=("no router reports the pool",))
+    held = decide(POLICY, gone, Observed(2, 2), History(), 100)
+    assert (held.desired, held.active, held.signal) == (2, False, "stale")
+    assert held.why_inactive == "no router reports the pool: holding 2 replicas"
+
+
+def test_the_slo_signal_waits_for_the_last_scale_up_to_land_and_be_measured() -> None:
+    """Fresh replicas answer their first requests slowly: a p95 over the minute they started
+    in must not ask for yet another replica (an overshoot from cold-start samples)."""
+    history = History()
+    slow = dict(loads=(1.0, 1.0), ttft_p95=1.5)
+    first = decide(POLICY, Signals(at=0, **slow), Observed(2, 2), history, 0)
+    assert (first.desired, first.signal) == (3, "slo") and "TTFT p95 1.5 s over its SLO" in \
+        first.message
+    pending = decide(POLICY, Signals(at=10, **slow), Observed(3, 2), history, 10)
+    assert pending.desired == 3  # the third is not Ready yet
+    cold = decide(POLICY, Signals(at=30, **slow), Observed(3, 3), history, 30)
+    assert cold.desired == 3  # Ready, but the p95 still holds its first minute
+    measured = decide(POLICY, Signals(at=61, **slow), Observed(3, 3), history, 61)
+    assert measured.desired == 4
 
 
 @settings(max_examples=300, deadline=None)

@@ -442,3 +442,40 @@ def test_engines_with_fewer_kv_blocks_than_planned_are_reported() -> None:
     assert f"allocated {planned - 100} KV blocks, the plan is {planned}" in low["message"]
     ok = allocation({revision: planned, "0123456789ab": 1})  # another revision's: not ours
     assert ok is not None and (ok["status"], ok["reason"]) == ("True", "AsPlanned")
+
+
+def test_the_autoscalers_decision_shows_in_status_and_goes_with_its_spec() -> None:
+    from kvfleet.operator.autoscale import Decision
+    from kvfleet.operator.autoscaler import Report
+
+    p = pool(spec__autoscaling={"maxReplicas": 4})
+    a = artifact()
+    observed = _converged(p, a)
+    scaled = Report(Decision(3, "load", "load 11.0 over 1 replicas, target 4 each"),
+                    "2026-01-01T00:00:00Z")
+    plan = _run(p, a, observed, autoscaling=scaled)
+    assert plan.status["autoscaling"] == {
+        "desiredReplicas": 3, "signal": "load", "lastScaleTime": "2026-01-01T00:00:00Z",
+        "message": "load 11.0 over 1 replicas, target 4 each"}
+    assert (_cond(plan, "AutoscalingActive")["status"], _cond(plan, "ScalingLimited")["status"]
+            ) == ("True", "False")
+    # Signals lost, replicas that never got Ready: both said; before the autoscaler's first
+    # decision (a restarted operator) the last ones stay.
+    stale = Report(Decision(3, "stale", active=False, why_inactive="no router: holding 3"),
+                   None)
+    plan = _run(_with_status(p, plan), a, observed, autoscaling=stale)
+    active = _cond(plan, "AutoscalingActive")
+    assert (active["status"], active["reason"], active["message"]) == (
+        "False", "SignalsMissing", "no router: holding 3")
+    stuck = Report(Decision(3, "load", limited=True, why_limited="1 replicas not Ready"), None)
+    limited = _cond(_run(p, a, observed, autoscaling=stuck), "ScalingLimited")
+    assert (limited["status"], limited["reason"]) == ("True", "ReplicasNotReady")
+    kept = _run(_with_status(p, plan), a, observed)
+    assert _cond(kept, "AutoscalingActive")["status"] == "False"
+    assert kept.status["autoscaling"]["signal"] == "stale"
+    # spec.autoscaling removed: its status and conditions go too.
+    fixed = _with_status(pool(), plan)
+    gone = _run(fixed, a, observed)
+    assert "autoscaling" not in gone.status
+    assert not {c["type"] for c in gone.status["conditions"]} & {"AutoscalingActive",
+                                                                 "ScalingLimited"}

@@ -1,0 +1,232 @@
+"""The autoscaler's edge: every interval, one Prometheus query for the whole fleet, then
+`autoscale.decide` for each pool with spec.autoscaling, and spec.replicas written where the
+count changes (as HPA writes a Deployment's). The pool's reconcile writes what was decided to
+its status and conditions: the pool has one status writer.
+
+The query reads, per engine pod, its waiting and running requests and KV-cache use (the
+router's `load_score` is computed from them here, one definition for both), and per pool the
+routers' TTFT and TPOT p95 over the last minute of live traffic and when the routers were last
+scraped. A pool's signals are missing when its engines (while it has replicas) or its routers
+have no series: the count is held and AutoscalingActive says which series. The decisions
+live in this process; a restarted operator starts its stabilisation windows afresh, as if the
+current count had been recommended all along (it never scales down sooner for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+
+from kvfleet.api.labels import label_value
+from kvfleet.api.saturation import load_score
+from kvfleet.api.servingpool import Autoscaling, ServingPool, SLOs
+from kvfleet.operator.autoscale import Decision, History, Observed, Policy, Signals, decide
+from kvfleet.operator.conditions import rfc3339
+from kvfleet.operator.events import Event
+
+log = logging.getLogger("kvfleet.operator.autoscaler")
+Key = tuple[str, str]
+
+DEFAULT_INTERVAL_SECONDS = 15.0
+SLO_WINDOW = "1m"
+SLO_WINDOW_SECONDS = 60.0
+# Engine gauges, by what load_score calls them.
+ENGINE_SERIES = {"kvfleet_engine_requests_waiting": "waiting",
+                 "kvfleet_engine_requests_running": "running",
+                 "kvfleet_engine_kv_cache_usage_ratio": "kv"}
+ROUTER_P95 = {"ttft": "kvfleet_router_time_to_first_token_seconds",
+              "tpot": "kvfleet_router_time_per_output_token_seconds"}
+
+
+def _tagged(expr: str, signal: str) -> str:
+    return f'label_replace({expr}, "signal", "{signal}", "", "")'
+
+
+def signals_query() -> str:
+    """One instant query for every pool's signals: the engine gauges per pod (as they are,
+    with __name__), the time of each pool's oldest engine sample, each pool's TTFT and TPOT
+    p95, and the time of its routers' newest sample; all but the gauges carry a `signal`
+    label naming what they are."""
+    names = "|".join(ENGINE_SERIES)
+    parts = [
+        f'{{__name__=~"{names}"}}',
+        _tagged("min by (namespace, kvfleet_io_pool) "
+                "(timestamp(kvfleet_engine_requests_running))", "engines_at"),
+        *(_tagged(f"histogram_quantile(0.95, sum by (le, namespace, pool) "
+                  f'(rate({histogram}_bucket{{traffic="live"}}[{SLO_WINDOW}])))', signal)
+          for signal, histogram in ROUTER_P95.items()),
+        _tagged('max by (namespace, pool) (timestamp(kvfleet_router_requests_total'
+                '{traffic="live"}))', "routers_at"),
+    ]
+    return " or ".join(parts)
+
+
+@dataclass
+class FleetSignals:
+    """The query's answer, by pool: engines by (namespace, pool label), the rest by
+    (namespace, pool name) as the router labels them."""
+
+    at: float
+    error: str | None = None  # why there are none (Prometheus did not answer)
+    engines: dict[Key, dict[str, dict[str, float]]] = field(default_factory=dict)  # pod->gauges
+    engines_at: dict[Key, float] = field(default_factory=dict)
+    p95: dict[str, dict[Key, float]] = field(default_factory=dict)
+    routers_at: dict[Key, float] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, rows: list[tuple[dict[str, str], float]], at: float) -> FleetSignals:
+        fleet = cls(at)
+        for labels, value in rows:
+            signal = labels.get("signal")
+            ns = labels.get("namespace", "")
+            if signal is None:
+                gauge = ENGINE_SERIES.get(labels.get("__name__", ""))
+                if gauge is not None and math.isfinite(value):
+                    pods = fleet.engines.setdefault((ns, labels.get("kvfleet_io_pool", "")), {})
+                    pods.setdefault(labels.get("pod", ""), {})[gauge] = value
+            elif signal == "engines_at":
+                fleet.engines_at[(ns, labels.get("kvfleet_io_pool", ""))] = value
+            elif signal == "routers_at":
+                fleet.routers_at[(ns, labels.get("pool", ""))] = value
+            elif math.isfinite(value):  # (no traffic: NaN, not a signal)
+                fleet.p95.setdefault(signal, {})[(ns, labels.get("pool", ""))] = value
+        return fleet
+
+    def of(self, namespace: str, name: str, replicas: int) -> Signals:
+        """One pool's signals; `missing` names the series it should have and has not."""
+        engine_key, router_key = (namespace, label_value(name)), (namespace, name)
+        pods = [p for p in self.engines.get(engine_key, {}).values() if len(p) == 3]
+        missing = []
+        if self.error is not None:
+            missing.append(self.error)
+        elif replicas > 0 and not pods:
+            missing.append("no engine of the pool has series in Prometheus "
+                           "(kvfleet_engine_requests_running)")
+        if self.error is None and router_key not in self.routers_at:
+            missing.append("no router reports the pool to Prometheus "
+                           "(kvfleet_router_requests_total)")
+        sampled = [t for t in (self.engines_at.get(engine_key), self.routers_at.get(router_key))
+                   if t is not None]
+        return Signals(
+            at=min(sampled, default=self.at),
+            loads=tuple(load_score(p["waiting"], p["running"], p["kv"]) for p in pods),
+            kv_usage=tuple(p["kv"] for p in pods),
+            ttft_p95=self.p95.get("ttft", {}).get(router_key),
+            tpot_p95=self.p95.get("tpot", {}).get(router_key),
+            missing=tuple(missing))
+
+
+def policy_of(spec: Autoscaling, slos: SLOs | None) -> Policy:
+    return Policy(
+        min_replicas=spec.min_replicas, max_replicas=spec.max_replicas,
+        target_load=spec.target_load, target_kv_usage=spec.target_kv_cache_usage,
+        ttft_slo=slos.ttft_p95_seconds if slos is not None and spec.slo_scaling else None,
+        tpot_slo=slos.tpot_p95_seconds if slos is not None and spec.slo_scaling else None,
+        up_window=spec.scale_up_stabilization_seconds,
+        down_window=spec.scale_down_stabilization_seconds, max_step=spec.max_step,
+        stale_after=spec.stale_after_seconds, pending_grace=spec.pending_grace_seconds,
+        slo_window=SLO_WINDOW_SECONDS)
+
+
+@dataclass(frozen=True)
+class Report:
+    """What the pool's status says of the autoscaler: its last decision, and when it last
+    changed the count."""
+
+    decision: Decision
+    last_scale_time: str | None
+
+
+@dataclass
+class _PoolState:
+    history: History = field(default_factory=History)
+    not_ready_since: float | None = None
+    report: Report | None = None
+
+
+class Autoscaler:
+    """Owns the decisions of every autoscaled pool. `read` answers the fleet's signals (None
+    when Prometheus cannot: every pool's count is held); `scale` writes a pool's
+    spec.replicas; `changed` asks for the pool's reconcile (which writes its status)."""
+
+    def __init__(self, read: Callable[[], Any], scale: Callable[[Key, int], Any],
+                 changed: Callable[[Key], None], post: Callable[[Key, Event], Any],
+                 interval: float = DEFAULT_INTERVAL_SECONDS,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.read, self.scale, self.changed, self.post = read, scale, changed, post
+        self.interval, self.clock = interval, clock
+        self._pools: dict[Key, _PoolState] = {}
+
+    def report(self, key: Key) -> Report | None:
+        state = self._pools.get(key)
+        return state.report if state is not None else None
+
+    async def step(self, pools: list[ServingPool]) -> None:
+        """One interval: decide every autoscaled pool among `pools` and act on it."""
+        wanted = {(p.metadata.namespace or "default", p.metadata.name): p for p in pools
+                  if p.spec.autoscaling is not None}
+        for gone in set(self._pools) - set(wanted):
+            del self._pools[gone]
+        if not wanted:
+            return
+        fleet: FleetSignals | None = await self.read()
+        now = self.clock()
+        await asyncio.gather(*(self._one(key, pool, fleet, now)
+                               for key, pool in wanted.items()))
+
+    async def _one(self, key: Key, pool: ServingPool, fleet: FleetSignals | None,
+                   now: float) -> None:
+        spec = pool.spec.autoscaling
+        assert spec is not None
+        state = self._pools.setdefault(key, _PoolState())
+        current = pool.spec.replicas
+        ready = pool.status.ready_replicas if pool.status is not None else 0
+        if ready >= current:
+            state.not_ready_since = None
+        elif state.not_ready_since is None:
+            state.not_ready_since = now
+        signals = fleet.of(key[0], pool.metadata.name, current) if fleet is not None else None
+        decision = decide(policy_of(spec, pool.spec.slos), signals,
+                          Observed(current, ready, state.not_ready_since), state.history, now)
+        previous = state.report
+        scaled_at = previous.last_scale_time if previous is not None else (
+            pool.status.autoscaling.last_scale_time
+            if pool.status is not None and pool.status.autoscaling is not None else None)
+        if decision.desired != current:
+            await self.scale(key, decision.desired)
+            scaled_at = rfc3339(datetime.fromtimestamp(now, UTC))
+            await self.post(key, Event("Normal", "Scaled", (
+                f"{current} -> {decision.desired} replicas ({decision.signal}: "
+                f"{decision.message})")))
+        was = previous.decision if previous is not None else None
+        if not decision.active and (was is None or was.active):
+            await self.post(key, Event("Warning", "AutoscalingInactive", decision.why_inactive))
+        if decision.limited and (was is None or not was.limited):
+            await self.post(key, Event("Warning", "ScalingLimited", decision.why_limited))
+        # The status changes with what was decided, not with every interval's numbers: a
+        # reconcile per pool per interval would be the fleet's whole reconcile budget.
+        if previous is None or _shown(previous.decision) != _shown(decision) or \
+                scaled_at != previous.last_scale_time:
+            state.report = Report(decision, scaled_at)
+            self.changed(key)
+
+    async def run_forever(self, pools: Callable[[], list[ServingPool]]) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.step(pools())
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                log.warning("autoscaling interval failed: %s", exc)
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+
+def _shown(decision: Decision) -> tuple[int, str, bool, bool]:
+    return decision.desired, decision.signal, decision.active, decision.limited

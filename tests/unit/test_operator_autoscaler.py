@@ -1,0 +1,129 @@
+"""The autoscaler's edge: the fleet query's answer parsed into each pool's signals, and one
+interval's actions (spec.replicas written, events once, the pool's reconcile asked for only
+when what its status shows changes)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvfleet.api.saturation import load_score
+from kvfleet.api.servingpool import ServingPool
+from kvfleet.operator.autoscaler import Autoscaler, FleetSignals, Key, signals_query
+from kvfleet.operator.events import Event
+
+NS = "team-a"
+
+
+def _engine(pool: str, pod: str, waiting: float, running: float, kv: float
+            ) -> list[tuple[dict[str, str], float]]:
+    base = {"namespace": NS, "kvfleet_io_pool": pool, "pod": pod}
+    return [({**base, "__name__": "kvfleet_engine_requests_waiting"}, waiting),
+            ({**base, "__name__": "kvfleet_engine_requests_running"}, running),
+            ({**base, "__name__": "kvfleet_engine_kv_cache_usage_ratio"}, kv)]
+
+
+def _rows(pool: str = "chat", at: float = 1000.0) -> list[tuple[dict[str, str], float]]:
+    return [*_engine(pool, "a", 1, 3, 0.5), *_engine(pool, "b", 0, 2, 0.9),
+            ({"namespace": NS, "kvfleet_io_pool": pool, "signal": "engines_at"}, at - 5),
+            ({"namespace": NS, "pool": pool, "signal": "ttft"}, 0.8),
+            ({"namespace": NS, "pool": pool, "signal": "tpot"}, float("nan")),
+            ({"namespace": NS, "pool": pool, "signal": "routers_at"}, at - 2)]
+
+
+def test_the_query_is_one_for_the_fleet_and_tags_what_it_reads() -> None:
+    query = signals_query()
+    assert query.count(" or ") == 4 and "by (namespace, pool)" in query
+    assert 'traffic="live"' in query and "kvfleet_engine_requests_waiting" in query
+
+
+def test_a_pools_signals_are_its_engines_load_scores_and_its_routers_p95s() -> None:
+    signals = FleetSignals.parse(_rows(), 1000.0).of(NS, "chat", replicas=2)
+    assert sorted(signals.loads) == sorted([load_score(1, 3, 0.5), load_score(0, 2, 0.9)])
+    assert signals.kv_usage and sorted(signals.kv_usage) == [0.5, 0.9]
+    # The oldest sample dates the signals; no traffic (NaN) is no p95, not a signal.
+    assert (signals.at, signals.ttft_p95, signals.tpot_p95, signals.missing) == (
+        995.0, 0.8, None, ())
+
+
+def test_missing_series_are_named() -> None:
+    rows = [r for r in _rows() if r[0].get("signal") != "routers_at"]
+    fleet = FleetSignals.parse(rows, 1000.0)
+    assert fleet.of(NS, "chat", 2).missing == (
+        "no router reports the pool to Prometheus (kvfleet_router_requests_total)",)
+    other = fleet.of(NS, "other", 1).missing
+    assert "no engine of the pool has series" in other[0] and len(other) == 2
+    down = FleetSignals(1000.0, error="Prometheus did not answer").of(NS, "chat", 2)
+    assert down.missing == ("Prometheus did not answer",)
+
+
+def _pool(replicas: int = 1, ready: int = 1, **autoscaling: Any) -> ServingPool:
+    return ServingPool.model_validate({
+        "metadata": {"name": "chat", "namespace": NS},
+        "spec": {"artifactRef": {"name": "smol"}, "replicas": replicas,
+                 "gpu": {"product": "NVIDIA-L4"},
+                 "autoscaling": {"maxReplicas": 4, "targetLoad": 4.0,
+                                 "scaleDownStabilizationSeconds": 60, **autoscaling}},
+        "status": {"replicas": replicas, "readyReplicas": ready}})
+
+
+class _Fake:
+    def __init__(self) -> None:
+        self.fleet: FleetSignals | None = None
+        self.scaled: list[tuple[Key, int]] = []
+        self.changed: list[Key] = []
+        self.events: list[Event] = []
+        self.now = 1000.0
+
+    def autoscaler(self) -> Autoscaler:
+        async def read() -> FleetSignals | None:
+            return self.fleet
+
+        async def scale(key: Key, n: int) -> None:
+            self.scaled.append((key, n))
+
+        async def post(key: Key, event: Event) -> None:
+            self.events.append(event)
+
+        return Autoscaler(read, scale, self.changed.append, post, clock=lambda: self.now)
+
+
+def test_an_interval_scales_once_says_so_and_asks_for_the_status_only_on_a_change() -> None:
+    fake = _Fake()
+    scaler = fake.autoscaler()
+    # Load 12 (a KV cache over 80 % weighs): 3 replicas at 4 each.
+    fake.fleet = FleetSignals.parse(_rows(at=1000.0), 1000.0)
+    asyncio.run(scaler.step([_pool()]))
+    assert fake.scaled == [((NS, "chat"), 3)] and fake.changed == [(NS, "chat")]
+    assert [e.reason for e in fake.events] == ["Scaled"]
+    assert "1 -> 3 replicas (load: load 12.0 over 2 replicas, target 4 each)" in \
+        fake.events[0].message
+    report = scaler.report((NS, "chat"))
+    assert report is not None and report.decision.desired == 3 and report.last_scale_time
+    # The next interval finds it at 3 with the same load: nothing to write or say.
+    fake.now = 1015.0
+    fake.fleet = FleetSignals.parse(_rows(at=1015.0), 1015.0)
+    asyncio.run(scaler.step([_pool(replicas=3, ready=3)]))
+    assert len(fake.scaled) == 1 and len(fake.changed) == 1 and len(fake.events) == 1
+
+
+def test_lost_signals_warn_once_and_hold_the_count() -> None:
+    fake = _Fake()
+    scaler = fake.autoscaler()
+    fake.fleet = FleetSignals(1000.0, error="Prometheus did not answer (TimeoutError)")
+    for t in (1000.0, 1015.0, 1030.0):
+        fake.now = t
+        asyncio.run(scaler.step([_pool(replicas=2, ready=2)]))
+    assert fake.scaled == [] and len(fake.changed) == 1
+    assert [e.reason for e in fake.events] == ["AutoscalingInactive"]
+    assert "Prometheus did not answer (TimeoutError): holding 2 replicas" in \
+        fake.events[0].message
+
+
+def test_a_pool_that_stops_autoscaling_is_forgotten() -> None:
+    fake = _Fake()
+    scaler = fake.autoscaler()
+    fake.fleet = FleetSignals.parse(_rows(), 1000.0)
+    asyncio.run(scaler.step([_pool()]))
+    asyncio.run(scaler.step([]))
+    assert scaler.report((NS, "chat")) is None
