@@ -86,6 +86,12 @@ class EngineMetrics:
             PREFIX + "cache_config_info", "The KV cache allocated at start: 1, with its "
             "shape as labels.", (*LABELS, "block_size", "num_blocks", "kv_dtype", "device"),
             registry=reg)
+        # The same under vLLM's name and label names (the endpoint picker of the Gateway API
+        # Inference Extension reads block_size and num_gpu_blocks from it).
+        self.vllm_cache_config = Gauge(
+            "vllm:cache_config_info", "The KV cache allocated at start: 1, with its shape as "
+            "labels (vLLM's name).", (*LABELS, "block_size", "num_gpu_blocks", "cache_dtype"),
+            registry=reg)
         self.kv_blocks = Gauge(PREFIX + "kv_cache_blocks", "KV cache blocks allocated (the "
                                "operator compares the fewest a revision's engines have with "
                                "its plan).", LABELS, registry=reg)
@@ -129,6 +135,8 @@ class EngineMetrics:
         self.cache_config.labels(**self._labels, block_size=str(block_size),
                                  num_blocks=str(num_blocks), kv_dtype=kv_dtype,
                                  device=device).set(1)
+        self.vllm_cache_config.labels(**self._labels, block_size=str(block_size),
+                                      num_gpu_blocks=str(num_blocks), cache_dtype=kv_dtype).set(1)
         self.kv_blocks.labels(**self._labels).set(num_blocks)
 
     def observe_stats(self, stats: EngineStats) -> None:

@@ -28,6 +28,7 @@ import aiohttp
 from kvfleet.api.labels import label_value
 from kvfleet.api.saturation import load_score
 from kvfleet.api.servingpool import Autoscaling, ServingPool, SLOs
+from kvfleet.operator import metrics
 from kvfleet.operator.autoscale import Decision, History, Observed, Policy, Signals, decide
 from kvfleet.operator.conditions import rfc3339
 from kvfleet.operator.events import Event
@@ -175,6 +176,7 @@ class Autoscaler:
                   if p.spec.autoscaling is not None}
         for gone in set(self._pools) - set(wanted):
             del self._pools[gone]
+            metrics.forget_autoscaled(*gone)
         if not wanted:
             return
         fleet: FleetSignals | None = await self.read()
@@ -196,6 +198,8 @@ class Autoscaler:
         signals = fleet.of(key[0], pool.metadata.name, current) if fleet is not None else None
         decision = decide(policy_of(spec, pool.spec.slos), signals,
                           Observed(current, ready, state.not_ready_since), state.history, now)
+        metrics.AUTOSCALE_DESIRED.labels(*key).set(decision.desired)
+        metrics.AUTOSCALE_ACTIVE.labels(*key).set(decision.active)
         previous = state.report
         scaled_at = previous.last_scale_time if previous is not None else (
             pool.status.autoscaling.last_scale_time

@@ -66,6 +66,22 @@ ROLLOUT_WEIGHT = Gauge(
     "Percent of conversations each Rollout sends to its canary.",
     ["namespace", "rollout"],
 )
+AUTOSCALE_DESIRED = Gauge(
+    "kvfleet_operator_autoscale_desired_replicas",
+    "The replicas the autoscaler decided for each autoscaled pool.",
+    ["namespace", "pool"],
+)
+AUTOSCALE_ACTIVE = Gauge(
+    "kvfleet_operator_autoscale_active",
+    "1 while an autoscaled pool's signals are fresh; 0 while its count is held for want of "
+    "them.",
+    ["namespace", "pool"],
+)
+
+
+def forget_autoscaled(namespace: str, pool: str) -> None:
+    _remove(AUTOSCALE_DESIRED, namespace, pool)
+    _remove(AUTOSCALE_ACTIVE, namespace, pool)
 
 
 def forget_rollout(namespace: str, rollout: str) -> None:

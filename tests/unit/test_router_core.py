@@ -369,6 +369,10 @@ def test_engines_export_the_gauges_an_inference_pool_endpoint_picker_reads() -> 
     for name, value in [("vllm:num_requests_running", 3.0), ("vllm:num_requests_waiting", 2.0),
                         ("vllm:kv_cache_usage_perc", 0.5)]:
         assert f'{name}{{model="m",revision="r"}} {value}' in lines
+    metrics.record_cache_config(16, 1200, "float16", "cpu")
+    assert ('vllm:cache_config_info{block_size="16",cache_dtype="float16",model="m",'
+            'num_gpu_blocks="1200",revision="r"} 1.0') in \
+        metrics.exposition().decode().splitlines()
 
 
 def test_shadow_answers_are_compared_as_far_as_the_shadow_cap_allows() -> None:

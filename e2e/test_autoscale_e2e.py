@@ -1,0 +1,196 @@
+"""Autoscaling against the real parts: real engine pods on the dev cluster's local node, the
+router as a pod, the harness's Prometheus scraping both, and the operator reading them with
+one query an interval.
+
+a) A load ramp: 1 -> 3 replicas, each new one Ready and served from, back to 1 once the load
+   stops and the scale-down window has passed; the time to each decision is printed.
+e) The router stopped: its series go stale, AutoscalingActive turns False within two
+   intervals (plus Prometheus's scrape and staleness), and the count is held.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from e2e.test_operator_e2e import (  # noqa: F401 (crds is a fixture)
+    Kubectl,
+    OperatorProcess,
+    _available,
+    _cond,
+    _get,
+    _only_the_local_l4_node,
+    _wait_pool,
+    crds,
+    operator_kubeconfig,
+)
+from kvfleet.api import manifest_hash
+from kvfleet.api.labels import ROUTER_APP
+from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
+from kvfleet.devcluster.demo import (
+    POOL,
+    TENANT_KEY,
+    local_pool,
+    router_on_node,
+    smollm2_revision,
+    tenant,
+)
+from kvfleet.devcluster.kube import KubeClient
+from kvfleet.devcluster.prometheus import PrometheusClient
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+INTERVAL_S = 3  # the operator's --autoscale-interval here (15 s by default)
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: DevCluster | ExistingCluster, crds: None, kube: KubeClient,  # noqa: F811
+    kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[OperatorProcess]:
+    if cluster.prometheus is None:
+        pytest.skip("no Prometheus: on an existing cluster set KVFLEET_PROMETHEUS_URL")
+    folder = tmp_path_factory.mktemp("operator")
+    proc = OperatorProcess(operator_kubeconfig(kube, kubectl, folder), folder,
+                           cluster.prometheus.url,
+                           extra_args=("--autoscale-interval", str(INTERVAL_S)))
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+class Streams:
+    """`n` clients each streaming one long answer after another: some `n` requests running
+    on the pool at any moment, the load the autoscaler sizes for."""
+
+    def __init__(self, url: str, n: int) -> None:
+        self.stop_event = threading.Event()
+        self.failures: list[str] = []
+        self.served = 0
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                        for i in range(n)]
+        self.url = url
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, worker: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            n = 0
+            while not self.stop_event.is_set():
+                n += 1
+                body = {"model": POOL, "max_tokens": 48, "stream": True,
+                        "messages": [{"role": "user",
+                                      "content": f"Tell story {worker}-{n} about a lighthouse."}]}
+                try:
+                    with client.stream("POST", self.url + "/v1/chat/completions", json=body,
+                                       headers={"authorization": f"Bearer {TENANT_KEY}"}) as r:
+                        text = r.read().decode(errors="replace")
+                    with self.lock:
+                        if r.status_code != 200 or not text.rstrip().endswith("[DONE]"):
+                            self.failures.append(f"{r.status_code}: {text[:300]}")
+                        else:
+                            self.served += 1
+                except httpx.HTTPError as exc:
+                    with self.lock:
+                        self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(150)
+
+
+def _replicas(pool: dict) -> tuple[int, int]:
+    return int(pool["spec"]["replicas"]), int((pool.get("status") or {}).get(
+        "readyReplicas", 0))
+
+
+def _served_by(prometheus: PrometheusClient, namespace: str) -> dict[str, float]:
+    """Requests each engine pod of the namespace finished (its own counter)."""
+    rows = prometheus.query(f'sum by (pod) (kvfleet_engine_requests_total{{namespace='
+                            f'"{namespace}"}})')
+    return {r["metric"]["pod"]: float(r["value"][1]) for r in rows}
+
+
+def _decided(started: float, what: str) -> float:
+    took = time.monotonic() - started
+    print(f"\n[autoscale] {what}: {took:.1f} s")
+    return took
+
+
+def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
+    local_node: str, prometheus: PrometheusClient,
+) -> None:
+    with _only_the_local_l4_node(kube, kubectl):
+        artifact = smollm2_revision("smol", 40, namespace)
+        kube.create(artifact)
+        tenant(kube, namespace)
+        pool = local_pool(POOL, "smol", namespace)
+        # Sized for one running stream per replica: three streams want three replicas. The
+        # scale-down waits 20 s of quiet (300 s by default).
+        pool["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3, "targetLoad": 1.0,
+                                       "scaleDownStabilizationSeconds": 20,
+                                       "staleAfterSeconds": 30, "sloScaling": False}
+        kube.create(pool)
+        _wait_pool(kube, operator, namespace, POOL, _available, "the first replica Ready", 300)
+        url = router_on_node(kube, namespace, local_node)
+        steady = _wait_pool(kube, operator, namespace, POOL, lambda p: _cond(
+            p, "AutoscalingActive").get("status") == "True", "autoscaling active", 60)
+        assert _replicas(steady) == (1, 1), steady["status"]
+        assert steady["status"]["autoscaling"]["signal"] in ("min", "load"), steady["status"]
+
+        # a) The ramp: three clients streaming without a pause.
+        streams = Streams(url, 3)
+        try:
+            started = time.monotonic()
+            up = _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 3,
+                            "3 replicas asked for", 120)
+            _decided(started, "1 -> 3 decided")
+            assert up["status"]["autoscaling"]["signal"] in ("load", "max"), up["status"]
+            _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p) == (3, 3),
+                       "3 replicas Ready", 240)
+            _decided(started, "3 Ready")
+            revision = manifest_hash(artifact["spec"])[:12]
+
+            def all_served() -> bool:
+                served = _served_by(prometheus, namespace)
+                return len([v for v in served.values() if v > 0]) >= 3
+
+            kube.wait_for("each of the 3 engines serving", all_served, 90)
+            pods = kube.list("Pod", namespace, label_selector=f"kvfleet.io/revision={revision}")
+            assert len(pods) == 3, [p["metadata"]["name"] for p in pods]
+        finally:
+            streams.close()
+        assert streams.failures == [], streams.failures[:5]
+        assert streams.served > 10
+        stopped = time.monotonic()
+        down = _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 1,
+                          "back to 1 replica", 120)
+        took = _decided(stopped, "3 -> 1 decided after the load stopped")
+        assert took >= 20 - INTERVAL_S, "the scale-down did not wait its window"
+        assert down["status"]["autoscaling"]["signal"] in ("min", "load"), down["status"]
+        events = kube.list("Event", namespace)
+        scaled = [e["message"] for e in events if e.get("reason") == "Scaled"]
+        assert any(m.startswith("1 -> ") for m in scaled), scaled
+
+        # e) The router stopped: no router series for the pool, so nothing measures demand.
+        kubectl("-n", namespace, "scale", "deployment", "-l",
+                f"app.kubernetes.io/name={ROUTER_APP}", "--replicas=0")
+        stopped = time.monotonic()
+        held = _wait_pool(kube, operator, namespace, POOL, lambda p: _cond(
+            p, "AutoscalingActive").get("status") == "False", "AutoscalingActive False", 60)
+        _decided(stopped, "AutoscalingActive False after the router stopped")
+        message = _cond(held, "AutoscalingActive")["message"]
+        assert "no router reports the pool" in message and "holding 1" in message, message
+        assert _replicas(_get(kube, "ServingPool", namespace, POOL))[0] == 1
+        warned = [e for e in kube.list("Event", namespace)
+                  if e.get("reason") == "AutoscalingInactive"]
+        assert len(warned) == 1, warned
