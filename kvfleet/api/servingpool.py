@@ -163,6 +163,18 @@ class Reserves(KubeModel):
     burst: int = Field(default=0, ge=0, description="Replicas for traffic bursts.")
 
 
+class ScaleToZero(KubeModel):
+    """A pool with no replicas while nobody uses it. It stays listed in the routers'
+    /v1/models; a request for it is held by the router (bounded per pool and per tenant)
+    while the operator brings one replica up, then served; a full hold or a wake longer than
+    the request may wait is a 503 with Retry-After, never a 404."""
+
+    idle_seconds: int = Field(
+        default=600, ge=30, le=7 * 86400,
+        description="Seconds without a request (over every router) before the replicas go "
+        "to 0.")
+
+
 class Autoscaling(KubeModel):
     """Replicas from the load the engines and routers measure (absent: spec.replicas, or
     whatever writes the /scale subresource: HPA, KEDA, `kubectl scale`). The operator writes
@@ -181,11 +193,16 @@ class Autoscaling(KubeModel):
             "x-kubernetes-validations": [
                 cel("self.minReplicas <= self.maxReplicas",
                     "minReplicas must not exceed maxReplicas", ".minReplicas"),
+                cel("has(self.scaleToZero) == (self.minReplicas == 0)",
+                    "minReplicas 0 goes with scaleToZero (its idleSeconds), and scaleToZero "
+                    "with minReplicas 0", ".scaleToZero"),
             ]
         }
     )
 
-    min_replicas: int = Field(default=1, ge=1, le=10000, description="Fewest replicas.")
+    min_replicas: int = Field(
+        default=1, ge=0, le=10000,
+        description="Fewest replicas; 0 (with scaleToZero) once the pool is idle.")
     max_replicas: int = Field(ge=1, le=10000, description="Most replicas.")
     target_load: float = Field(
         default=4.0, gt=0, le=100000,
@@ -216,6 +233,9 @@ class Autoscaling(KubeModel):
         default=120, ge=10, le=3600,
         description="How long replicas may stay unready before the count stops growing "
         "(ScalingLimited): new GPU pods that stay Pending are not asked for again and again.")
+    scale_to_zero: ScaleToZero | None = Field(
+        default=None, description="Go to 0 replicas when idle (needs minReplicas 0); "
+        "requests wake the pool.")
 
 
 class AutoscalingStatus(KubeModel):
@@ -223,7 +243,8 @@ class AutoscalingStatus(KubeModel):
 
     desired_replicas: int = Field(ge=0, description="The count it decided.")
     signal: str = Field(max_length=32, description="What decided it: load, kvCache, slo, "
-                        "min, max, hold (no replica measured), stale (signals missing).")
+                        "min, max, idle (to zero), held (a held request woke it), hold (no "
+                        "replica measured), stale (signals missing).")
     message: str = Field(default="", max_length=1024, description="The deciding numbers.")
     last_scale_time: str | None = Field(default=None, description="When it last changed "
                                         "spec.replicas (RFC 3339).")

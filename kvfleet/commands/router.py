@@ -71,6 +71,15 @@ def register(subparsers: Any) -> None:
                    default=os.environ.get("KVFLEET_REDIS_PREFIX") or "kvfleet",
                    help="prefix of the ledger's keys, for fleets sharing one Redis "
                         "(default kvfleet)")
+    p.add_argument("--hold-seconds", type=float, default=300.0, metavar="SECONDS",
+                   help="how long a request for a pool at zero replicas waits for one to wake "
+                   "(a client may ask for less: x-kvfleet-max-wait-seconds); then 503 with "
+                   "Retry-After")
+    p.add_argument("--hold-per-pool", type=int, default=64, metavar="N",
+                   help="requests held at most per pool while it wakes (more: 503)")
+    p.add_argument("--hold-per-tenant", type=int, default=16, metavar="N",
+                   help="requests held at most per tenant (one tenant cannot fill a pool's "
+                   "hold)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -161,7 +170,8 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
         stream_idle_timeout=args.stream_idle_timeout, answer_timeout=args.answer_timeout,
         # A load read older than a few intervals is stale (the replica counts as saturated).
         scrape_interval=args.scrape_interval, stale_after=max(1.0, 5 * args.scrape_interval),
-        redis_url=args.redis, redis_prefix=args.redis_prefix))
+        redis_url=args.redis, redis_prefix=args.redis_prefix, hold_seconds=args.hold_seconds,
+        hold_per_pool=args.hold_per_pool, hold_per_tenant=args.hold_per_tenant))
     from kvfleet.kube.tasks import fatal_if_it_ends
 
     # A loop that dies is a fatal error, as an informer's is: routing without the replicas'

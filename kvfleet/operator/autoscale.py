@@ -100,8 +100,11 @@ def _recommend(policy: Policy, signals: Signals, observed: Observed, history: Hi
         return (1, "held", f"{signals.held} requests held") if signals.held > 0 else (
             0, "idle", "no request held")
     idle_since = signals.last_request_at
+    # (Idle also means nothing running: a stream admitted before the idle window may still
+    # be answering.)
     if (policy.idle_seconds is not None and policy.min_replicas == 0 and signals.held == 0
-            and idle_since is not None and now - idle_since >= policy.idle_seconds):
+            and idle_since is not None and now - idle_since >= policy.idle_seconds
+            and not any(signals.loads)):
         return 0, "idle", f"no request for {now - idle_since:.0f} s"
     # No warm replica measured: nothing says otherwise.
     wants = [(current, "hold", "no replica measured")]

@@ -54,8 +54,9 @@ def _tagged(expr: str, signal: str) -> str:
 def signals_query() -> str:
     """One instant query for every pool's signals: the engine gauges per pod (as they are,
     with __name__), the time of each pool's oldest engine sample, each pool's TTFT and TPOT
-    p95, and the time of its routers' newest sample; all but the gauges carry a `signal`
-    label naming what they are."""
+    p95, the time of its routers' newest sample, the requests they hold for it (at zero) and
+    when they last admitted one; all but the gauges carry a `signal` label naming what they
+    are."""
     names = "|".join(ENGINE_SERIES)
     parts = [
         f'{{__name__=~"{names}"}}',
@@ -66,6 +67,9 @@ def signals_query() -> str:
           for signal, histogram in ROUTER_P95.items()),
         _tagged('max by (namespace, pool) (timestamp(kvfleet_router_requests_total'
                 '{traffic="live"}))', "routers_at"),
+        _tagged("sum by (namespace, pool) (kvfleet_router_held_requests)", "held"),
+        _tagged("max by (namespace, pool) (kvfleet_router_last_request_timestamp_seconds)",
+                "last_request"),
     ]
     return " or ".join(parts)
 
@@ -81,6 +85,8 @@ class FleetSignals:
     engines_at: dict[Key, float] = field(default_factory=dict)
     p95: dict[str, dict[Key, float]] = field(default_factory=dict)
     routers_at: dict[Key, float] = field(default_factory=dict)
+    held: dict[Key, float] = field(default_factory=dict)
+    last_request: dict[Key, float] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, rows: list[tuple[dict[str, str], float]], at: float) -> FleetSignals:
@@ -95,8 +101,8 @@ class FleetSignals:
                     pods.setdefault(labels.get("pod", ""), {})[gauge] = value
             elif signal == "engines_at":
                 fleet.engines_at[(ns, labels.get("kvfleet_io_pool", ""))] = value
-            elif signal == "routers_at":
-                fleet.routers_at[(ns, labels.get("pool", ""))] = value
+            elif signal in ("routers_at", "held", "last_request"):
+                getattr(fleet, signal)[(ns, labels.get("pool", ""))] = value
             elif math.isfinite(value):  # (no traffic: NaN, not a signal)
                 fleet.p95.setdefault(signal, {})[(ns, labels.get("pool", ""))] = value
         return fleet
@@ -122,6 +128,8 @@ class FleetSignals:
             kv_usage=tuple(p["kv"] for p in pods),
             ttft_p95=self.p95.get("ttft", {}).get(router_key),
             tpot_p95=self.p95.get("tpot", {}).get(router_key),
+            held=round(self.held.get(router_key, 0)),
+            last_request_at=self.last_request.get(router_key),
             missing=tuple(missing))
 
 
@@ -134,7 +142,8 @@ def policy_of(spec: Autoscaling, slos: SLOs | None) -> Policy:
         up_window=spec.scale_up_stabilization_seconds,
         down_window=spec.scale_down_stabilization_seconds, max_step=spec.max_step,
         stale_after=spec.stale_after_seconds, pending_grace=spec.pending_grace_seconds,
-        slo_window=SLO_WINDOW_SECONDS)
+        slo_window=SLO_WINDOW_SECONDS,
+        idle_seconds=spec.scale_to_zero.idle_seconds if spec.scale_to_zero else None)
 
 
 @dataclass(frozen=True)

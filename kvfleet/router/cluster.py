@@ -168,8 +168,10 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
         except ConfigError:
             slos = (None, None)  # the webhook admits none such; the ladder alone then
         ours = (namespace, label_value(name))
+        autoscaling = (raw.get("spec") or {}).get("autoscaling") or {}
         route = PoolRoute(name, TrafficTable.from_status(status), endpoints.get(ours, {}),
-                          tokens.get(ours), namespace, slos)
+                          tokens.get(ours), namespace, slos,
+                          wakes=autoscaling.get("minReplicas") == 0)
         if (cert := certs.get(ours)) is not None:
             _serve_https(route, cert)
         if cluster_wide:

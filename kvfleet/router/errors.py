@@ -10,7 +10,9 @@
     ├── BodyTooLarge        413: a body over the router's limit (refused while reading it)
     ├── QuotaExceeded       429: over one of the TenantQuota's limits (with Retry-After)
     ├── UpstreamFailed      502: the replica went away while sending its answer
-    └── NoEndpoint          503: the revision has no Ready replica, or every one failed
+    ├── NoEndpoint          503: the revision has no Ready replica, or every one failed
+    └── PoolWaking          503: a pool at zero did not wake in time, or its hold is full
+                                 (with Retry-After)
 """
 
 from __future__ import annotations
@@ -108,3 +110,16 @@ class NoEndpoint(RouterError):
 
     def headers(self) -> dict[str, str]:
         return {"retry-after": "1"}
+
+
+class PoolWaking(RouterError):
+    status = 503
+    code = "pool_waking"
+    kind = "server_error"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, math.ceil(self.retry_after)))}

@@ -29,6 +29,11 @@ These are the series the Rollout analysis reads (canary vs stable); every name i
     kvfleet_router_probe_first_divergence{namespace,pool,revision,probe}           gauge
         (the first probe whose answers differed on this router: its tenant-salted prompt id,
         and the token where they part)
+    kvfleet_router_held_requests{namespace,pool}                                   gauge
+        (requests waiting for a pool at zero to wake: the autoscaler's demand signal)
+    kvfleet_router_last_request_timestamp_seconds{namespace,pool}                  gauge
+        (unix time this router last admitted a request for the pool, or first learnt of
+        it: the autoscaler's idle signal)
 
 `prompt_class` is the prompt's token count (as counted at admission) rounded up to one of
 `kvfleet.api.rollout.PROMPT_CLASS_EDGES` ("256" ... "16384", or "inf"): the Rollout analysis
@@ -169,6 +174,13 @@ class RouterMetrics:
         self.first_divergence = Gauge(PREFIX + "probe_first_divergence",
                                       "Token where the first diverging probe's answers part",
                                       (*probe, "probe"), registry=r)
+        self._known_pools: set[tuple[str, str]] = set()
+        self.held = Gauge(PREFIX + "held_requests", "Requests held while their pool wakes "
+                          "from zero replicas", ("namespace", "pool"), registry=r)
+        self.last_request = Gauge(
+            PREFIX + "last_request_timestamp_seconds", "When this router last admitted a "
+            "request for the pool (or first learnt of it)", ("namespace", "pool"),
+            registry=r)
 
     def observe_ttft(self, labels: tuple[str, str, str, str], prompt_tokens: int,
                      seconds: float) -> None:
@@ -192,6 +204,9 @@ class RouterMetrics:
         for labels in series:
             for outcome in Outcome:
                 self.requests.labels(*labels, outcome.value)
+            if labels[:2] not in self._known_pools:  # idle from now on, not since 1970
+                self._known_pools.add(labels[:2])
+                self.last_request.labels(*labels[:2]).set_to_current_time()
 
     def declare_probes(self, series: Iterable[tuple[str, str, str]]) -> None:
         """Probe counters at 0 for these (namespace, pool, revision), for the same reason."""

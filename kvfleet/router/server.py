@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -45,6 +45,7 @@ from kvfleet.router.errors import (
     UpstreamFailed,
 )
 from kvfleet.router.fleet_ledger import SharedLedger, connect
+from kvfleet.router.hold import WAIT_HEADER, Holds
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.outcome import (
     TIMED,
@@ -69,7 +70,7 @@ from kvfleet.router.probes import (
 from kvfleet.router.quota import QuotaLedger, Reservation, no_quota
 from kvfleet.router.state import PoolRoute, RouterState, carry_loads
 from kvfleet.router.tokens import TokenCounter, texts_of
-from kvfleet.router.traffic import conversation_key
+from kvfleet.router.traffic import RoutePlan, conversation_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,6 +120,10 @@ class RouterOptions:
     # each router replica enforces its share of every limit (kvfleet.router.fleet_ledger).
     redis_url: str | None = None
     redis_prefix: str = "kvfleet"
+    # Requests held for a pool at zero while it wakes (kvfleet.router.hold).
+    hold_per_pool: int = 64
+    hold_per_tenant: int = 16
+    hold_seconds: float = 300.0
 
 
 def compare(live: str, shadow: str, shadow_capped: bool) -> tuple[str, int | None]:
@@ -333,6 +338,9 @@ class Router:
         self._turn = 0
         self.tokens = TokenCounter(lambda: self.session)
         self._tasks: set[asyncio.Task[None]] = set()
+        o = self.options
+        self.holds = Holds(o.hold_per_pool, o.hold_per_tenant, o.hold_seconds,
+                           lambda pool, n: self.metrics.held.labels(*pool).set(n))
         self.update(state)
 
     # ---- state
@@ -345,6 +353,7 @@ class Router:
         self.metrics.slos = {(p.namespace, p.name): p.slos for p in state.pools.values()}
         self.metrics.declare(state.routed_series())
         self.metrics.declare_probes(state.probed_series())
+        self.holds.notify()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -476,12 +485,17 @@ class Router:
             prompt_tokens = await self.tokens.count(
                 plan.live, texts, messages, pool.ready(plan.live))
             reservation = await self.admit(tenant, prompt_tokens, max_tokens)
+            self.metrics.last_request.labels(namespace, pool_name).set_to_current_time()
+            if pool.wakes and not pool.ready(plan.live):
+                pool, plan = await self._woken(request, pool, plan, tenant, reservation)
         except RouterError as exc:
             reason = exc.limit if isinstance(exc, QuotaExceeded) else exc.code
             if isinstance(exc, Unauthorized):
                 reason = "unauthorized"
             self.metrics.rejections.labels(namespace, pool_name, reason).inc()
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+        except ClientGone:
+            return Response(status_code=499)  # hung up while held (no one reads it)
         quota = self.ledger.quota(tenant)
         body.pop("model", None)  # the engine serves one model under its own name
         # The quota's class is the most urgent a tenant gets; a client may ask for less.
@@ -511,6 +525,36 @@ class Router:
         except BaseException:
             _resolve(live_text, None)  # the shadow task must not wait for a live answer
             raise
+
+    async def _woken(self, request: Request, pool: PoolRoute, plan: RoutePlan, tenant: str,
+                     reservation: Reservation) -> tuple[PoolRoute, RoutePlan]:
+        """Hold a request for a pool with no Ready replica of its revision until one is (the
+        pool is at zero, or waking); the pool and plan as the router then knows them. A
+        request that is not held to the end (hold full, no replica in time, its client gone)
+        gives its reservation back: no engine saw it."""
+        key = (pool.namespace, pool.name)
+
+        def current() -> PoolRoute | None:
+            # (the state is replaced whole on every change: look the pool up again)
+            return next((p for p in self.state.pools.values()
+                         if (p.namespace, p.name) == key), None)
+
+        def ready() -> bool:
+            now = current()
+            return now is not None and now.table is not None and bool(
+                now.ready(plan.live) or now.ready(now.table.stable or ""))
+
+        try:
+            await _unless_gone(request, self.holds.wait(
+                key, tenant, ready, self.holds.wait_for(request.headers.get(WAIT_HEADER))))
+        except (RouterError, ClientGone):
+            self.settle(reservation, 0, time.monotonic(), 0)
+            raise
+        woken = current()
+        assert woken is not None and woken.table is not None
+        if not woken.ready(plan.live) and woken.table.stable is not None:
+            plan = replace(plan, live=woken.table.stable)  # the table moved on meanwhile
+        return woken, plan
 
     async def _connect(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                        headers: dict[str, str], text: str, tenant: str, streamed: bool = False

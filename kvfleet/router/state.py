@@ -17,6 +17,7 @@ The config file (YAML; keys are what `kubectl get -o yaml` shows for the same fa
         routerTokenFile: /path/to/token    # the token the pool's engines want (or routerToken)
         tls: {caFile: engines.crt, serverName: smol.llm.engines.kvfleet.io}  # HTTPS to them
         slos: {ttftP95Seconds: 2}          # a ServingPool's spec.slos: latency buckets at them
+        scalesToZero: true                 # hold requests while no endpoint (it may be waking)
     tenants:
       - tenant: team-a
         keys: ["sk-..."]                   # plain keys (local use), or keysFile: one per line
@@ -70,6 +71,9 @@ class PoolRoute:
     # refuses the current one: engines see a re-minted Secret a kubelet sync later than the
     # router does (kvfleet.engine.router_token).
     previous_token: tuple[str, float] | None = None
+    # The pool may be at zero replicas (autoscaling.minReplicas 0): a request finding no
+    # Ready replica is held while it wakes (kvfleet.router.hold), not refused.
+    wakes: bool = False
 
     def ready(self, revision: str) -> list[EndpointLoad]:
         return self.endpoints.get(short_revision(revision), [])
@@ -220,7 +224,8 @@ def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
         state.pools[str(entry["name"])] = PoolRoute(
             str(entry["name"]), TrafficTable.from_status(status), endpoints,
             _read_token(entry, where, base), str(entry.get("namespace") or namespace),
-            slo_thresholds(entry.get("slos"), f"{where}.slos"))
+            slo_thresholds(entry.get("slos"), f"{where}.slos"),
+            wakes=entry.get("scalesToZero") is True)
     keys: dict[str, str] = {}
     for i, entry in enumerate(data.get("tenants") or []):
         where = f"tenants[{i}]"

@@ -442,3 +442,42 @@ def test_a_64_mib_body_is_refused_at_once_and_never_buffered(router: RouterProce
     grown = (process.memory_info().rss - before) / (1 << 20)
     print(f"\n64 MiB bodies refused; router RSS grew {grown:.1f} MiB")
     assert grown < 16
+
+
+def test_a_pool_at_zero_is_listed_holds_requests_and_serves_them_once_a_replica_is_ready(
+    router: RouterProcess, engines: dict[str, EngineServer], token_file: Path,
+) -> None:
+    """Scale to zero as a client sees it: the pool stays in /v1/models; a request waits
+    (counted in kvfleet_router_held_requests, the autoscaler's demand signal) until a replica
+    shows, then is answered; one that may not wait that long gets 503 with Retry-After, and
+    is not charged."""
+    asleep = config(engines, 0, 0, token_file)
+    asleep["pools"][0].update(scalesToZero=True, endpoints={})
+    try:
+        router.reconfigure(asleep)
+        models = httpx.get(router.url + "/v1/models",
+                           headers={"authorization": f"Bearer {KEY_A}"}).json()
+        assert [m["id"] for m in models["data"]] == ["smol"]
+        started = time.monotonic()
+        impatient = chat(router, KEY_A, headers={"x-kvfleet-max-wait-seconds": "1"})
+        assert impatient.status_code == 503, impatient.text
+        assert impatient.json()["error"]["code"] == "pool_waking"
+        assert impatient.headers["retry-after"] == "10" and time.monotonic() - started < 5
+
+        answers: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: answers.append(chat(router, KEY_A)))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while router.metric("kvfleet_router_held_requests", pool="smol") != 1:
+            assert time.monotonic() < deadline, "the request was not held"
+            time.sleep(0.1)
+        time.sleep(2)
+        assert not answers  # still held: no replica yet
+        woke = time.monotonic()
+        router.reconfigure(config(engines, 0, 0, token_file))  # a replica is Ready
+        waiting.join(30)
+        assert answers and answers[0].status_code == 200, answers
+        assert time.monotonic() - woke < 5
+        assert router.metric("kvfleet_router_held_requests", pool="smol") == 0
+    finally:
+        router.reconfigure(config(engines, 50, 0, token_file))

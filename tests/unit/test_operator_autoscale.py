@@ -62,6 +62,10 @@ def test_idle_goes_to_zero_and_a_held_request_wakes_one() -> None:
     idle = decide(policy, Signals(at=300, loads=(0.0,), last_request_at=0), Observed(1, 1),
                   history, 300)
     assert (idle.desired, idle.signal) == (0, "idle")
+    # A stream admitted before the idle window and still answering keeps its replica.
+    streaming = decide(policy, Signals(at=300, loads=(1.0,), last_request_at=0),
+                       Observed(1, 1), History(), 300)
+    assert streaming.desired == 1
     asleep = decide(policy, Signals(at=400, last_request_at=0), Observed(0, 0), history, 400)
     assert asleep.desired == 0
     woken = decide(policy, Signals(at=401, held=3, last_request_at=0), Observed(0, 0), history,

@@ -28,12 +28,14 @@ def _rows(pool: str = "chat", at: float = 1000.0) -> list[tuple[dict[str, str], 
             ({"namespace": NS, "kvfleet_io_pool": pool, "signal": "engines_at"}, at - 5),
             ({"namespace": NS, "pool": pool, "signal": "ttft"}, 0.8),
             ({"namespace": NS, "pool": pool, "signal": "tpot"}, float("nan")),
-            ({"namespace": NS, "pool": pool, "signal": "routers_at"}, at - 2)]
+            ({"namespace": NS, "pool": pool, "signal": "routers_at"}, at - 2),
+            ({"namespace": NS, "pool": pool, "signal": "held"}, 2.0),
+            ({"namespace": NS, "pool": pool, "signal": "last_request"}, at - 30)]
 
 
 def test_the_query_is_one_for_the_fleet_and_tags_what_it_reads() -> None:
     query = signals_query()
-    assert query.count(" or ") == 4 and "by (namespace, pool)" in query
+    assert query.count(" or ") == 6 and "by (namespace, pool)" in query
     assert 'traffic="live"' in query and "kvfleet_engine_requests_waiting" in query
 
 
@@ -44,6 +46,7 @@ def test_a_pools_signals_are_its_engines_load_scores_and_its_routers_p95s() -> N
     # The oldest sample dates the signals; no traffic (NaN) is no p95, not a signal.
     assert (signals.at, signals.ttft_p95, signals.tpot_p95, signals.missing) == (
         995.0, 0.8, None, ())
+    assert (signals.held, signals.last_request_at) == (2, 970.0)
 
 
 def test_missing_series_are_named() -> None:
