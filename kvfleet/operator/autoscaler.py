@@ -107,14 +107,15 @@ class FleetSignals:
                 fleet.p95.setdefault(signal, {})[(ns, labels.get("pool", ""))] = value
         return fleet
 
-    def of(self, namespace: str, name: str, replicas: int) -> Signals:
-        """One pool's signals; `missing` names the series it should have and has not."""
+    def of(self, namespace: str, name: str, ready: int) -> Signals:
+        """One pool's signals (`ready`: its Ready replicas); `missing` names the series it
+        should have and has not."""
         engine_key, router_key = (namespace, label_value(name)), (namespace, name)
         pods = [p for p in self.engines.get(engine_key, {}).values() if len(p) == 3]
         missing = []
         if self.error is not None:
             missing.append(self.error)
-        elif replicas > 0 and not pods:
+        elif ready > 0 and not pods:
             missing.append("no engine of the pool has series in Prometheus "
                            "(kvfleet_engine_requests_running)")
         if self.error is None and router_key not in self.routers_at:
@@ -204,7 +205,8 @@ class Autoscaler:
             state.not_ready_since = None
         elif state.not_ready_since is None:
             state.not_ready_since = now
-        signals = fleet.of(key[0], pool.metadata.name, current) if fleet is not None else None
+        # (Engines are expected to report once Ready: a pool still starting is not "missing".)
+        signals = fleet.of(key[0], pool.metadata.name, ready) if fleet is not None else None
         decision = decide(policy_of(spec, pool.spec.slos), signals,
                           Observed(current, ready, state.not_ready_since), state.history, now)
         metrics.AUTOSCALE_DESIRED.labels(*key).set(decision.desired)

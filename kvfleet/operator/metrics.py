@@ -20,8 +20,9 @@ RECONCILE_SECONDS = Histogram(
 )
 QUEUE_SECONDS = Histogram(
     "kvfleet_operator_reconcile_queue_seconds",
-    "Time a triggered reconcile waited for a free slot (--max-concurrent-reconciles), by kind.",
-    ["kind"],
+    "Time a triggered reconcile waited for a free slot (--max-concurrent-reconciles), by kind "
+    "and lane (urgent: a pool with an autoscaling or rollout decision to carry out; bulk).",
+    ["kind", "lane"],
     buckets=(0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
 )
 API_REQUESTS = Counter(

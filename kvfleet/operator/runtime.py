@@ -64,6 +64,7 @@ from kvfleet.operator.servingpool import (
     target_problem,
     with_apply_failure,
 )
+from kvfleet.operator.slots import Slots
 
 log = logging.getLogger("kvfleet.operator")
 Key = tuple[str, str]  # (namespace, name)
@@ -94,12 +95,14 @@ class Runtime:
     max_concurrent: int = 10
     autoscale_interval: float = DEFAULT_INTERVAL_SECONDS
     autoscaler: Autoscaler = field(init=False)
-    _slots: asyncio.Semaphore = field(init=False)
+    _slots: Slots = field(init=False)
 
     def __post_init__(self) -> None:
         # Like controller-runtime's MaxConcurrentReconciles: a burst of new pools queues here
-        # instead of all crowding the apiserver at once, so each reconcile finishes quickly.
-        self._slots = asyncio.Semaphore(self.max_concurrent)
+        # instead of all crowding the apiserver at once, so each reconcile finishes quickly;
+        # a pool with a decision to carry out (`urgent`) goes ahead of the burst.
+        self._slots = Slots(self.max_concurrent)
+        self._urgent: set[Key] = set()
         self._wakeups: dict[Key, asyncio.TimerHandle] = {}
         self._woken: set[asyncio.Task[None]] = set()
         self.pools = Coalescer(self._timed("ServingPool", self.reconcile_pool))
@@ -113,9 +116,13 @@ class Runtime:
     def _timed(self, kind: str, fn: Any) -> Any:
         async def run(key: Key) -> None:
             queued = time.perf_counter()
-            async with self._slots:
+            urgent = kind == "ServingPool" and key in self._urgent
+            await self._slots.acquire(urgent, key)
+            self._urgent.discard(key)
+            try:
                 started = time.perf_counter()
-                metrics.QUEUE_SECONDS.labels(kind=kind).observe(started - queued)
+                lane = "urgent" if urgent else "bulk"
+                metrics.QUEUE_SECONDS.labels(kind=kind, lane=lane).observe(started - queued)
                 metrics.RECONCILES.labels(kind=kind).inc()
                 try:
                     await fn(key)
@@ -126,6 +133,8 @@ class Runtime:
                     metrics.RECONCILE_SECONDS.labels(kind=kind).observe(
                         time.perf_counter() - started
                     )
+            finally:
+                self._slots.release()
 
         return run
 
@@ -146,7 +155,8 @@ class Runtime:
         return (namespace, name) if isinstance(name, str) else None
 
     def wake(self, key: Key, seconds: float) -> None:
-        """Reconcile the pool again in `seconds` (the earliest request wins)."""
+        """Reconcile the pool again in `seconds` (the earliest request wins), in the urgent
+        lane: a decision (the autoscaler's, a Rollout's) waits to be carried out."""
         loop = asyncio.get_running_loop()
         when = loop.time() + seconds
         handle = self._wakeups.get(key)
@@ -157,6 +167,8 @@ class Runtime:
 
         def fire() -> None:
             self._wakeups.pop(key, None)
+            self._urgent.add(key)
+            self._slots.promote(key)
             task = loop.create_task(self._woken_reconcile(key))
             self._woken.add(task)
             task.add_done_callback(self._woken.discard)

@@ -40,7 +40,7 @@ def test_the_query_is_one_for_the_fleet_and_tags_what_it_reads() -> None:
 
 
 def test_a_pools_signals_are_its_engines_load_scores_and_its_routers_p95s() -> None:
-    signals = FleetSignals.parse(_rows(), 1000.0).of(NS, "chat", replicas=2)
+    signals = FleetSignals.parse(_rows(), 1000.0).of(NS, "chat", ready=2)
     assert sorted(signals.loads) == sorted([load_score(1, 3, 0.5), load_score(0, 2, 0.9)])
     assert signals.kv_usage and sorted(signals.kv_usage) == [0.5, 0.9]
     # The oldest sample dates the signals; no traffic (NaN) is no p95, not a signal.
