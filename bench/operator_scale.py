@@ -17,8 +17,21 @@ renewals/s), with a matching controller-manager node-monitor grace period. Measu
   rss_mb                operator peak resident memory
   the per-pool ratios against the smallest N, which show whether cost grows linearly
 
+With `--autoscale` every pool has spec.autoscaling and the operator reads its signals every
+`--autoscale-interval` from an in-process stand-in for Prometheus (each pool's one engine runs
+one request; the real Prometheus and engines are e2e/test_autoscale_e2e.py's). Right after the
+creates, while the burst's reconciles queue, one pool's load steps to 6 running requests
+(3 replicas at targetLoad 2). Also measured then:
+
+  step_s                the load step -> that pool's Deployment asks for 3 replicas (the
+                        decision and its reconcile, ahead of the burst in the urgent lane)
+  queries/interval      Prometheus queries the operator sent per autoscaling interval (1: one
+                        query for the whole fleet)
+  urgent queue p95      the urgent lane's wait for a reconcile slot (the burst's: queue p95)
+
     .venv/bin/python bench/operator_scale.py --pools 10 100          # ~3 min on 2 cores
     .venv/bin/python bench/operator_scale.py --pools 10 100 1000     # the issue's full run
+    .venv/bin/python bench/operator_scale.py --pools 1000 5000 --autoscale
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
@@ -45,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvfleet.api.builders import make_artifact, make_pool  # noqa: E402
+from kvfleet.api.labels import POOL_LABEL  # noqa: E402
 from kvfleet.devcluster import cluster as devcluster_module  # noqa: E402
 from kvfleet.devcluster import fleet  # noqa: E402
 from kvfleet.devcluster.cluster import (  # noqa: E402
@@ -86,6 +101,76 @@ class Result:
     steady_writes: int
     rss_mb: float
     operator_cpu_s: float
+    step_s: float = float("nan")
+    queries_per_interval: float = float("nan")
+    urgent_queue_p95_s: float = float("nan")
+
+
+STEP_POOL, STEP_LOAD, STEP_REPLICAS = "pool-0000", 6.0, 3
+AUTOSCALING = {"minReplicas": 1, "maxReplicas": 4, "targetLoad": 2.0}
+
+
+class FakePrometheus:
+    """The answer to the autoscaler's fleet query, from memory: per pool one engine pod
+    running `loads[pool]` requests, and a router reporting it. Counts the queries."""
+
+    def __init__(self, pools: list[str]) -> None:
+        self.loads = dict.fromkeys(pools, 1.0)
+        self.queries = 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                fake.queries += 1
+                body = json.dumps(fake.answer()).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self) -> dict[str, object]:
+        now = time.time()
+        rows: list[dict[str, object]] = []
+
+        def row(labels: dict[str, str], value: float) -> None:
+            rows.append({"metric": {"namespace": NAMESPACE, **labels},
+                         "value": [now, str(value)]})
+
+        for pool, load in list(self.loads.items()):
+            engine = {"kvfleet_io_pool": pool, "pod": f"{pool}-0"}
+            row({**engine, "__name__": "kvfleet_engine_requests_running"}, load)
+            row({**engine, "__name__": "kvfleet_engine_requests_waiting"}, 0.0)
+            row({**engine, "__name__": "kvfleet_engine_kv_cache_usage_ratio"}, 0.1)
+            row({"kvfleet_io_pool": pool, "signal": "engines_at"}, now)
+            row({"pool": pool, "signal": "routers_at"}, now)
+            row({"pool": pool, "signal": "last_request"}, now)
+        return {"status": "success", "data": {"resultType": "vector", "result": rows}}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _step_to_deployment(kube: KubeClient, fake: FakePrometheus, timeout_s: float) -> float:
+    """Step one pool's load; seconds until its Deployment asks for the replicas it needs."""
+    fake.loads[STEP_POOL] = STEP_LOAD
+    started = time.monotonic()
+    path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments?labelSelector={POOL_LABEL}%3D"
+    while time.monotonic() - started < timeout_s:
+        items = kube.request("GET", path + STEP_POOL).get("items") or []
+        if any(d["spec"].get("replicas") == STEP_REPLICAS for d in items):
+            return time.monotonic() - started
+        time.sleep(0.25)
+    return float("nan")
 
 
 def _free_port() -> int:
@@ -112,10 +197,13 @@ def _total(samples: dict[str, float], prefix: str) -> float:
 
 
 def _quantile(
-    samples: dict[str, float], q: float, metric: str = "reconcile_duration_seconds"
+    samples: dict[str, float], q: float, metric: str = "reconcile_duration_seconds",
+    lane: str | None = None,
 ) -> float:
-    """PromQL histogram_quantile over the ServingPool buckets of an operator histogram."""
-    prefix = f'kvfleet_operator_{metric}_bucket{{kind="ServingPool",le="'
+    """PromQL histogram_quantile over the ServingPool buckets of an operator histogram (of
+    one lane, for the queue wait)."""
+    prefix = (f'kvfleet_operator_{metric}_bucket{{kind="ServingPool",'
+              + (f'lane="{lane}",' if lane else "") + 'le="')
     buckets = sorted(
         (float("inf") if k[len(prefix):-2] == "+Inf" else float(k[len(prefix):-2]), v)
         for k, v in samples.items()
@@ -151,7 +239,8 @@ def _available(kube: KubeClient) -> int:
 
 
 def run_one(
-    num_pools: int, nodes_per_pool: int, drift_s: float, timeout_s: float, max_concurrent: int
+    num_pools: int, nodes_per_pool: int, drift_s: float, timeout_s: float, max_concurrent: int,
+    autoscale_s: float | None = None,
 ) -> Result:
     num_nodes = nodes_per_pool * num_pools
     options = ClusterOptions(
@@ -175,12 +264,16 @@ def run_one(
         kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         port = _free_port()
         log = (cluster.workdir / "operator.log").open("wb")
+        names = [f"pool-{i:04d}" for i in range(num_pools)]
+        fake = FakePrometheus(names) if autoscale_s is not None else None
+        autoscaling = [] if fake is None else [
+            "--prometheus-url", fake.url, "--autoscale-interval", str(autoscale_s)]
         operator = subprocess.Popen(
             [sys.executable, *_profiler(num_pools), *_module(), "operator", "-A",
              "--standalone", "--quiet", "--metrics-port", str(port),
              "--metrics-address", "127.0.0.1",
              "--drift-interval", str(drift_s),
-             "--max-concurrent-reconciles", str(max_concurrent)],
+             "--max-concurrent-reconciles", str(max_concurrent), *autoscaling],
             env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(ROOT)},
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             preexec_fn=_die_with_parent,
@@ -215,14 +308,24 @@ def run_one(
                     time.sleep(0.5)
             artifact = make_artifact("qwen3-8b", NAMESPACE).data()
             kube.request("POST", path_of("ModelArtifact", NAMESPACE), artifact)
-            pools = [make_pool(f"pool-{i:04d}", "qwen3-8b", NAMESPACE).data()
-                     for i in range(num_pools)]  # fmt: skip
+            pools = [make_pool(name, "qwen3-8b", NAMESPACE).data() for name in names]
+            if fake is not None:
+                for p in pools:
+                    p["spec"]["autoscaling"] = AUTOSCALING
             started = time.monotonic()
             with ThreadPoolExecutor(8) as pool_exec:
                 list(pool_exec.map(
                     lambda p: kube.request("POST", path_of("ServingPool", NAMESPACE), p), pools
                 ))  # fmt: skip
             print(f"[{num_pools} pools] created in {time.monotonic() - started:.1f}s", flush=True)
+            step_s, queries_per_interval = float("nan"), float("nan")
+            if fake is not None and autoscale_s is not None:
+                # The step, while the burst's reconciles queue (the creates just returned).
+                asked_from, queries_from = time.monotonic(), fake.queries
+                step_s = _step_to_deployment(kube, fake, 10 * autoscale_s)
+                print(f"[{num_pools} pools] load step on {STEP_POOL} -> its Deployment at "
+                      f"{STEP_REPLICAS} replicas in {step_s:.1f} s "
+                      f"({_available(kube)} pools Available meanwhile)", flush=True)
             last_print = 0.0
             operator_done = float("nan")
             while (done := _available(kube)) < num_pools:
@@ -246,6 +349,9 @@ def run_one(
                     last_print = now
                 time.sleep(1)
             converge = time.monotonic() - started
+            if fake is not None and autoscale_s is not None:
+                intervals = (time.monotonic() - asked_from) / autoscale_s
+                queries_per_interval = (fake.queries - queries_from) / max(intervals, 1e-9)
             num_available = done
             if operator_done != operator_done:
                 operator_done = converge
@@ -256,6 +362,8 @@ def run_one(
                 steady = _delta(_scrape(port), converged)
         finally:
             stop.set()
+            if fake is not None:
+                fake.close()
             operator.send_signal(signal.SIGTERM)
             try:
                 operator.wait(30)
@@ -282,7 +390,7 @@ def run_one(
         reconciles=int(reconciles),
         reconcile_p50_s=round(_quantile(window, 0.50), 4),
         reconcile_p95_s=round(_quantile(window, 0.95), 4),
-        queue_p95_s=round(_quantile(window, 0.95, "reconcile_queue_seconds"), 4),
+        queue_p95_s=round(_quantile(window, 0.95, "reconcile_queue_seconds", "bulk"), 4),
         requests_per_reconcile=round(requests / max(reconciles, 1), 2),
         gets_per_reconcile=round(gets / max(reconciles, 1), 2),
         requests_per_pool=round(requests / num_pools, 2),
@@ -292,6 +400,9 @@ def run_one(
         steady_writes=int(writes),
         rss_mb=round(peak_rss[0] / 2**20, 1),
         operator_cpu_s=round(cpu_s[0], 1),
+        step_s=round(step_s, 2),
+        queries_per_interval=round(queries_per_interval, 2),
+        urgent_queue_p95_s=round(_quantile(window, 0.95, "reconcile_queue_seconds", "urgent"), 4),
     )
 
 
@@ -375,6 +486,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="per N, seconds")
     parser.add_argument("--max-concurrent-reconciles", type=int, default=4)
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    parser.add_argument("--autoscale", action="store_true",
+                        help="every pool autoscaled; a load step on one during the burst")
+    parser.add_argument("--autoscale-interval", type=float, default=15.0)
     args = parser.parse_args()
     results: list[Result] = []
     for n in args.pools:
@@ -385,6 +499,7 @@ def main() -> int:
                 args.drift_interval,
                 args.timeout,
                 args.max_concurrent_reconciles,
+                args.autoscale_interval if args.autoscale else None,
             )
         )
         _print_table(results)
@@ -400,9 +515,10 @@ def _print_table(results: list[Result]) -> None:
         "| pools | nodes | Available | converge s | operator done s | s/pool | reconciles "
         "| p50 s | p95 s | queue p95 s | req/reconcile | GET/reconcile | req/pool "
         "| steady p50 s | steady p95 s "
-        "| steady req/reconcile | steady writes | RSS MB | operator CPU s | s/pool vs first |"
+        "| steady req/reconcile | steady writes | RSS MB | operator CPU s | s/pool vs first "
+        "| step s | queries/interval | urgent queue p95 s |"
     )
-    print("|" + "---|" * 20)
+    print("|" + "---|" * 23)
     for r in results:
         ratio = (r.converge_s / r.pools) / (base.converge_s / base.pools)
         print(f"| {r.pools} | {r.nodes} | {r.available} | {r.converge_s} | {r.operator_done_s} | "
@@ -411,7 +527,8 @@ def _print_table(results: list[Result]) -> None:
               f"{r.gets_per_reconcile} | "
               f"{r.requests_per_pool} | "
               f"{r.steady_p50_s} | {r.steady_p95_s} | {r.steady_requests_per_reconcile} | "
-              f"{r.steady_writes} | {r.rss_mb} | {r.operator_cpu_s} | {ratio:.2f}× |",
+              f"{r.steady_writes} | {r.rss_mb} | {r.operator_cpu_s} | {ratio:.2f}× | "
+              f"{r.step_s} | {r.queries_per_interval} | {r.urgent_queue_p95_s} |",
               flush=True)  # fmt: skip
 
 

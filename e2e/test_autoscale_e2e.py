@@ -119,6 +119,10 @@ def _served_by(prometheus: PrometheusClient, namespace: str) -> dict[str, float]
     return {r["metric"]["pod"]: float(r["value"][1]) for r in rows}
 
 
+def _scaled_by(pool: dict) -> str | None:
+    return ((pool.get("status") or {}).get("autoscaling") or {}).get("signal")
+
+
 def _inactive_warnings(kube: KubeClient, namespace: str) -> list[str]:
     return [e["message"] for e in kube.list("Event", namespace)
             if e.get("reason") == "AutoscalingInactive"]
@@ -150,16 +154,18 @@ def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
         steady = _wait_pool(kube, operator, namespace, POOL, lambda p: _cond(
             p, "AutoscalingActive").get("status") == "True", "autoscaling active", 60)
         assert _replicas(steady) == (1, 1), steady["status"]
-        assert steady["status"]["autoscaling"]["signal"] in ("min", "load"), steady["status"]
+        assert _scaled_by(steady) in ("min", "load"), steady["status"]
 
         # a) The ramp: three clients streaming without a pause.
         streams = Streams(url, 3)
         try:
             started = time.monotonic()
-            up = _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 3,
-                            "3 replicas asked for", 120)
+            _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 3,
+                       "3 replicas asked for", 120)
             _decided(started, "1 -> 3 decided")
-            assert up["status"]["autoscaling"]["signal"] in ("load", "max"), up["status"]
+            # (the status follows at the pool's reconcile)
+            _wait_pool(kube, operator, namespace, POOL, lambda p: _scaled_by(p) in (
+                "load", "max"), "the status saying the load decided", 30)
             _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p) == (3, 3),
                        "3 replicas Ready", 240)
             _decided(started, "3 Ready")
@@ -177,11 +183,12 @@ def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
         assert streams.failures == [], streams.failures[:5]
         assert streams.served > 10
         stopped = time.monotonic()
-        down = _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 1,
-                          "back to 1 replica", 120)
+        _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 1,
+                   "back to 1 replica", 120)
         took = _decided(stopped, "3 -> 1 decided after the load stopped")
         assert took >= 20 - INTERVAL_S, "the scale-down did not wait its window"
-        assert down["status"]["autoscaling"]["signal"] in ("min", "load"), down["status"]
+        _wait_pool(kube, operator, namespace, POOL, lambda p: _scaled_by(p) in ("min", "load"),
+                   "the status saying the quiet decided", 30)
         events = kube.list("Event", namespace)
         scaled = [e["message"] for e in events if e.get("reason") == "Scaled"]
         assert any(m.startswith("1 -> ") for m in scaled), scaled
@@ -238,10 +245,11 @@ def test_an_idle_pool_sleeps_at_zero_and_its_next_request_wakes_it(
         _wait_pool(kube, operator, namespace, POOL, _available, "the first replica Ready", 300)
         url = router_on_node(kube, namespace, local_node)
         started = time.monotonic()
-        asleep = _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 0,
-                            "scaled to zero", 180)
+        _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 0,
+                   "scaled to zero", 180)
         _decided(started, "1 -> 0 after 30 s idle")
-        assert asleep["status"]["autoscaling"]["signal"] == "idle", asleep["status"]
+        _wait_pool(kube, operator, namespace, POOL, lambda p: _scaled_by(p) == "idle",
+                   "the status saying idle decided", 30)
         revision = manifest_hash(artifact["spec"])[:12]
         kube.wait_for("the engine pod gone", lambda: not kube.list(
             "Pod", namespace, label_selector=f"kvfleet.io/revision={revision}") or None, 120)
@@ -255,9 +263,10 @@ def test_an_idle_pool_sleeps_at_zero_and_its_next_request_wakes_it(
         assert status == 200 and text.rstrip().endswith("[DONE]"), text[:500]
         print(f"\n[autoscale] a request to a pool at zero: first token after {ttft:.1f} s "
               "(the cold start)")
-        woken = _get(kube, "ServingPool", namespace, POOL)
-        assert _replicas(woken)[0] == 1
-        assert woken["status"]["autoscaling"]["signal"] in ("held", "load", "min"), woken
+        assert _replicas(_get(kube, "ServingPool", namespace, POOL))[0] == 1
+        woke = [e["message"] for e in kube.list("Event", namespace)
+                if e.get("reason") == "Scaled" and e["message"].startswith("0 -> 1")]
+        assert woke and "(held: 1 requests held)" in woke[0], woke
 
         results: list[tuple[int, float, str]] = []
         burst = [threading.Thread(target=lambda: results.append(_first_token(url)))

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
-
 from kvfleet.api.labels import label_value
 from kvfleet.api.saturation import load_score
 from kvfleet.api.servingpool import Autoscaling, ServingPool, SLOs
@@ -164,12 +162,13 @@ class _PoolState:
 
 
 class Autoscaler:
-    """Owns the decisions of every autoscaled pool. `read` answers the fleet's signals (None
-    when Prometheus cannot: every pool's count is held); `scale` writes a pool's
-    spec.replicas; `changed` asks for the pool's reconcile (which writes its status)."""
+    """Owns the decisions of every autoscaled pool. `read` answers the fleet's signals;
+    `scale` writes a pool's spec.replicas; `changed(key, scaled)` asks for the pool's
+    reconcile (which writes its status, and with `scaled` carries out a new count: that one
+    must not wait behind other work)."""
 
     def __init__(self, read: Callable[[], Any], scale: Callable[[Key, int], Any],
-                 changed: Callable[[Key], None], post: Callable[[Key, Event], Any],
+                 changed: Callable[[Key, bool], None], post: Callable[[Key, Event], Any],
                  interval: float = DEFAULT_INTERVAL_SECONDS,
                  clock: Callable[[], float] = time.time) -> None:
         self.read, self.scale, self.changed, self.post = read, scale, changed, post
@@ -191,8 +190,12 @@ class Autoscaler:
             return
         fleet: FleetSignals | None = await self.read()
         now = self.clock()
-        await asyncio.gather(*(self._one(key, pool, fleet, now)
-                               for key, pool in wanted.items()))
+        outcomes = await asyncio.gather(*(self._one(key, pool, fleet, now)
+                                          for key, pool in wanted.items()),
+                                        return_exceptions=True)
+        for key, outcome in zip(wanted, outcomes, strict=True):
+            if isinstance(outcome, Exception):  # (one pool's failure is not the others')
+                log.warning("autoscaling of %s/%s failed: %s", *key, outcome)
 
     async def _one(self, key: Key, pool: ServingPool, fleet: FleetSignals | None,
                    now: float) -> None:
@@ -215,31 +218,34 @@ class Autoscaler:
         scaled_at = previous.last_scale_time if previous is not None else (
             pool.status.autoscaling.last_scale_time
             if pool.status is not None and pool.status.autoscaling is not None else None)
+        events = []
         if decision.desired != current:
-            await self.scale(key, decision.desired)
+            await self.scale(key, decision.desired)  # (failed: decided again next interval)
             scaled_at = rfc3339(datetime.fromtimestamp(now, UTC))
-            await self.post(key, Event("Normal", "Scaled", (
+            events.append(Event("Normal", "Scaled", (
                 f"{current} -> {decision.desired} replicas ({decision.signal}: "
                 f"{decision.message})")))
         was = previous.decision if previous is not None else None
         if not decision.active and (was is None or was.active):
-            await self.post(key, Event("Warning", "AutoscalingInactive", decision.why_inactive))
+            events.append(Event("Warning", "AutoscalingInactive", decision.why_inactive))
         if decision.limited and (was is None or not was.limited):
-            await self.post(key, Event("Warning", "ScalingLimited", decision.why_limited))
+            events.append(Event("Warning", "ScalingLimited", decision.why_limited))
         # The status changes with what was decided, not with every interval's numbers: a
         # reconcile per pool per interval would be the fleet's whole reconcile budget.
         if previous is None or _shown(previous.decision) != _shown(decision) or \
                 scaled_at != previous.last_scale_time:
             state.report = Report(decision, scaled_at)
-            self.changed(key)
+            self.changed(key, decision.desired != current)
+        for event in events:  # last: a refused event changes nothing decided
+            await self.post(key, event)
 
     async def run_forever(self, pools: Callable[[], list[ServingPool]]) -> None:
         while True:
             started = time.monotonic()
             try:
                 await self.step(pools())
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                log.warning("autoscaling interval failed: %s", exc)
+            except Exception:  # never a loop that stopped deciding in silence
+                log.exception("autoscaling interval failed")
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
 

@@ -110,8 +110,8 @@ class Runtime:
         self._kv_blocks: tuple[float, dict[Key, dict[str, int]] | None] = (-1e18, None)
         self._kv_lock = asyncio.Lock()
         self.autoscaler = Autoscaler(self.fleet_signals, self._set_replicas,
-                                     lambda key: self.wake(key, 0), self._post_event_of,
-                                     self.autoscale_interval)
+                                     lambda key, scaled: self.wake(key, 0, urgent=scaled),
+                                     self._post_event_of, self.autoscale_interval)
 
     def _timed(self, kind: str, fn: Any) -> Any:
         async def run(key: Key) -> None:
@@ -154,21 +154,25 @@ class Runtime:
         name = ((raw or {}).get("spec", {}).get("poolRef") or {}).get("name")
         return (namespace, name) if isinstance(name, str) else None
 
-    def wake(self, key: Key, seconds: float) -> None:
-        """Reconcile the pool again in `seconds` (the earliest request wins), in the urgent
-        lane: a decision (the autoscaler's, a Rollout's) waits to be carried out."""
+    def wake(self, key: Key, seconds: float, urgent: bool = True) -> None:
+        """Reconcile the pool again in `seconds` (the earliest request wins), by default in
+        the urgent lane: a decision (the autoscaler's, a Rollout's) waits to be carried
+        out."""
         loop = asyncio.get_running_loop()
         when = loop.time() + seconds
         handle = self._wakeups.get(key)
         if handle is not None and not handle.cancelled() and handle.when() <= when:
+            if urgent:  # (the earlier run is the one that carries the decision out)
+                self._urgent.add(key)
             return
         if handle is not None:
             handle.cancel()
 
         def fire() -> None:
             self._wakeups.pop(key, None)
-            self._urgent.add(key)
-            self._slots.promote(key)
+            if urgent:
+                self._urgent.add(key)
+                self._slots.promote(key)
             task = loop.create_task(self._woken_reconcile(key))
             self._woken.add(task)
             task.add_done_callback(self._woken.discard)

@@ -74,7 +74,7 @@ class _Fake:
     def __init__(self) -> None:
         self.fleet: FleetSignals | None = None
         self.scaled: list[tuple[Key, int]] = []
-        self.changed: list[Key] = []
+        self.changed: list[tuple[Key, bool]] = []
         self.events: list[Event] = []
         self.now = 1000.0
 
@@ -88,7 +88,8 @@ class _Fake:
         async def post(key: Key, event: Event) -> None:
             self.events.append(event)
 
-        return Autoscaler(read, scale, self.changed.append, post, clock=lambda: self.now)
+        return Autoscaler(read, scale, lambda key, scaled: self.changed.append((key, scaled)),
+                          post, clock=lambda: self.now)
 
 
 def test_an_interval_scales_once_says_so_and_asks_for_the_status_only_on_a_change() -> None:
@@ -97,7 +98,7 @@ def test_an_interval_scales_once_says_so_and_asks_for_the_status_only_on_a_chang
     # Load 12 (a KV cache over 80 % weighs): 3 replicas at 4 each.
     fake.fleet = FleetSignals.parse(_rows(at=1000.0), 1000.0)
     asyncio.run(scaler.step([_pool()]))
-    assert fake.scaled == [((NS, "chat"), 3)] and fake.changed == [(NS, "chat")]
+    assert fake.scaled == [((NS, "chat"), 3)] and fake.changed == [((NS, "chat"), True)]
     assert [e.reason for e in fake.events] == ["Scaled"]
     assert "1 -> 3 replicas (load: load 12.0 over 2 replicas, target 4 each)" in \
         fake.events[0].message
@@ -130,3 +131,21 @@ def test_a_pool_that_stops_autoscaling_is_forgotten() -> None:
     asyncio.run(scaler.step([_pool()]))
     asyncio.run(scaler.step([]))
     assert scaler.report((NS, "chat")) is None
+
+
+def test_a_pool_whose_writes_fail_does_not_stop_the_others_or_the_loop() -> None:
+    """A namespace being deleted refuses the event (and the scale): the other pools are still
+    decided, and the decision that was taken is kept."""
+    fake = _Fake()
+    refusing = fake.autoscaler()
+
+    async def refuse(key: Key, event: Event) -> None:
+        raise RuntimeError(f"namespace {key[0]} is being terminated")
+
+    refusing.post = refuse
+    fake.fleet = FleetSignals.parse(_rows() + _rows("other"), 1000.0)
+    other = _pool()
+    other.metadata.name = "other"
+    asyncio.run(refusing.step([_pool(), other]))
+    assert sorted(fake.scaled) == [((NS, "chat"), 3), ((NS, "other"), 3)]
+    assert refusing.report((NS, "chat")) is not None
