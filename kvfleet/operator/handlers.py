@@ -114,6 +114,21 @@ class _State:
             await informer.synced.wait()
         return runtime
 
+    def spawn(self, trigger: Callable[[Key], Awaitable[None]], key: Key) -> None:
+        """Run a reconcile in the background (failures logged: the drift loop retries)."""
+        async def run() -> None:
+            try:
+                # An informer's first listing can trigger before the others have listed: a
+                # reconcile then would see children missing that merely are not listed yet.
+                await self.synced()
+                await trigger(key)
+            except Exception as exc:  # the drift loop retries; say why meanwhile
+                log.warning("reconcile of %s/%s failed: %s", key[0], key[1], exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
 
 async def _handled(trigger: Callable[[Key], Awaitable[None]], key: Key) -> None:
     """Run a reconcile from a kopf handler, mapping failures to kopf's retry semantics."""
@@ -170,20 +185,7 @@ async def drift_forever(
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     state = _State()
-
-    def in_background(trigger: Callable[[Key], Awaitable[None]], key: Key) -> None:
-        async def run() -> None:
-            try:
-                # An informer's first listing can trigger before the others have listed: a
-                # reconcile then would see children missing that merely are not listed yet.
-                await state.synced()
-                await trigger(key)
-            except Exception as exc:  # the drift loop retries; say why meanwhile
-                log.warning("reconcile of %s/%s failed: %s", key[0], key[1], exc)
-
-        task = asyncio.get_running_loop().create_task(run())
-        state.background.add(task)
-        task.add_done_callback(state.background.discard)
+    in_background = state.spawn
 
     @kopf.on.startup(registry=registry)
     def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -282,6 +284,12 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             await state.runtime.prometheus.close()
             await state.runtime.api.close()
 
+    _register_kinds(registry, state)
+    return registry
+
+
+def _register_kinds(registry: kopf.OperatorRegistry, state: _State) -> None:
+    """kopf's indices of pools, artifacts and Rollouts, and what their events trigger."""
     # -- the cache: kopf indices of pools and artifacts (the rest: informers) --------------
 
     def indexer(kind: str) -> Callable[..., Awaitable[dict[Any, Any]]]:
@@ -314,14 +322,14 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         await _handled(runtime.artifacts.trigger, (namespace or "default", name))
         if reason != "resume":  # on resume, every pool resumes by itself
             for key in runtime.pools_using(namespace or "default", name):
-                in_background(runtime.pools.trigger, key)
+                state.spawn(runtime.pools.trigger, key)
 
     @kopf.on.delete(GROUP, VERSION, "modelartifacts", id="modelartifact-delete", optional=True,
                     registry=registry)
     async def artifact_deleted(namespace: str | None, name: str, **_: Any) -> None:
         runtime = state.get()
         for key in runtime.pools_using(namespace or "default", name):
-            in_background(runtime.pools.trigger, key)
+            state.spawn(runtime.pools.trigger, key)
 
     # -- Rollout: its pool reconciles it (one writer of the pool's traffic table) ---------
 
@@ -342,6 +350,4 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         metrics.forget_rollout(namespace or "default", name or "")
         pool = (spec.get("poolRef") or {}).get("name")
         if isinstance(pool, str):
-            in_background(runtime.pools.trigger, (namespace or "default", pool))
-
-    return registry
+            state.spawn(runtime.pools.trigger, (namespace or "default", pool))
