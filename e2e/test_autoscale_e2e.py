@@ -6,6 +6,9 @@ a) A load ramp: 1 -> 3 replicas, each new one Ready and served from, back to 1 o
    stops and the scale-down window has passed; the time to each decision is printed.
 e) The router stopped: its series go stale, AutoscalingActive turns False within two
    intervals (plus Prometheus's scrape and staleness), and the count is held.
+b) Idle -> 0, the next request held and served after the cold start, a burst after it.
+d) No GPU for more replicas: ScalingLimited, the count stops growing, nothing hangs.
+c) A scale-down while 8 streams run fails none of them.
 """
 
 from __future__ import annotations
@@ -276,3 +279,73 @@ def test_an_idle_pool_sleeps_at_zero_and_its_next_request_wakes_it(
         for thread in burst:
             thread.join(300)
         assert [r[0] for r in results] == [200] * 12, [r[2][:200] for r in results]
+
+
+def _occupy_gpus(kube: KubeClient, namespace: str, node: str, gpus: int) -> None:
+    """A pod holding `gpus` of the local node's GPUs (a sleeping process), as another team's
+    job would: what is left is all the pool can be placed on."""
+    from kvfleet.devcluster.fleet import GPU_RESOURCE
+    from kvfleet.operator.placement import tolerations
+
+    kube.create({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "gpu-occupier", "namespace": namespace},
+        "spec": {"nodeName": node, "tolerations": tolerations(), "containers": [{
+            "name": "job", "image": "python",
+            "command": ["python", "-c", "import time; time.sleep(3600)"],
+            "resources": {"limits": {GPU_RESOURCE: str(gpus)}}}]}})
+
+
+def test_no_gpu_for_a_replica_limits_the_count_and_a_scale_down_under_streams_fails_nothing(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
+    local_node: str,
+) -> None:
+    """d) Two of the node's four GPUs are taken: the pool grows one replica at a time past
+    the two it can place; once a replica has been unschedulable for the grace (what a node
+    autoscaler would have had to add a GPU node), ScalingLimited says so and the count stops
+    growing short of what the load asks for, with every request still answered. c) Then
+    maxReplicas 1 while 8 streams run: the pool goes to 1 and no request fails (the removed
+    replicas stop getting requests, finish what they have, then go)."""
+    with _only_the_local_l4_node(kube, kubectl):
+        kube.create(smollm2_revision("smol", 40, namespace))
+        tenant(kube, namespace)
+        _occupy_gpus(kube, namespace, local_node, 2)
+        pool = local_pool(POOL, "smol", namespace)
+        pool["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 8, "targetLoad": 1.0,
+                                       "maxStep": 1, "pendingGraceSeconds": 10,
+                                       "scaleDownStabilizationSeconds": 10,
+                                       "sloScaling": False}
+        kube.create(pool)
+        _wait_pool(kube, operator, namespace, POOL, _available, "the first replica Ready", 300)
+        url = router_on_node(kube, namespace, local_node)
+        streams = Streams(url, 8)
+        try:
+            started = time.monotonic()
+            limited = _wait_pool(kube, operator, namespace, POOL, lambda p: _cond(
+                p, "ScalingLimited").get("reason") == "Unschedulable",
+                "ScalingLimited: replicas without a GPU", 300)
+            _decided(started, "ScalingLimited")
+            message = _cond(limited, "ScalingLimited")["message"]
+            assert "replicas unschedulable for" in message and "not growing to" in message, \
+                message
+            held = _replicas(_get(kube, "ServingPool", namespace, POOL))
+            assert 3 <= held[0] < 8, held
+            for _ in range(3):  # the count stays while the load asks for more
+                time.sleep(INTERVAL_S)
+                assert _replicas(_get(kube, "ServingPool", namespace, POOL)) == (held[0], 2)
+            served_before = streams.served
+
+            # c) Down to 1 under the 8 streams.
+            kube.merge_patch("ServingPool", POOL, {"spec": {"autoscaling": {
+                "maxReplicas": 1}}}, namespace)
+            started = time.monotonic()
+            _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p) == (1, 1),
+                       "down to 1 replica", 120)
+            _decided(started, f"{held[0]} -> 1 under 8 streams")
+            kube.wait_for("one engine pod left", lambda: len(kube.list(
+                "Pod", namespace, label_selector="kvfleet.io/pool=" + POOL)) == 1 or None, 120)
+            time.sleep(5)
+        finally:
+            streams.close()
+        assert streams.failures == [], streams.failures[:5]
+        assert streams.served > served_before > 0

@@ -186,7 +186,7 @@ class Autoscaling(KubeModel):
     signal, and one more replica while the TTFT or TPOT p95 misses the pool's spec.slos; then
     bounded, stabilised (a scale-down takes the highest count recommended over its window)
     and moved at most maxStep. Missing or stale signals hold the count (AutoscalingActive
-    False says which); replicas that stay unready stop it growing (ScalingLimited)."""
+    False says which); replicas the scheduler cannot place stop it growing (ScalingLimited)."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -231,8 +231,9 @@ class Autoscaling(KubeModel):
         description="Signals older than this hold the count (AutoscalingActive False).")
     pending_grace_seconds: int = Field(
         default=120, ge=10, le=3600,
-        description="How long replicas may stay unready before the count stops growing "
-        "(ScalingLimited): new GPU pods that stay Pending are not asked for again and again.")
+        description="How long replicas may stay unschedulable (no node with a free GPU) "
+        "before the count stops growing (ScalingLimited): time for a node autoscaler to add "
+        "one; after it, pods that cannot be placed are not asked for again and again.")
     scale_to_zero: ScaleToZero | None = Field(
         default=None, description="Go to 0 replicas when idle (needs minReplicas 0); "
         "requests wake the pool.")

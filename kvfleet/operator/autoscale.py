@@ -21,9 +21,10 @@ that raised the count; each decision moves at most `max_step` replicas. A pool i
 is its own stabilisation.
 
 Never silent: signals that are missing or older than `stale_after` hold the count and say why
-(`active` False, `why_inactive`); replicas Pending longer than `pending_grace` (no GPU to place
-them) stop the count from growing and say so (`limited`, `why_limited`), instead of asking for
-more that cannot be placed.
+(`active` False, `why_inactive`); replicas the scheduler has found no node for over
+`pending_grace` (no GPU to place them; a node autoscaler had that long to add one) stop the
+count from growing and say so (`limited`, `why_limited`), instead of asking for more that
+cannot be placed. Replicas that are placed and still starting do not: their engines load.
 
 No overshoot from cold starts: the SLO signal adds a replica only once every replica asked for
 is Ready and the SLO window has passed since the last scale-up, so the slow first requests of
@@ -70,7 +71,8 @@ class Signals:
 class Observed:
     current: int  # the replicas asked for now
     ready: int
-    pending_since: float | None = None  # since when the oldest unready replica waits
+    pending_since: float | None = None  # since when the oldest unplaceable replica waits
+    unplaced: int = 0  # replicas the scheduler found no node for
 
 
 @dataclass(slots=True)
@@ -90,6 +92,12 @@ class Decision:
     why_inactive: str = ""
     limited: bool = False
     why_limited: str = ""
+
+    @property
+    def scaling_limited(self) -> bool:
+        """Kept from the count the signals ask for: replicas that cannot be placed, or the
+        min/max bounds (the ScalingLimited condition)."""
+        return self.limited or self.signal in ("min", "max")
 
 
 def _recommend(policy: Policy, signals: Signals, observed: Observed, history: History,
@@ -180,8 +188,8 @@ def decide(policy: Policy, signals: Signals | None, observed: Observed, history:
             now - observed.pending_since > policy.pending_grace:
         waited = now - observed.pending_since
         return Decision(current, signal, message, limited=True, why_limited=(
-            f"{current - observed.ready} replicas not Ready for {waited:.0f} s (no GPU to "
-            f"place them?): holding {current}, not growing to {desired}"))
+            f"{observed.unplaced} replicas unschedulable for {waited:.0f} s (no node with a "
+            f"free GPU fits them): holding {current}, not growing to {desired}"))
     if desired > current:
         history.last_up_at = now
     return Decision(desired, signal, message)

@@ -157,7 +157,6 @@ class Report:
 @dataclass
 class _PoolState:
     history: History = field(default_factory=History)
-    not_ready_since: float | None = None
     report: Report | None = None
 
 
@@ -165,13 +164,17 @@ class Autoscaler:
     """Owns the decisions of every autoscaled pool. `read` answers the fleet's signals;
     `scale` writes a pool's spec.replicas; `changed(key, scaled)` asks for the pool's
     reconcile (which writes its status, and with `scaled` carries out a new count: that one
-    must not wait behind other work)."""
+    must not wait behind other work); `unplaced(key)` says how many of its pods the scheduler
+    found no node for, and since when."""
 
     def __init__(self, read: Callable[[], Any], scale: Callable[[Key, int], Any],
                  changed: Callable[[Key, bool], None], post: Callable[[Key, Event], Any],
                  interval: float = DEFAULT_INTERVAL_SECONDS,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 unplaced: Callable[[Key], tuple[int, float | None]] = lambda key: (0, None),
+                 ) -> None:
         self.read, self.scale, self.changed, self.post = read, scale, changed, post
+        self.unplaced = unplaced
         self.interval, self.clock = interval, clock
         self._pools: dict[Key, _PoolState] = {}
 
@@ -204,14 +207,11 @@ class Autoscaler:
         state = self._pools.setdefault(key, _PoolState())
         current = pool.spec.replicas
         ready = pool.status.ready_replicas if pool.status is not None else 0
-        if ready >= current:
-            state.not_ready_since = None
-        elif state.not_ready_since is None:
-            state.not_ready_since = now
+        unplaced, since = self.unplaced(key)
         # (Engines are expected to report once Ready: a pool still starting is not "missing".)
         signals = fleet.of(key[0], pool.metadata.name, ready) if fleet is not None else None
         decision = decide(policy_of(spec, pool.spec.slos), signals,
-                          Observed(current, ready, state.not_ready_since), state.history, now)
+                          Observed(current, ready, since, unplaced), state.history, now)
         metrics.AUTOSCALE_DESIRED.labels(*key).set(decision.desired)
         metrics.AUTOSCALE_ACTIVE.labels(*key).set(decision.active)
         previous = state.report
@@ -235,7 +235,12 @@ class Autoscaler:
         if previous is None or _shown(previous.decision) != _shown(decision) or \
                 scaled_at != previous.last_scale_time:
             state.report = Report(decision, scaled_at)
-            self.changed(key, decision.desired != current)
+            # A pool not reconciled yet (a burst of creates) or whose status already says
+            # this (a restarted operator) gets it at its next reconcile, not a reconcile more.
+            if decision.desired != current or (pool.status is not None and (
+                    pool.status.observed_generation is not None)
+                    and not _status_shows(pool, decision)):
+                self.changed(key, decision.desired != current)
         for event in events:  # last: a refused event changes nothing decided
             await self.post(key, event)
 
@@ -251,3 +256,14 @@ class Autoscaler:
 
 def _shown(decision: Decision) -> tuple[int, str, bool, bool]:
     return decision.desired, decision.signal, decision.active, decision.limited
+
+
+def _status_shows(pool: ServingPool, decision: Decision) -> bool:
+    status = pool.status
+    if status is None or status.autoscaling is None:
+        return False
+    conditions = {c.type: c.status for c in status.conditions}
+    return (status.autoscaling.desired_replicas, status.autoscaling.signal,
+            conditions.get("AutoscalingActive"), conditions.get("ScalingLimited")) == (
+        decision.desired, decision.signal, "True" if decision.active else "False",
+        "True" if decision.scaling_limited else "False")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from kvfleet.api import ServingPoolSpec
@@ -186,6 +187,22 @@ def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
     ):
         return "Unschedulable", str(scheduled.get("message", "")).strip()
     return _container_problem(pod)
+
+
+def unschedulable_since(pods: list[dict[str, Any]]) -> tuple[int, float | None]:
+    """How many live pods the scheduler could not place, and since when (unix time) the
+    oldest of them has been so: replicas that wait for a GPU, not for their engine."""
+    since = []
+    for pod in pods:
+        problem = pod_problem(pod)
+        if problem is not None and problem[0] == "Unschedulable":
+            stamp = str((_condition(pod, "PodScheduled") or {}).get("lastTransitionTime", ""))
+            try:
+                since.append(datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(
+                    tzinfo=UTC).timestamp())
+            except ValueError:
+                since.append(float("inf"))  # (no time: counted, never past a grace)
+    return len(since), min(since, default=None)
 
 
 def diagnose(spec: ServingPoolSpec, pods: list[dict[str, Any]]) -> Diagnosis | None:

@@ -43,7 +43,7 @@ from kvfleet.operator.cache import Cache
 from kvfleet.operator.coalesce import Coalescer
 from kvfleet.operator.events import Event
 from kvfleet.operator.modelartifact import reconcile_artifact
-from kvfleet.operator.placement import diagnose
+from kvfleet.operator.placement import diagnose, unschedulable_since
 from kvfleet.operator.promquery import PromQuery, Target
 from kvfleet.operator.rollout import (
     SHADOW_STEP,
@@ -109,9 +109,11 @@ class Runtime:
         self.artifacts = Coalescer(self._timed("ModelArtifact", self.reconcile_artifact))
         self._kv_blocks: tuple[float, dict[Key, dict[str, int]] | None] = (-1e18, None)
         self._kv_lock = asyncio.Lock()
-        self.autoscaler = Autoscaler(self.fleet_signals, self._set_replicas,
-                                     lambda key, scaled: self.wake(key, 0, urgent=scaled),
-                                     self._post_event_of, self.autoscale_interval)
+        self.autoscaler = Autoscaler(
+            self.fleet_signals, self._set_replicas,
+            lambda key, scaled: self.wake(key, 0, urgent=scaled), self._post_event_of,
+            self.autoscale_interval, unplaced=lambda key: unschedulable_since(
+                self.cache.pods(key[0], naming.label_value(key[1]))))
 
     def _timed(self, kind: str, fn: Any) -> Any:
         async def run(key: Key) -> None:

@@ -498,8 +498,8 @@ def _autoscaling_conditions(report: AutoscaleReport | None) -> list[Cond]:
         if decision.active else Cond("AutoscalingActive", False, "SignalsMissing",
                                      decision.why_inactive)
     if decision.limited:
-        limited = Cond("ScalingLimited", True, "ReplicasNotReady", decision.why_limited)
-    elif decision.signal in ("max", "min"):
+        limited = Cond("ScalingLimited", True, "Unschedulable", decision.why_limited)
+    elif decision.scaling_limited:
         limited = Cond("ScalingLimited", True, f"{decision.signal.capitalize()}Replicas",
                        decision.message)
     else:

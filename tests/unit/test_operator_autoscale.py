@@ -46,11 +46,15 @@ def test_stale_or_missing_signals_hold_the_count_and_say_why() -> None:
 
 def test_replicas_pending_past_the_grace_stop_the_count_growing() -> None:
     busy = Signals(at=500, loads=(9.0, 9.0))
-    fresh = decide(POLICY, busy, Observed(3, 2, pending_since=450), History(), 500)
-    assert fresh.desired == 4 and not fresh.limited  # within the grace: it may still land
-    stuck = decide(POLICY, busy, Observed(3, 2, pending_since=300), History(), 500)
-    assert (stuck.desired, stuck.limited) == (3, True)
-    assert "1 replicas not Ready for 200 s" in stuck.why_limited
+    fresh = decide(POLICY, busy, Observed(3, 2, pending_since=450, unplaced=1), History(), 500)
+    assert fresh.desired == 4 and not fresh.limited  # within the grace: a node may come
+    stuck = decide(POLICY, busy, Observed(3, 2, pending_since=300, unplaced=1), History(), 500)
+    assert (stuck.desired, stuck.limited, stuck.scaling_limited) == (3, True, True)
+    assert "1 replicas unschedulable for 200 s" in stuck.why_limited
+    assert "holding 3, not growing to 4" in stuck.why_limited
+    # Placed and still starting (an engine loading its model) is not "cannot be placed".
+    starting = decide(POLICY, busy, Observed(3, 1), History(), 500)
+    assert starting.desired == 4 and not starting.limited
 
 
 def test_idle_goes_to_zero_and_a_held_request_wakes_one() -> None:
@@ -117,3 +121,22 @@ def test_no_signals_make_it_flap_within_a_window(steps: list[tuple[float, list[f
         elif decision.desired < current and last_rise is not None:
             assert now - last_rise >= policy.down_window, (now, last_rise)
         current = decision.desired
+
+
+def test_unschedulable_pods_are_counted_from_the_schedulers_verdict() -> None:
+    from kvfleet.operator.placement import unschedulable_since
+
+    def pod(scheduled: str, reason: str = "", at: str = "2026-01-01T00:00:10Z",
+            deleting: bool = False) -> dict[str, object]:
+        meta: dict[str, object] = {"name": "p"}
+        if deleting:
+            meta["deletionTimestamp"] = at
+        return {"metadata": meta, "status": {"conditions": [
+            {"type": "PodScheduled", "status": scheduled, "reason": reason,
+             "lastTransitionTime": at}]}}
+
+    pods = [pod("True"), pod("False", "Unschedulable", "2026-01-01T00:00:30Z"),
+            pod("False", "Unschedulable"), pod("False", "Unschedulable", deleting=True)]
+    count, since = unschedulable_since(pods)
+    assert (count, since) == (2, 1767225610.0)
+    assert unschedulable_since([pod("True")]) == (0, None)

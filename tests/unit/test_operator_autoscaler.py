@@ -67,7 +67,7 @@ def _pool(replicas: int = 1, ready: int = 1, **autoscaling: Any) -> ServingPool:
                  "gpu": {"product": "NVIDIA-L4"},
                  "autoscaling": {"maxReplicas": 4, "targetLoad": 4.0,
                                  "scaleDownStabilizationSeconds": 60, **autoscaling}},
-        "status": {"replicas": replicas, "readyReplicas": ready}})
+        "status": {"replicas": replicas, "readyReplicas": ready, "observedGeneration": 1}})
 
 
 class _Fake:
@@ -122,6 +122,27 @@ def test_lost_signals_warn_once_and_hold_the_count() -> None:
     assert [e.reason for e in fake.events] == ["AutoscalingInactive"]
     assert "Prometheus did not answer (TimeoutError): holding 2 replicas" in \
         fake.events[0].message
+
+
+def test_a_status_that_shows_the_decision_or_a_pool_not_reconciled_yet_costs_no_reconcile(
+) -> None:
+    """A burst of new pools, or a restarted operator over thousands of them, must not add a
+    reconcile per pool for the status alone: the next one writes it anyway."""
+    fake = _Fake()
+    scaler = fake.autoscaler()
+    fake.fleet = FleetSignals(1000.0, error="Prometheus did not answer")
+    new = _pool(replicas=2, ready=0)
+    new.status = None
+    shown = _pool(replicas=2, ready=2)
+    assert shown.status is not None
+    shown.metadata.name = "shown"
+    shown.status = shown.status.model_validate({
+        **shown.status.to_wire(), "autoscaling": {"desiredReplicas": 2, "signal": "stale"},
+        "conditions": [{"type": t, "status": "False", "reason": "R", "message": "",
+                        "lastTransitionTime": "2026-01-01T00:00:00Z"}
+                       for t in ("AutoscalingActive", "ScalingLimited")]})
+    asyncio.run(scaler.step([new, shown]))
+    assert fake.changed == [] and scaler.report((NS, "chat")) is not None
 
 
 def test_a_pool_that_stops_autoscaling_is_forgotten() -> None:

@@ -467,9 +467,10 @@ def test_the_autoscalers_decision_shows_in_status_and_goes_with_its_spec() -> No
     active = _cond(plan, "AutoscalingActive")
     assert (active["status"], active["reason"], active["message"]) == (
         "False", "SignalsMissing", "no router: holding 3")
-    stuck = Report(Decision(3, "load", limited=True, why_limited="1 replicas not Ready"), None)
+    stuck = Report(Decision(3, "load", limited=True, why_limited="1 replicas unschedulable"),
+                   None)
     limited = _cond(_run(p, a, observed, autoscaling=stuck), "ScalingLimited")
-    assert (limited["status"], limited["reason"]) == ("True", "ReplicasNotReady")
+    assert (limited["status"], limited["reason"]) == ("True", "Unschedulable")
     kept = _run(_with_status(p, plan), a, observed)
     assert _cond(kept, "AutoscalingActive")["status"] == "False"
     assert kept.status["autoscaling"]["signal"] == "stale"
