@@ -112,7 +112,7 @@ AUTOSCALING = {"minReplicas": 1, "maxReplicas": 4, "targetLoad": 2.0}
 
 class FakePrometheus:
     """The answer to the autoscaler's fleet query, from memory: per pool one engine pod
-    running `loads[pool]` requests, and a router reporting it. Counts the queries."""
+    running `loads[pool]` requests, and a router reporting it. Counts those queries."""
 
     def __init__(self, pools: list[str]) -> None:
         self.loads = dict.fromkeys(pools, 1.0)
@@ -121,9 +121,12 @@ class FakePrometheus:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length", 0)))
-                fake.queries += 1
-                body = json.dumps(fake.answer()).encode()
+                query = self.rfile.read(int(self.headers.get("content-length", 0)))
+                # The autoscaler's query (the operator's other one, KV blocks, finds nothing).
+                signals = b"kvfleet_router_held_requests" in query
+                fake.queries += signals
+                body = json.dumps(fake.answer() if signals else {
+                    "status": "success", "data": {"resultType": "vector", "result": []}}).encode()
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(body)))

@@ -103,6 +103,7 @@ class Runtime:
         # a pool with a decision to carry out (`urgent`) goes ahead of the burst.
         self._slots = Slots(self.max_concurrent)
         self._urgent: set[Key] = set()
+        self._autoscaled: dict[Key, tuple[str | None, ServingPool]] = {}
         self._wakeups: dict[Key, asyncio.TimerHandle] = {}
         self._woken: set[asyncio.Task[None]] = set()
         self.pools = Coalescer(self._timed("ServingPool", self.reconcile_pool))
@@ -306,16 +307,25 @@ class Runtime:
         return FleetSignals.parse(rows, now)
 
     def autoscaled_pools(self) -> list[ServingPool]:
-        """The cached pools with spec.autoscaling (only those are parsed)."""
-        pools = []
-        for ns, name in self.cache.keys("ServingPool"):
-            raw = self.cache.get("ServingPool", ns, name)
-            if raw is not None and (raw.get("spec") or {}).get("autoscaling") and \
-                    not raw["metadata"].get("deletionTimestamp"):
+        """The cached pools with spec.autoscaling (only those are parsed, and each only when
+        its resourceVersion changed: thousands of pools every interval otherwise)."""
+        pools, parsed = [], {}
+        for key in self.cache.keys("ServingPool"):
+            raw = self.cache.get("ServingPool", *key)
+            if raw is None or not (raw.get("spec") or {}).get("autoscaling") or \
+                    raw["metadata"].get("deletionTimestamp"):
+                continue
+            version = raw["metadata"].get("resourceVersion")
+            pool = self._autoscaled.get(key)
+            if pool is None or pool[0] != version:
                 try:
-                    pools.append(_parse(ServingPool, raw))
+                    pool = (version, _parse(ServingPool, raw))
                 except InvalidObjectError as exc:
                     log.debug("not autoscaled: %s", exc)
+                    continue
+            parsed[key] = pool
+            pools.append(pool[1])
+        self._autoscaled = parsed
         return pools
 
     async def _set_replicas(self, key: Key, replicas: int) -> None:
