@@ -119,8 +119,9 @@ class Runtime:
     def _timed(self, kind: str, fn: Any) -> Any:
         async def run(key: Key) -> None:
             queued = time.perf_counter()
-            urgent = kind == "ServingPool" and key in self._urgent
-            await self._slots.acquire(urgent, key)
+            pool = kind == "ServingPool"  # (only a pool's decisions are urgent)
+            urgent = await self._slots.acquire(pool and key in self._urgent,
+                                               key if pool else None)
             self._urgent.discard(key)
             try:
                 started = time.perf_counter()

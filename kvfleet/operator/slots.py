@@ -27,12 +27,13 @@ class Slots:
     def waiting(self, urgent: bool) -> int:
         return sum(not f.done() for f in self._lanes[urgent])
 
-    async def acquire(self, urgent: bool = False, tag: Hashable | None = None) -> None:
-        """Wait for a slot; a bulk waiter with a `tag` can be promoted by it."""
+    async def acquire(self, urgent: bool = False, tag: Hashable | None = None) -> bool:
+        """Wait for a slot; a bulk waiter with a `tag` can be promoted by it. Whether the slot
+        came by the urgent lane."""
         ahead = self.waiting(True) + (0 if urgent else self.waiting(False))
         if self._free > 0 and ahead == 0:
             self._free -= 1
-            return
+            return urgent
         slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._lanes[urgent].append(slot)
         if not urgent and tag is not None:
@@ -44,8 +45,10 @@ class Slots:
                 self.release()  # handed a slot as it was cancelled: pass it on
             raise
         finally:
+            promoted = tag is not None and not urgent and self._tagged.get(tag) is not slot
             if tag is not None and self._tagged.get(tag) is slot:
                 del self._tagged[tag]
+        return urgent or promoted
 
     def promote(self, tag: Hashable) -> None:
         """The bulk waiter of `tag`, if any, into the urgent lane (it leaves the bulk one:

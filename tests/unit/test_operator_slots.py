@@ -17,8 +17,8 @@ def test_urgent_work_overtakes_a_queued_burst_and_promotion_moves_a_waiter_up() 
         gate = asyncio.Event()
 
         async def job(name: str, urgent: bool = False) -> None:
-            await slots.acquire(urgent, name)
-            order.append(name)
+            lane = await slots.acquire(urgent, name)
+            order.append(name + ("!" if lane else ""))
             if name == "first":
                 await gate.wait()
             slots.release()
@@ -36,7 +36,7 @@ def test_urgent_work_overtakes_a_queued_burst_and_promotion_moves_a_waiter_up() 
         assert slots.waiting(True) == slots.waiting(False) == 0
 
     asyncio.run(scenario())
-    assert order == ["first", "scale", "bulk-2", "bulk-0", "bulk-1"]
+    assert order == ["first", "scale!", "bulk-2!", "bulk-0", "bulk-1"]
 
 
 def test_a_cancelled_waiter_passes_its_slot_on() -> None:
