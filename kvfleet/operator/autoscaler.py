@@ -25,7 +25,7 @@ from typing import Any
 
 from kvfleet.api.labels import label_value
 from kvfleet.api.saturation import load_score
-from kvfleet.api.servingpool import Autoscaling, ServingPool, SLOs
+from kvfleet.api.servingpool import Autoscaling, SLOs
 from kvfleet.operator import metrics
 from kvfleet.operator.autoscale import Decision, History, Observed, Policy, Signals, decide
 from kvfleet.operator.conditions import rfc3339
@@ -146,6 +146,48 @@ def policy_of(spec: Autoscaling, slos: SLOs | None) -> Policy:
 
 
 @dataclass(frozen=True)
+class PoolView:
+    """What the autoscaler reads of a pool, from its cached object: the two small spec parts
+    parsed, the rest plain values (thousands of pools: no whole parsed pool kept per pool)."""
+
+    namespace: str
+    name: str
+    replicas: int
+    autoscaling: Autoscaling
+    slos: SLOs | None = None
+    ready: int = 0
+    reconciled: bool = False  # its status has an observedGeneration
+    # What its status shows now: (desiredReplicas, signal, AutoscalingActive, ScalingLimited)
+    shown: tuple[object, ...] = ()
+    last_scale_time: str | None = None
+
+    @property
+    def key(self) -> Key:
+        return self.namespace, self.name
+
+    @classmethod
+    def of(cls, raw: dict[str, Any]) -> PoolView | None:
+        """None for a pool without spec.autoscaling; ValueError (pydantic's) for one whose
+        autoscaling or slos do not parse."""
+        spec, status = raw.get("spec") or {}, raw.get("status") or {}
+        if not spec.get("autoscaling"):
+            return None
+        meta = raw["metadata"]
+        shown_by = status.get("autoscaling") or {}
+        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+        return cls(
+            namespace=str(meta.get("namespace") or "default"), name=str(meta["name"]),
+            replicas=int(spec.get("replicas", 1)),
+            autoscaling=Autoscaling.model_validate(spec["autoscaling"]),
+            slos=SLOs.model_validate(spec["slos"]) if spec.get("slos") else None,
+            ready=int(status.get("readyReplicas", 0)),
+            reconciled=status.get("observedGeneration") is not None,
+            shown=(shown_by.get("desiredReplicas"), shown_by.get("signal"),
+                   conditions.get("AutoscalingActive"), conditions.get("ScalingLimited")),
+            last_scale_time=shown_by.get("lastScaleTime"))
+
+
+@dataclass(frozen=True)
 class Report:
     """What the pool's status says of the autoscaler: its last decision, and when it last
     changed the count."""
@@ -182,10 +224,9 @@ class Autoscaler:
         state = self._pools.get(key)
         return state.report if state is not None else None
 
-    async def step(self, pools: list[ServingPool]) -> None:
-        """One interval: decide every autoscaled pool among `pools` and act on it."""
-        wanted = {(p.metadata.namespace or "default", p.metadata.name): p for p in pools
-                  if p.spec.autoscaling is not None}
+    async def step(self, pools: list[PoolView]) -> None:
+        """One interval: decide every pool among `pools` and act on it."""
+        wanted = {p.key: p for p in pools}
         for gone in set(self._pools) - set(wanted):
             del self._pools[gone]
             metrics.forget_autoscaled(*gone)
@@ -193,31 +234,26 @@ class Autoscaler:
             return
         fleet: FleetSignals | None = await self.read()
         now = self.clock()
-        outcomes = await asyncio.gather(*(self._one(key, pool, fleet, now)
-                                          for key, pool in wanted.items()),
+        outcomes = await asyncio.gather(*(self._one(pool, fleet, now)
+                                          for pool in wanted.values()),
                                         return_exceptions=True)
         for key, outcome in zip(wanted, outcomes, strict=True):
             if isinstance(outcome, Exception):  # (one pool's failure is not the others')
                 log.warning("autoscaling of %s/%s failed: %s", *key, outcome)
 
-    async def _one(self, key: Key, pool: ServingPool, fleet: FleetSignals | None,
-                   now: float) -> None:
-        spec = pool.spec.autoscaling
-        assert spec is not None
+    async def _one(self, pool: PoolView, fleet: FleetSignals | None, now: float) -> None:
+        key, current, ready = pool.key, pool.replicas, pool.ready
         state = self._pools.setdefault(key, _PoolState())
-        current = pool.spec.replicas
-        ready = pool.status.ready_replicas if pool.status is not None else 0
         unplaced, since = self.unplaced(key)
         # (Engines are expected to report once Ready: a pool still starting is not "missing".)
-        signals = fleet.of(key[0], pool.metadata.name, ready) if fleet is not None else None
-        decision = decide(policy_of(spec, pool.spec.slos), signals,
+        signals = fleet.of(pool.namespace, pool.name, ready) if fleet is not None else None
+        decision = decide(policy_of(pool.autoscaling, pool.slos), signals,
                           Observed(current, ready, since, unplaced), state.history, now)
         metrics.AUTOSCALE_DESIRED.labels(*key).set(decision.desired)
         metrics.AUTOSCALE_ACTIVE.labels(*key).set(decision.active)
         previous = state.report
-        scaled_at = previous.last_scale_time if previous is not None else (
-            pool.status.autoscaling.last_scale_time
-            if pool.status is not None and pool.status.autoscaling is not None else None)
+        scaled_at = previous.last_scale_time if previous is not None else \
+            pool.last_scale_time
         events = []
         if decision.desired != current:
             await self.scale(key, decision.desired)  # (failed: decided again next interval)
@@ -237,14 +273,14 @@ class Autoscaler:
             state.report = Report(decision, scaled_at)
             # A pool not reconciled yet (a burst of creates) or whose status already says
             # this (a restarted operator) gets it at its next reconcile, not a reconcile more.
-            if decision.desired != current or (pool.status is not None and (
-                    pool.status.observed_generation is not None)
-                    and not _status_shows(pool, decision)):
+            if decision.desired != current or (pool.reconciled and pool.shown != (
+                    decision.desired, decision.signal, _text(decision.active),
+                    _text(decision.scaling_limited))):
                 self.changed(key, decision.desired != current)
         for event in events:  # last: a refused event changes nothing decided
             await self.post(key, event)
 
-    async def run_forever(self, pools: Callable[[], list[ServingPool]]) -> None:
+    async def run_forever(self, pools: Callable[[], list[PoolView]]) -> None:
         while True:
             started = time.monotonic()
             try:
@@ -258,12 +294,5 @@ def _shown(decision: Decision) -> tuple[int, str, bool, bool]:
     return decision.desired, decision.signal, decision.active, decision.limited
 
 
-def _status_shows(pool: ServingPool, decision: Decision) -> bool:
-    status = pool.status
-    if status is None or status.autoscaling is None:
-        return False
-    conditions = {c.type: c.status for c in status.conditions}
-    return (status.autoscaling.desired_replicas, status.autoscaling.signal,
-            conditions.get("AutoscalingActive"), conditions.get("ScalingLimited")) == (
-        decision.desired, decision.signal, "True" if decision.active else "False",
-        "True" if decision.scaling_limited else "False")
+def _text(flag: bool) -> str:
+    return "True" if flag else "False"

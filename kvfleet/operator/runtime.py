@@ -36,6 +36,7 @@ from kvfleet.operator.autoscaler import (
     DEFAULT_INTERVAL_SECONDS,
     Autoscaler,
     FleetSignals,
+    PoolView,
     signals_query,
 )
 from kvfleet.operator.builders import EngineOptions
@@ -102,8 +103,8 @@ class Runtime:
         # instead of all crowding the apiserver at once, so each reconcile finishes quickly;
         # a pool with a decision to carry out (`urgent`) goes ahead of the burst.
         self._slots = Slots(self.max_concurrent)
-        self._urgent: set[Key] = set()
-        self._autoscaled: dict[Key, tuple[str | None, ServingPool]] = {}
+        self._urgent: dict[Key, float] = {}  # pools with a decision to carry out: since when
+        self._autoscaled: dict[Key, tuple[str | None, PoolView]] = {}
         self._wakeups: dict[Key, asyncio.TimerHandle] = {}
         self._woken: set[asyncio.Task[None]] = set()
         self.pools = Coalescer(self._timed("ServingPool", self.reconcile_pool))
@@ -122,11 +123,13 @@ class Runtime:
             pool = kind == "ServingPool"  # (only a pool's decisions are urgent)
             urgent = await self._slots.acquire(pool and key in self._urgent,
                                                key if pool else None)
-            self._urgent.discard(key)
+            marked = self._urgent.pop(key, queued) if pool else queued
             try:
                 started = time.perf_counter()
                 lane = "urgent" if urgent else "bulk"
-                metrics.QUEUE_SECONDS.labels(kind=kind, lane=lane).observe(started - queued)
+                # (an urgent run waited from when the decision was taken, if it came later)
+                waited = started - (max(queued, marked) if urgent else queued)
+                metrics.QUEUE_SECONDS.labels(kind=kind, lane=lane).observe(waited)
                 metrics.RECONCILES.labels(kind=kind).inc()
                 try:
                     await fn(key)
@@ -167,7 +170,7 @@ class Runtime:
         handle = self._wakeups.get(key)
         if handle is not None and not handle.cancelled() and handle.when() <= when:
             if urgent:  # (the earlier run is the one that carries the decision out)
-                self._urgent.add(key)
+                self._urgent.setdefault(key, time.perf_counter())
             return
         if handle is not None:
             handle.cancel()
@@ -175,7 +178,7 @@ class Runtime:
         def fire() -> None:
             self._wakeups.pop(key, None)
             if urgent:
-                self._urgent.add(key)
+                self._urgent.setdefault(key, time.perf_counter())
                 self._slots.promote(key)
             task = loop.create_task(self._woken_reconcile(key))
             self._woken.add(task)
@@ -307,26 +310,29 @@ class Runtime:
                                 f"({type(error).__name__}: {error})")
         return FleetSignals.parse(rows, now)
 
-    def autoscaled_pools(self) -> list[ServingPool]:
-        """The cached pools with spec.autoscaling (only those are parsed, and each only when
-        its resourceVersion changed: thousands of pools every interval otherwise)."""
-        pools, parsed = [], {}
+    def autoscaled_pools(self) -> list[PoolView]:
+        """The cached pools with spec.autoscaling, as the autoscaler reads them (each read
+        again only when its resourceVersion changed)."""
+        pools, views = [], {}
         for key in self.cache.keys("ServingPool"):
             raw = self.cache.get("ServingPool", *key)
             if raw is None or not (raw.get("spec") or {}).get("autoscaling") or \
                     raw["metadata"].get("deletionTimestamp"):
                 continue
             version = raw["metadata"].get("resourceVersion")
-            pool = self._autoscaled.get(key)
-            if pool is None or pool[0] != version:
+            view = self._autoscaled.get(key)
+            if view is None or view[0] != version:
                 try:
-                    pool = (version, _parse(ServingPool, raw))
-                except InvalidObjectError as exc:
-                    log.debug("not autoscaled: %s", exc)
+                    found = PoolView.of(raw)
+                except ValidationError as exc:
+                    log.debug("%s/%s not autoscaled: %s", *key, exc)
                     continue
-            parsed[key] = pool
-            pools.append(pool[1])
-        self._autoscaled = parsed
+                if found is None:
+                    continue
+                view = (version, found)
+            views[key] = view
+            pools.append(view[1])
+        self._autoscaled = views
         return pools
 
     async def _set_replicas(self, key: Key, replicas: int) -> None:

@@ -9,7 +9,13 @@ from typing import Any
 
 from kvfleet.api.saturation import load_score
 from kvfleet.api.servingpool import ServingPool
-from kvfleet.operator.autoscaler import Autoscaler, FleetSignals, Key, signals_query
+from kvfleet.operator.autoscaler import (
+    Autoscaler,
+    FleetSignals,
+    Key,
+    PoolView,
+    signals_query,
+)
 from kvfleet.operator.events import Event
 
 NS = "team-a"
@@ -60,14 +66,19 @@ def test_missing_series_are_named() -> None:
     assert down.missing == ("Prometheus did not answer",)
 
 
-def _pool(replicas: int = 1, ready: int = 1, **autoscaling: Any) -> ServingPool:
-    return ServingPool.model_validate({
-        "metadata": {"name": "chat", "namespace": NS},
+def _pool(replicas: int = 1, ready: int = 1, name: str = "chat",
+          status: dict[str, Any] | None = None, **autoscaling: Any) -> PoolView:
+    pool = ServingPool.model_validate({
+        "metadata": {"name": name, "namespace": NS},
         "spec": {"artifactRef": {"name": "smol"}, "replicas": replicas,
                  "gpu": {"product": "NVIDIA-L4"},
                  "autoscaling": {"maxReplicas": 4, "targetLoad": 4.0,
                                  "scaleDownStabilizationSeconds": 60, **autoscaling}},
-        "status": {"replicas": replicas, "readyReplicas": ready, "observedGeneration": 1}})
+        "status": {"replicas": replicas, "readyReplicas": ready, "observedGeneration": 1,
+                   **(status or {})}})
+    view = PoolView.of(pool.to_wire())
+    assert view is not None
+    return view
 
 
 class _Fake:
@@ -131,13 +142,9 @@ def test_a_status_that_shows_the_decision_or_a_pool_not_reconciled_yet_costs_no_
     fake = _Fake()
     scaler = fake.autoscaler()
     fake.fleet = FleetSignals(1000.0, error="Prometheus did not answer")
-    new = _pool(replicas=2, ready=0)
-    new.status = None
-    shown = _pool(replicas=2, ready=2)
-    assert shown.status is not None
-    shown.metadata.name = "shown"
-    shown.status = shown.status.model_validate({
-        **shown.status.to_wire(), "autoscaling": {"desiredReplicas": 2, "signal": "stale"},
+    new = PoolView(NS, "chat", 2, _pool().autoscaling)  # (no status yet)
+    shown = _pool(replicas=2, ready=2, name="shown", status={
+        "autoscaling": {"desiredReplicas": 2, "signal": "stale"},
         "conditions": [{"type": t, "status": "False", "reason": "R", "message": "",
                         "lastTransitionTime": "2026-01-01T00:00:00Z"}
                        for t in ("AutoscalingActive", "ScalingLimited")]})
@@ -165,8 +172,6 @@ def test_a_pool_whose_writes_fail_does_not_stop_the_others_or_the_loop() -> None
 
     refusing.post = refuse
     fake.fleet = FleetSignals.parse(_rows() + _rows("other"), 1000.0)
-    other = _pool()
-    other.metadata.name = "other"
-    asyncio.run(refusing.step([_pool(), other]))
+    asyncio.run(refusing.step([_pool(), _pool(name="other")]))
     assert sorted(fake.scaled) == [((NS, "chat"), 3), ((NS, "other"), 3)]
     assert refusing.report((NS, "chat")) is not None
