@@ -37,6 +37,7 @@ from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
 from kvfleet.devcluster.demo import (
     POOL,
     TENANT_KEY,
+    Traffic,
     local_pool,
     router_on_node,
     smollm2_revision,
@@ -66,48 +67,6 @@ def operator(
         yield proc
     finally:
         proc.stop()
-
-
-class Streams:
-    """`n` clients each streaming one long answer after another: some `n` requests running
-    on the pool at any moment, the load the autoscaler sizes for."""
-
-    def __init__(self, url: str, n: int) -> None:
-        self.stop_event = threading.Event()
-        self.failures: list[str] = []
-        self.served = 0
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                        for i in range(n)]
-        self.url = url
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self, worker: int) -> None:
-        with httpx.Client(timeout=120) as client:
-            n = 0
-            while not self.stop_event.is_set():
-                n += 1
-                body = {"model": POOL, "max_tokens": 48, "stream": True,
-                        "messages": [{"role": "user",
-                                      "content": f"Tell story {worker}-{n} about a lighthouse."}]}
-                try:
-                    with client.stream("POST", self.url + "/v1/chat/completions", json=body,
-                                       headers={"authorization": f"Bearer {TENANT_KEY}"}) as r:
-                        text = r.read().decode(errors="replace")
-                    with self.lock:
-                        if r.status_code != 200 or not text.rstrip().endswith("[DONE]"):
-                            self.failures.append(f"{r.status_code}: {text[:300]}")
-                        else:
-                            self.served += 1
-                except httpx.HTTPError as exc:
-                    with self.lock:
-                        self.failures.append(f"{type(exc).__name__}: {exc}")
-
-    def close(self) -> None:
-        self.stop_event.set()
-        for thread in self.threads:
-            thread.join(150)
 
 
 def _replicas(pool: dict) -> tuple[int, int]:
@@ -142,16 +101,11 @@ def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
     local_node: str, prometheus: PrometheusClient,
 ) -> None:
     with _only_the_local_l4_node(kube, kubectl):
-        artifact = smollm2_revision("smol", 40, namespace)
-        kube.create(artifact)
-        tenant(kube, namespace)
-        pool = local_pool(POOL, "smol", namespace)
         # Sized for one running stream per replica: three streams want three replicas. The
         # scale-down waits 20 s of quiet (300 s by default).
-        pool["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3, "targetLoad": 1.0,
-                                       "scaleDownStabilizationSeconds": 20,
-                                       "staleAfterSeconds": 30, "sloScaling": False}
-        kube.create(pool)
+        artifact = _autoscaled_pool(kube, namespace, {
+            "minReplicas": 1, "maxReplicas": 3, "targetLoad": 1.0,
+            "scaleDownStabilizationSeconds": 20, "staleAfterSeconds": 30, "sloScaling": False})
         _wait_pool(kube, operator, namespace, POOL, _available, "the first replica Ready", 300)
         url = router_on_node(kube, namespace, local_node)
         steady = _wait_pool(kube, operator, namespace, POOL, lambda p: _cond(
@@ -160,7 +114,7 @@ def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
         assert _scaled_by(steady) in ("min", "load"), steady["status"]
 
         # a) The ramp: three clients streaming without a pause.
-        streams = Streams(url, 3)
+        streams = Traffic(url, workers=3, max_tokens=48)
         try:
             started = time.monotonic()
             _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 3,
@@ -184,7 +138,7 @@ def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
         finally:
             streams.close()
         assert streams.failures == [], streams.failures[:5]
-        assert streams.served > 10
+        assert streams.codes == {"200": streams.codes["200"]} and streams.codes["200"] > 10
         stopped = time.monotonic()
         _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 1,
                    "back to 1 replica", 120)
@@ -213,6 +167,17 @@ def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
         assert len(warned) == len(warnings_before) + 1, warned  # once, not every interval
 
 
+def _autoscaled_pool(kube: KubeClient, namespace: str, autoscaling: dict) -> dict:
+    """The demo's SmolLM2 revision, tenant and local pool, with `autoscaling`; the artifact."""
+    artifact = smollm2_revision("smol", 40, namespace)
+    kube.create(artifact)
+    tenant(kube, namespace)
+    pool = local_pool(POOL, "smol", namespace)
+    pool["spec"]["autoscaling"] = autoscaling
+    kube.create(pool)
+    return artifact
+
+
 def _first_token(url: str) -> tuple[int, float, str]:
     """One streamed request: its status, seconds to the first content frame, and text."""
     body = {"model": POOL, "max_tokens": 8, "stream": True,
@@ -237,14 +202,9 @@ def test_an_idle_pool_sleeps_at_zero_and_its_next_request_wakes_it(
     a replica is up (its time to first token is the cold start, printed); a burst right after
     fails nothing."""
     with _only_the_local_l4_node(kube, kubectl):
-        artifact = smollm2_revision("smol", 40, namespace)
-        kube.create(artifact)
-        tenant(kube, namespace)
-        pool = local_pool(POOL, "smol", namespace)
-        pool["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2, "targetLoad": 4.0,
-                                       "scaleToZero": {"idleSeconds": 30},
-                                       "scaleDownStabilizationSeconds": 20}
-        kube.create(pool)
+        artifact = _autoscaled_pool(kube, namespace, {
+            "minReplicas": 0, "maxReplicas": 2, "targetLoad": 4.0,
+            "scaleToZero": {"idleSeconds": 30}, "scaleDownStabilizationSeconds": 20})
         _wait_pool(kube, operator, namespace, POOL, _available, "the first replica Ready", 300)
         url = router_on_node(kube, namespace, local_node)
         started = time.monotonic()
@@ -307,18 +267,14 @@ def test_no_gpu_for_a_replica_limits_the_count_and_a_scale_down_under_streams_fa
     maxReplicas 1 while 8 streams run: the pool goes to 1 and no request fails (the removed
     replicas stop getting requests, finish what they have, then go)."""
     with _only_the_local_l4_node(kube, kubectl):
-        kube.create(smollm2_revision("smol", 40, namespace))
-        tenant(kube, namespace)
         _occupy_gpus(kube, namespace, local_node, 2)
-        pool = local_pool(POOL, "smol", namespace)
-        pool["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 8, "targetLoad": 1.0,
-                                       "maxStep": 1, "pendingGraceSeconds": 10,
-                                       "scaleDownStabilizationSeconds": 10,
-                                       "sloScaling": False}
-        kube.create(pool)
+        _autoscaled_pool(kube, namespace, {
+            "minReplicas": 1, "maxReplicas": 8, "targetLoad": 1.0, "maxStep": 1,
+            "pendingGraceSeconds": 10, "scaleDownStabilizationSeconds": 10,
+            "sloScaling": False})
         _wait_pool(kube, operator, namespace, POOL, _available, "the first replica Ready", 300)
         url = router_on_node(kube, namespace, local_node)
-        streams = Streams(url, 8)
+        streams = Traffic(url, workers=8, max_tokens=48)
         try:
             started = time.monotonic()
             limited = _wait_pool(kube, operator, namespace, POOL, lambda p: _cond(
@@ -333,7 +289,7 @@ def test_no_gpu_for_a_replica_limits_the_count_and_a_scale_down_under_streams_fa
             for _ in range(3):  # the count stays while the load asks for more
                 time.sleep(INTERVAL_S)
                 assert _replicas(_get(kube, "ServingPool", namespace, POOL)) == (held[0], 2)
-            served_before = streams.served
+            served_before = streams.codes["200"]
 
             # c) Down to 1 under the 8 streams.
             kube.merge_patch("ServingPool", POOL, {"spec": {"autoscaling": {
@@ -348,4 +304,5 @@ def test_no_gpu_for_a_replica_limits_the_count_and_a_scale_down_under_streams_fa
         finally:
             streams.close()
         assert streams.failures == [], streams.failures[:5]
-        assert streams.served > served_before > 0
+        assert streams.codes == {"200": streams.codes["200"]}
+        assert streams.codes["200"] > served_before > 0

@@ -207,7 +207,8 @@ def stream_problem(text: str) -> str | None:
 
 
 class Traffic:
-    """Clients streaming short chats through the router; each request its own conversation
+    """Clients streaming chats through the router (4 tokens each unless `max_tokens` says
+    otherwise); each request its own conversation
     (with `long_every` N, every Nth request overall has a long prompt). Counts status codes
     and revisions; keeps what failed, with the revision that answered.
 
@@ -217,8 +218,9 @@ class Traffic:
     request in 40 was slow on 2 of its first 38, and its p95 over all requests saw it)."""
 
     def __init__(self, url: str, key: str = TENANT_KEY, workers: int = 2,
-                 model: str = POOL, long_every: int = 0) -> None:
+                 model: str = POOL, long_every: int = 0, max_tokens: int = 4) -> None:
         self.url, self.key, self.model, self.long_every = url, key, model, long_every
+        self.max_tokens = max_tokens
         self.stop_event = threading.Event()
         self.codes: Counter[str] = Counter()
         self.revisions: Counter[str] = Counter()
@@ -241,7 +243,7 @@ class Traffic:
                     long = bool(self.long_every) and self.sent % self.long_every == 0
                 if long:
                     prompt = f"{LONG_FILLER}\n{prompt}"
-                body = {"model": self.model, "max_tokens": 4, "stream": True,
+                body = {"model": self.model, "max_tokens": self.max_tokens, "stream": True,
                         "user": f"w{worker}-{n}",
                         "messages": [{"role": "user", "content": prompt}]}
                 try:
