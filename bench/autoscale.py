@@ -82,7 +82,8 @@ def client(run: Run, url: str, index: int) -> None:
                     for line in resp.iter_lines():
                         if ttft is None and line.startswith("data: {") and '"content"' in line:
                             ttft = run.now() - sent
-                        ok = resp.status_code == 200 and line == "data: [DONE]"
+                        if line == "data: [DONE]":
+                            ok = resp.status_code == 200
             except httpx.HTTPError:
                 ok = False
             with run.lock:

@@ -5,11 +5,12 @@ its status and conditions: the pool has one status writer.
 
 The query reads, per engine pod, its waiting and running requests and KV-cache use (the
 router's `load_score` is computed from them here, one definition for both), and per pool the
-routers' TTFT and TPOT p95 over the last minute of live traffic and when the routers were last
-scraped. A pool's signals are missing when its engines (while it has replicas) or its routers
-have no series: the count is held and AutoscalingActive says which series. The decisions
-live in this process; a restarted operator starts its stabilisation windows afresh, as if the
-current count had been recommended all along (it never scales down sooner for it).
+routers' TTFT and TPOT p95 over the last minute of live traffic, when the routers were last
+scraped, the requests they hold for it at zero and when they last admitted one. A pool's
+signals are missing when its engines (once it has Ready replicas) or its routers have no
+series: the count is held and AutoscalingActive says which. The decisions live in this
+process; a restarted operator starts its stabilisation windows afresh, as if the current count
+had been recommended all along (it never scales down sooner for it).
 """
 
 from __future__ import annotations
