@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import ClassVar, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from kvfleet.api.meta import (
     DNS_LABEL_PATTERN,
@@ -237,6 +237,17 @@ class Autoscaling(KubeModel):
     scale_to_zero: ScaleToZero | None = Field(
         default=None, description="Go to 0 replicas when idle (needs minReplicas 0); "
         "requests wake the pool.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        # (the CRD's CEL rules, for the webhook and every other reader of the models)
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas must not exceed maxReplicas ({self.min_replicas} > "
+                             f"{self.max_replicas})")
+        if (self.scale_to_zero is not None) != (self.min_replicas == 0):
+            raise ValueError("minReplicas 0 goes with scaleToZero (its idleSeconds), and "
+                             "scaleToZero with minReplicas 0")
+        return self
 
 
 class AutoscalingStatus(KubeModel):
