@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -315,11 +316,15 @@ def test_examples_become_available_on_matching_gpu_nodes(
         owner = kube.get(kind, obj_name, namespace)["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"]) == ("ServingPool", name)
 
-    table = kubectl("get", "servingpools", "-n", namespace).stdout
-    header, row = table.splitlines()[0].split(), table.splitlines()[1].split()
-    assert header[:7] == ["NAME", "ARTIFACT", "SERVING", "GPU", "DESIRED", "READY-REPLICAS",
-                          "READY"]
-    assert row[:7] == [name, "qwen3-8b", "qwen3-8b", "NVIDIA-L4", "2", "2", "True"]
+    header, row = kubectl("get", "servingpools", "-n", namespace).stdout.splitlines()[:2]
+    # Cells by the header's positions: an empty one (Scaled-By, not autoscaled) is blanks.
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    cells = {title: row[a:b].strip() for title, a, b in zip(
+        header.split(), starts, [*starts[1:], None], strict=True)}
+    assert list(cells.items())[:9] == [
+        ("NAME", name), ("ARTIFACT", "qwen3-8b"), ("SERVING", "qwen3-8b"),
+        ("GPU", "NVIDIA-L4"), ("DESIRED", "2"), ("CURRENT", "2"), ("READY-REPLICAS", "2"),
+        ("SCALED-BY", ""), ("READY", "True")]
     # kopf keeps its progress in annotations; status holds only what the operator decided.
     assert any(k.startswith("kvfleet.io/") for k in pool["metadata"].get("annotations", {}))
     assert "kopf" not in pool["status"]
