@@ -19,7 +19,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -110,7 +110,8 @@ class FleetSignals:
         """One pool's signals (`ready`: its Ready replicas); `missing` names the series it
         should have and has not."""
         engine_key, router_key = (namespace, label_value(name)), (namespace, name)
-        pods = [p for p in self.engines.get(engine_key, {}).values() if len(p) == 3]
+        pods = [p for p in self.engines.get(engine_key, {}).values()
+                if len(p) == len(ENGINE_SERIES)]  # (a pod with all three gauges)
         missing = []
         if self.error is not None:
             missing.append(self.error)
@@ -210,7 +211,8 @@ class Autoscaler:
     must not wait behind other work); `unplaced(key)` says how many of its pods the scheduler
     found no node for, and since when."""
 
-    def __init__(self, read: Callable[[], Any], scale: Callable[[Key, int], Any],
+    def __init__(self, read: Callable[[], Awaitable[FleetSignals]],
+                 scale: Callable[[Key, int], Any],
                  changed: Callable[[Key, bool], None], post: Callable[[Key, Event], Any],
                  interval: float = DEFAULT_INTERVAL_SECONDS,
                  clock: Callable[[], float] = time.time,
@@ -233,7 +235,7 @@ class Autoscaler:
             metrics.forget_autoscaled(*gone)
         if not wanted:
             return
-        fleet: FleetSignals | None = await self.read()
+        fleet = await self.read()
         now = self.clock()
         outcomes = await asyncio.gather(*(self._one(pool, fleet, now)
                                           for pool in wanted.values()),
@@ -242,12 +244,12 @@ class Autoscaler:
             if isinstance(outcome, Exception):  # (one pool's failure is not the others')
                 log.warning("autoscaling of %s/%s failed: %s", *key, outcome)
 
-    async def _one(self, pool: PoolView, fleet: FleetSignals | None, now: float) -> None:
+    async def _one(self, pool: PoolView, fleet: FleetSignals, now: float) -> None:
         key, current, ready = pool.key, pool.replicas, pool.ready
         state = self._pools.setdefault(key, _PoolState())
         unplaced, since = self.unplaced(key)
         # (Engines are expected to report once Ready: a pool still starting is not "missing".)
-        signals = fleet.of(pool.namespace, pool.name, ready) if fleet is not None else None
+        signals = fleet.of(pool.namespace, pool.name, ready)
         decision = decide(policy_of(pool.autoscaling, pool.slos), signals,
                           Observed(current, ready, since, unplaced), state.history, now)
         metrics.AUTOSCALE_DESIRED.labels(*key).set(decision.desired)

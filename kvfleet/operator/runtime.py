@@ -316,14 +316,13 @@ class Runtime:
         pools, views = [], {}
         for key in self.cache.keys("ServingPool"):
             raw = self.cache.get("ServingPool", *key)
-            if raw is None or not (raw.get("spec") or {}).get("autoscaling") or \
-                    raw["metadata"].get("deletionTimestamp"):
+            if raw is None or raw["metadata"].get("deletionTimestamp"):
                 continue
             version = raw["metadata"].get("resourceVersion")
             view = self._autoscaled.get(key)
             if view is None or view[0] != version:
                 try:
-                    found = PoolView.of(raw)
+                    found = PoolView.of(raw)  # (None: not autoscaled)
                 except ValidationError as exc:
                     log.debug("%s/%s not autoscaled: %s", *key, exc)
                     continue

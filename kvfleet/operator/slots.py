@@ -25,13 +25,15 @@ class Slots:
         self._tagged: dict[Hashable, asyncio.Future[None]] = {}  # bulk waiters, by tag
 
     def waiting(self, urgent: bool) -> int:
+        """Live waiters in a lane (a scan: for tests and diagnostics, not the hot path)."""
         return sum(not f.done() for f in self._lanes[urgent])
 
     async def acquire(self, urgent: bool = False, tag: Hashable | None = None) -> bool:
         """Wait for a slot; a bulk waiter with a `tag` can be promoted by it. Whether the slot
         came by the urgent lane."""
-        ahead = self.waiting(True) + (0 if urgent else self.waiting(False))
-        if self._free > 0 and ahead == 0:
+        # (A free slot means no one waits: `release` hands a slot to a waiter before it
+        # counts one free. So no lane needs scanning here, whatever the burst's length.)
+        if self._free > 0:
             self._free -= 1
             return urgent
         slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -450,7 +450,7 @@ def test_a_pool_at_zero_is_listed_holds_requests_and_serves_them_once_a_replica_
     """Scale to zero as a client sees it: the pool stays in /v1/models; a request waits
     (counted in kvfleet_router_held_requests, the autoscaler's demand signal) until a replica
     shows, then is answered; one that may not wait that long gets 503 with Retry-After, and
-    is not charged."""
+    is not charged; one whose client hangs up leaves the hold and frees its slot."""
     asleep = config(engines, 0, 0, token_file)
     asleep["pools"][0].update(scalesToZero=True, endpoints={})
     try:
@@ -463,6 +463,25 @@ def test_a_pool_at_zero_is_listed_holds_requests_and_serves_them_once_a_replica_
         assert impatient.status_code == 503, impatient.text
         assert impatient.json()["error"]["code"] == "pool_waking"
         assert impatient.headers["retry-after"] == "10" and time.monotonic() - started < 5
+
+        # Clients that hang up while held give their hold place and concurrency slot back:
+        # team-a may run 8 at once, and 8 gone would otherwise leave it nothing.
+        def hang_up() -> None:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(router.url + "/v1/chat/completions", timeout=1,
+                           headers={"authorization": f"Bearer {KEY_A}"},
+                           json={"model": "smol", "max_tokens": 4,
+                                 "messages": [{"role": "user", "content": "Say hi."}]})
+
+        gone = [threading.Thread(target=hang_up) for _ in range(8)]
+        for thread in gone:
+            thread.start()
+        for thread in gone:
+            thread.join(10)
+        deadline = time.monotonic() + 10
+        while router.metric("kvfleet_router_held_requests", pool="smol") != 0:
+            assert time.monotonic() < deadline, "hung-up requests stayed held"
+            time.sleep(0.1)
 
         answers: list[httpx.Response] = []
         waiting = threading.Thread(target=lambda: answers.append(chat(router, KEY_A)))

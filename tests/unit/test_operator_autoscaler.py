@@ -83,14 +83,14 @@ def _pool(replicas: int = 1, ready: int = 1, name: str = "chat",
 
 class _Fake:
     def __init__(self) -> None:
-        self.fleet: FleetSignals | None = None
+        self.fleet = FleetSignals(0.0)
         self.scaled: list[tuple[Key, int]] = []
         self.changed: list[tuple[Key, bool]] = []
         self.events: list[Event] = []
         self.now = 1000.0
 
     def autoscaler(self) -> Autoscaler:
-        async def read() -> FleetSignals | None:
+        async def read() -> FleetSignals:
             return self.fleet
 
         async def scale(key: Key, n: int) -> None:
