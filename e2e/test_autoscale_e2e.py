@@ -136,14 +136,19 @@ def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
             pods = kube.list("Pod", namespace, label_selector=f"kvfleet.io/revision={revision}")
             assert len(pods) == 3, [p["metadata"]["name"] for p in pods]
         finally:
+            # The load falls from here: close() then waits for the streams under way, which
+            # end one by one (a CI run timed the window from close()'s return and saw 16 s).
+            stopped = time.monotonic()
             streams.close()
         assert streams.failures == [], streams.failures[:5]
         assert streams.codes == {"200": streams.codes["200"]} and streams.codes["200"] > 10
-        stopped = time.monotonic()
         _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p)[0] == 1,
                    "back to 1 replica", 120)
         took = _decided(stopped, "3 -> 1 decided after the load stopped")
-        assert took >= 20 - INTERVAL_S, "the scale-down did not wait its window"
+        # The last sample with all three streams running can precede the stop by an interval
+        # (a client between two streams when it was taken); without the window the decision
+        # would come within one interval and a scrape.
+        assert took >= 20 - 2 * INTERVAL_S, "the scale-down did not wait its window"
         _wait_pool(kube, operator, namespace, POOL, lambda p: _scaled_by(p) in ("min", "load"),
                    "the status saying the quiet decided", 30)
         events = kube.list("Event", namespace)
