@@ -1,19 +1,20 @@
 """What the router adds to a request, isolated with a fast fake engine.
 
     .venv/bin/python bench/router_overhead.py [--rates 50,100,200] [--seconds 10] [--chunks 16]
+        [--prompt-words 1]
 
 A fake upstream (its own process: aiohttp, answers at once, streams `--chunks` SSE frames and
-a usage frame, and serves the gauges the router scrapes) stands in for an engine. The same
-open-loop client (Poisson arrivals at each rate, streaming chat requests) runs against the
-upstream directly, through a real `kvfleet router --config` process, and through a second one
-whose quota ledger is shared in a real redis-server (`--redis`), in turns at each rate (the
-router not being measured is paused). The
-tenant's quota sets every limit (none binding), so each request takes the whole admission.
+a usage frame, and serves the gauges the router scrapes and the embedded model's tokenizer,
+with which the router counts each prompt) stands in for an engine. The same open-loop client
+(Poisson arrivals at each rate, streaming chat requests of `--prompt-words` words) runs
+against the upstream directly, through a real `kvfleet router --config` process, and through
+a second one whose quota ledger is shared in a real redis-server (`--redis`), in turns at
+each rate (the router not being measured is paused). The tenant's quota sets every limit
+(none binding), so each request takes the whole admission.
 Prints the shared ledger's script round trip alone, then per rate and router the time to the
 first byte and the gap between streamed chunks, p50/p99, direct and routed, the difference
 (what the router adds), and the router's CPU time per request (from /proc). Writes
-`bench/out/router_overhead.png` (first-byte latency CDFs).
-"""
+`bench/out/router_overhead.png` (first-byte latency CDFs)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ KEY = "sk-bench-0123456789abcdef0123"
 # takes the whole admission path: buckets, a concurrency slot, the settle.
 QUOTA = {"limits": {"requestsPerMinute": 1_000_000, "inputTokensPerMinute": 100_000_000,
                     "outputTokensPerMinute": 100_000_000, "maxConcurrentRequests": 10_000}}
+PROSE = ("the cluster schedules each replica on a node with a free GPU and the router "
+         "sends every request to the least loaded one")
 QUOTA_SPEC = TenantQuotaSpec.model_validate({"tenant": "bench", **QUOTA})
 
 
@@ -53,8 +56,22 @@ def free_port() -> int:
         return port
 
 
+def tokenizer_json() -> str:
+    """The embedded model's tokenizer, as an engine serves it: the router counts each prompt
+    with it, as it does in front of real engines."""
+    from kvfleet.engine.model.gguf_file import read_tokenizer_spec
+    from kvfleet.engine.model.gguf_reader import GGUFFile
+    from kvfleet.engine.model.loader import default_model_path
+    from kvfleet.engine.tokenizer import Tokenizer
+
+    path = default_model_path()
+    return Tokenizer.from_gguf(read_tokenizer_spec(GGUFFile(path).metadata, path), path).to_json()
+
+
 def upstream(port: int, chunks: int) -> None:
     from aiohttp import web
+
+    tokenizer = tokenizer_json()
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -77,19 +94,23 @@ def upstream(port: int, chunks: int) -> None:
                                  "kvfleet_engine_requests_running 0\n"
                                  "kvfleet_engine_kv_cache_usage_ratio 0\n")
 
+    async def tokenizer_file(_: web.Request) -> web.Response:
+        return web.Response(text=tokenizer, content_type="application/json")
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/tokenizer.json", tokenizer_file)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-async def one(session: object, url: str, headers: dict[str, str], start: float,
+async def one(session: object, url: str, headers: dict[str, str], prompt: str,
               out: list[tuple[float, list[float]]]) -> None:
     import aiohttp
 
     assert isinstance(session, aiohttp.ClientSession)
     body = {"model": "pool", "stream": True, "max_tokens": 16,
-            "messages": [{"role": "user", "content": "hello"}]}
+            "messages": [{"role": "user", "content": prompt}]}
     sent = time.perf_counter()
     async with session.post(url, json=body, headers=headers) as resp:
         first = None
@@ -105,8 +126,8 @@ async def one(session: object, url: str, headers: dict[str, str], start: float,
     out.append((first or 0.0, gaps))
 
 
-async def load(url: str, headers: dict[str, str], rate: float, seconds: float
-               ) -> list[tuple[float, list[float]]]:
+async def load(url: str, headers: dict[str, str], rate: float, seconds: float,
+               prompt: str = "hello") -> list[tuple[float, list[float]]]:
     import aiohttp
 
     out: list[tuple[float, list[float]]] = []
@@ -119,7 +140,7 @@ async def load(url: str, headers: dict[str, str], rate: float, seconds: float
         while at - start < seconds:
             at += rng.expovariate(rate)
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(session, url, headers, at, out)))
+            tasks.append(asyncio.create_task(one(session, url, headers, prompt, out)))
         await asyncio.gather(*tasks)
     return out
 
@@ -191,6 +212,8 @@ def main() -> int:
     parser.add_argument("--rates", default="50,100,200")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--prompt-words", type=int, default=1,
+                        help="words in each request's prompt (the router tokenizes it)")
     parser.add_argument("--upstream", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.upstream:
@@ -229,7 +252,9 @@ def main() -> int:
             admits = asyncio.run(script_latency(redis_url))
             print(f"shared ledger admit (script round trip, alone): p50 {pct(admits, .5):.3f} "
                   f"ms, p99 {pct(admits, .99):.3f} ms")
-            results = {rate: measure(urls, auth, rate, args.seconds, procs)
+            words = PROSE.split()
+            prompt = " ".join(random.Random(1).choice(words) for _ in range(args.prompt_words))
+            results = {rate: measure(urls, auth, rate, args.seconds, procs, prompt)
                        for rate in [float(r) for r in args.rates.split(",")]}
             plot(results)
         finally:
@@ -240,7 +265,7 @@ def main() -> int:
 
 
 def measure(urls: dict[str, str], auth: dict[str, str], rate: float, seconds: float,
-            procs: dict[str, subprocess.Popen[bytes]]
+            procs: dict[str, subprocess.Popen[bytes]], prompt: str
             ) -> dict[str, list[tuple[float, list[float]]]]:
     """One rate, each target in turn; prints a row per router (added = router - direct)."""
     runs: dict[str, list[tuple[float, list[float]]]] = {}
@@ -254,7 +279,8 @@ def measure(urls: dict[str, str], auth: dict[str, str], rate: float, seconds: fl
             proc.send_signal(signal.SIGSTOP)
         try:
             before = cpu_seconds(procs[name].pid) if name in procs else 0.0
-            runs[name] = asyncio.run(load(url, {} if name == "direct" else auth, rate, seconds))
+            runs[name] = asyncio.run(load(url, {} if name == "direct" else auth, rate, seconds,
+                                          prompt))
             if name in procs:
                 cpu[name] = (cpu_seconds(procs[name].pid) - before) / max(1, len(runs[name])) \
                     * 1e3

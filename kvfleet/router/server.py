@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import aiohttp
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvfleet.api.labels import short_revision
@@ -219,19 +219,31 @@ class _Relay:
                                         (now - self.first_text) / (generated - 1))
 
 
-class _RelayResponse(StreamingResponse):
-    """A streamed answer that calls `on_close` however it ends: a client gone before the first
-    chunk means the generator never starts, and a generator that never started runs no
-    `finally`."""
+class _RelayResponse(Response):
+    """A relayed stream, sent on the ASGI connection by plain asyncio: Starlette's
+    StreamingResponse watches for the disconnect through an anyio task group whose cancel
+    formats task reprs, a third of the router's CPU for a short stream (bench/README, router
+    overhead). `on_close` runs however the answer ends: a client gone before the first chunk
+    means the generator never starts, and a generator that never started runs no `finally`."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
-                 **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
+                 headers: dict[str, str]) -> None:
+        self.content, self._on_close = content, on_close
+        self.status_code, self.media_type, self.background = 200, "text/event-stream", None
+        self.init_headers(headers)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": self.raw_headers})
+            async for chunk in self.content:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
         try:
-            await super().__call__(scope, receive, send)
+            await _unless_gone(receive, stream())
+        except ClientGone:
+            pass  # (the generator was cancelled: its relay closes below)
         finally:
             self._on_close()
 
@@ -253,15 +265,16 @@ class ClientGone(Exception):
     """The client hung up before its whole answer came."""
 
 
-async def _unless_gone(client: Request | None, work: Awaitable[T]) -> T:
-    """`work`'s result, or ClientGone (and `work` cancelled) when `client` hangs up first.
-    The body is read by then, so the next ASGI message is the disconnect."""
+async def _unless_gone(receive: Callable[[], Awaitable[Any]] | None, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (and `work` cancelled) when the client whose ASGI
+    `receive` this is hangs up first. The body is read by then, so the next ASGI message is
+    the disconnect."""
     task = asyncio.ensure_future(work)
-    if client is None:
+    if receive is None:
         return await task
 
     async def disconnected() -> None:
-        while (await client.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
 
     gone = asyncio.ensure_future(disconnected())
@@ -456,7 +469,7 @@ class Router:
                                            for n in sorted(names)]}
 
     async def handle(self, request: Request) -> Response:
-        path = request.url.path
+        path = request.scope["path"]
         namespace, pool_name = "-", "-"
         try:
             tenant = self._tenant(request.headers.get("authorization"))
@@ -545,7 +558,7 @@ class Router:
                 now.ready(plan.live) or now.ready(now.table.stable or ""))
 
         try:
-            await _unless_gone(request, self.holds.wait(
+            await _unless_gone(request.receive, self.holds.wait(
                 key, tenant, ready, self.holds.wait_for(request.headers.get(WAIT_HEADER))))
         except (RouterError, ClientGone):
             self.settle(reservation, 0, time.monotonic(), 0)
@@ -643,7 +656,8 @@ class Router:
         started = time.monotonic()
         try:
             if not stream:
-                status, data, content_type = await _unless_gone(client, self._request(
+                receive = None if client is None else client.receive
+                status, data, content_type = await _unless_gone(receive, self._request(
                     pool, revision, path, payload, headers, text, tenant))
             else:
                 resp, endpoint = await self._connect(pool, revision, path, payload, headers,
@@ -675,10 +689,8 @@ class Router:
             return Response(data, status, headers=out_headers,
                             media_type=content_type or "application/json")
         relay = _Relay(self, resp, endpoint, labels, reservation, started, live_text)
-        return _RelayResponse(
-            relay.frames(), relay.close,
-            headers={**out_headers, "cache-control": "no-cache"},
-            media_type="text/event-stream")
+        return _RelayResponse(relay.frames(), relay.close,
+                              {**out_headers, "cache-control": "no-cache"})
 
     def _settle_whole(self, labels: Labels, answer: Answer, reservation: Reservation,
                       started: float, live_text: asyncio.Future[str | None] | None) -> None:
@@ -804,9 +816,13 @@ class Router:
             self.metrics.first_divergence.labels(*labels, probe_id(tenant, text)).set(agreed)
 
 
-def build_app(router: Router, ready: Callable[[], bool] = lambda: True) -> Starlette:
-    async def completions(request: Request) -> Response:
-        return await router.handle(request)
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def build_app(router: Router, ready: Callable[[], bool] = lambda: True) -> Callable[..., Any]:
+    """The router's ASGI app. The two completion routes, every request the router relays,
+    go straight to `Router.handle` (Starlette's middleware and route matching cost a request
+    more CPU than the admission: bench/README, router overhead); the rest through Starlette."""
 
     async def models(request: Request) -> Response:
         try:
@@ -826,11 +842,24 @@ def build_app(router: Router, ready: Callable[[], bool] = lambda: True) -> Starl
         return JSONResponse({"ready": ok, "pools": len(router.state.pools)},
                             200 if ok else 503)
 
-    return Starlette(routes=[
-        Route("/v1/chat/completions", completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
+    async def completions(request: Request) -> Response:
+        return await router.handle(request)
+
+    rest = Starlette(routes=[
+        # (the front takes their POSTs; here the other methods get Starlette's 405)
+        *(Route(path, completions, methods=["POST"]) for path in sorted(COMPLETION_PATHS)),
         Route("/v1/models", models, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", readiness, methods=["GET"]),
     ])
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and \
+                scope["path"] in COMPLETION_PATHS:
+            response = await router.handle(Request(scope, receive))
+            await response(scope, receive, send)
+        else:
+            await rest(scope, receive, send)
+
+    return app

@@ -58,7 +58,7 @@ def texts_of(body: dict[str, Any]) -> tuple[list[str], int]:
 
 
 def _count_ids(tokenizer: Tokenizer, texts: list[str]) -> int:
-    return sum(len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False))
+    return sum(len(e.ids) for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False))
 
 
 class TokenCounter:

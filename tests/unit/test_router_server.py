@@ -651,3 +651,46 @@ async def test_a_stalled_shadow_copy_frees_its_slot(
         assert all(e.in_flight == 0 for e in router.state.all_endpoints())
     finally:
         await router.close()
+
+
+@pytest.mark.asyncio
+async def test_a_stream_whose_client_hangs_up_lets_go_of_the_replica_at_once(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The router's own ASGI relay (not Starlette's): a client gone after the first chunk
+    ends the relay at once, while the engine is still mid-answer (it stalls for 3 s), and
+    frees the replica's in-flight count and the tenant's slot."""
+    address, _ = upstream
+    router = make_router(address)
+    body = json.dumps({"model": "smol", "stream": True,
+                       "messages": [{"role": "user", "content": "stall"}]}).encode()
+    requests = [{"type": "http.request", "body": body, "more_body": False}]
+    relayed = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if requests:
+            return requests.pop()
+        await relayed.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message.get("body"):
+            relayed.set()
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "query_string": b"", "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+    try:
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(build_app(router)(scope, receive, send), 10)
+        assert asyncio.get_running_loop().time() - started < 1.5
+        assert sent[0]["status"] == 200 and b"Hel" in sent[1]["body"]
+        assert router.ledger.usage("team-a")[2] == 0
+        assert all(e.in_flight == 0 for e in router.state.all_endpoints())
+        # The other methods on a completion path still get a 405.
+        transport = httpx.ASGITransport(app=build_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            assert (await client.get("/v1/chat/completions")).status_code == 405
+    finally:
+        await router.close()

@@ -198,7 +198,20 @@ def read_gguf(path: Path, progress: ProgressCallback | None = None) -> GGUFConte
         weights[name] = weight
         if raw is not None:
             quant_blocks[name] = raw
-    tokenizer_spec = GGUFTokenizerSpec(
+    tokenizer_spec = read_tokenizer_spec(meta, path)
+    template = _field(meta, "tokenizer.chat_template", path, None)
+    return GGUFContents(
+        config=config,
+        weights=weights,
+        tokenizer_spec=tokenizer_spec,
+        chat_template=str(template) if template is not None else None,
+        quant_blocks=quant_blocks,
+    )
+
+
+def read_tokenizer_spec(meta: dict[str, Any], path: Path) -> GGUFTokenizerSpec:
+    """The tokenizer in a GGUF file's metadata (no tensor is read)."""
+    return GGUFTokenizerSpec(
         model=str(_field(meta, "tokenizer.ggml.model", path)),
         tokens=list(_field(meta, "tokenizer.ggml.tokens", path)),
         token_types=list(_field(meta, "tokenizer.ggml.token_type", path, [])),
@@ -207,14 +220,6 @@ def read_gguf(path: Path, progress: ProgressCallback | None = None) -> GGUFConte
         eos_token_id=_optional_int(_field(meta, "tokenizer.ggml.eos_token_id", path, None)),
         add_bos_token=bool(_field(meta, "tokenizer.ggml.add_bos_token", path, False)),
         pre=_field(meta, "tokenizer.ggml.pre", path, None),
-    )
-    template = _field(meta, "tokenizer.chat_template", path, None)
-    return GGUFContents(
-        config=config,
-        weights=weights,
-        tokenizer_spec=tokenizer_spec,
-        chat_template=str(template) if template is not None else None,
-        quant_blocks=quant_blocks,
     )
 
 
