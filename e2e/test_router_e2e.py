@@ -294,6 +294,67 @@ def test_a_key_minted_in_another_namespace_cannot_spend_a_tenants_budget(
         kube.delete("Namespace", other)
 
 
+def test_a_tenant_quota_from_a_newer_version_refuses_its_tenant_and_says_why(
+    kube: KubeClient, cluster: DevCluster | ExistingCluster, namespace: str, router_pool: str,
+    tmp_path: Path,
+) -> None:
+    """An upgrade half done: the CRD already has a field this router does not know (as a newer
+    kvfleet's would) and a TenantQuota uses it. The router must not read it as no limits: its
+    tenant is refused with a 403 that says why, the TenantQuota's status says it too
+    (Ready=False), and the other tenants are served as before."""
+    from kvfleet.api.crdgen import build_crd
+    from kvfleet.api.tenantquota import TenantQuota
+
+    crd_path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/tenantquotas.kvfleet.io"
+
+    def with_schema(versions: list[dict[str, object]]) -> None:
+        crd = kube.request("GET", crd_path)
+        crd["spec"]["versions"] = versions
+        kube.request("PUT", crd_path, crd)
+
+    newer = json.loads(json.dumps(build_crd(TenantQuota)["spec"]["versions"]))
+    newer[0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "burstSeconds"] = {"type": "integer", "description": "(a field of a later version)"}
+    quotas = f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenantquotas"
+    with_schema(newer)
+    router = RouterProcess(cluster.kubeconfig, namespace, tmp_path / "router.log")
+    try:
+        _key_secret(kube, namespace, "team-a-key", "team-a", KEY)
+        kube.request("POST", quotas, {"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+                                      "metadata": {"name": "team-a"}, "spec": {"tenant": "team-a"}})
+        later = "sk-e2e-team-c-0123456789abcdef"
+        _key_secret(kube, namespace, "team-c-key", "team-c", later)
+        # (stored as sent: the apiserver knows the field now; a pruned one would mean nothing)
+        stored = kube.wait_for("the newer field stored", lambda: kube.request(
+            "POST", quotas, {"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+                             "metadata": {"name": "team-c"},
+                             "spec": {"tenant": "team-c", "burstSeconds": 5,
+                                      "limits": {"maxConcurrentRequests": 1}}}), 30)
+        assert stored["spec"]["burstSeconds"] == 5, stored
+        router.wait_ready()
+        pool = router_pool  # (a router of one namespace names its pools without it)
+        assert chat(router.url, KEY, pool).status_code == 200
+        refused = chat(router.url, later, pool)
+        assert refused.status_code == 403, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "tenant_quota_unreadable", error
+        assert "burstSeconds" in error["message"] and f"{namespace}/team-c" in error["message"]
+
+        def unready() -> dict[str, str] | None:
+            tq = kube.request("GET", f"{quotas}/team-c")
+            ready = [c for c in (tq.get("status") or {}).get("conditions", [])
+                     if c["type"] == "Ready"]
+            return ready[0] if ready and ready[0]["status"] == "False" else None
+
+        condition = kube.wait_for("team-c's TenantQuota Ready=False", unready, 30)
+        assert condition["reason"] == "Unreadable" and "burstSeconds" in condition["message"]
+        assert chat(router.url, later, pool).status_code == 403  # still, not once
+        assert chat(router.url, KEY, pool).status_code == 200
+    finally:
+        router.stop()
+        with_schema(build_crd(TenantQuota)["spec"]["versions"])
+
+
 def test_with_engine_tls_prompts_reach_the_engines_over_https_only(
     kube: KubeClient, kubectl: Kubectl, cluster: DevCluster | ExistingCluster,
     operator: OperatorProcess, namespace: str, local_node: str, fake_nodes: list[str],  # noqa: F811
