@@ -158,9 +158,11 @@ class SLOs(KubeModel):
 class Reserves(KubeModel):
     """Replicas kept beyond what the load needs."""
 
-    failover: int = Field(default=0, ge=0, description="Spare replicas for node/GPU failure.")
+    failover: int = Field(default=0, ge=0, description=(
+        "Spare replicas for node/GPU failure (with autoscaling: kept above the load's count)."))
     deployment: int = Field(default=0, ge=0, description="Surge replicas during rollouts.")
-    burst: int = Field(default=0, ge=0, description="Replicas for traffic bursts.")
+    burst: int = Field(default=0, ge=0, description=(
+        "Replicas for traffic bursts (with autoscaling: kept above the load's count)."))
 
 
 class ScaleToZero(KubeModel):

@@ -13,12 +13,14 @@ recommendation is the largest of:
 - SLOs: one more replica than now while the TTFT or TPOT p95 misses the pool's SLO;
 - demand at zero: one replica while the routers hold requests for a pool at zero.
 
-It is then bounded by [min, max] and stabilised as Kubernetes' HPA does: a scale-up takes the
-lowest recommendation of the last `up_window` seconds, a scale-down the highest of the last
-`down_window`, so a scale-down never comes sooner than `down_window` after the recommendation
-that raised the count; each decision moves at most `max_step` replicas. A pool idle for
-`idle_seconds` (with `min_replicas` 0 and no request held) goes to zero at once: the idle time
-is its own stabilisation.
+The load's and the KV cache's counts carry the pool's `reserves.failover` and `reserves.burst`
+on top (replicas kept beyond what the load needs; not a pool at zero, whose idle time says
+nothing needs them). It is then bounded by [min, max] and stabilised as Kubernetes' HPA does: a
+scale-up takes the lowest recommendation of the last `up_window` seconds, a scale-down the
+highest of the last `down_window`, so a scale-down never comes sooner than `down_window` after
+the recommendation that raised the count; each decision moves at most `max_step` replicas. A
+pool idle for `idle_seconds` (with `min_replicas` 0 and no request held) goes to zero at once:
+the idle time is its own stabilisation.
 
 Never silent: signals that are missing or older than `stale_after` hold the count and say why
 (`active` False, `why_inactive`); replicas the scheduler has found no node for over
@@ -53,6 +55,7 @@ class Policy:
     stale_after: float = 60.0
     pending_grace: float = 120.0
     slo_window: float = 60.0  # what the p95s are measured over
+    reserve: int = 0  # replicas kept beyond the load's count (reserves.failover + burst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,16 +119,18 @@ def _recommend(policy: Policy, signals: Signals, observed: Observed, history: Hi
         return 0, "idle", f"no request for {now - idle_since:.0f} s"
     # No warm replica measured: nothing says otherwise.
     wants = [(current, "hold", "no replica measured")]
+    # The reserves ride on what the load and the KV cache ask for (a held count has them).
+    reserved = f" + {policy.reserve} reserved" if policy.reserve else ""
     if signals.loads:
         load = sum(signals.loads)
-        wants = [(math.ceil(load / policy.target_load - 1e-9), "load",
+        wants = [(math.ceil(load / policy.target_load - 1e-9) + policy.reserve, "load",
                   f"load {load:.1f} over {len(signals.loads)} replicas, target "
-                  f"{policy.target_load:g} each")]
+                  f"{policy.target_load:g} each{reserved}")]
     if policy.target_kv_usage and signals.kv_usage:
         used = sum(signals.kv_usage)
-        wants.append((math.ceil(used / policy.target_kv_usage - 1e-9), "kvCache",
-                      f"KV cache {used / len(signals.kv_usage):.0%} used on average, target "
-                      f"{policy.target_kv_usage:.0%}"))
+        wants.append((math.ceil(used / policy.target_kv_usage - 1e-9) + policy.reserve,
+                      "kvCache", f"KV cache {used / len(signals.kv_usage):.0%} used on "
+                      f"average, target {policy.target_kv_usage:.0%}{reserved}"))
     missed = [f"{name} p95 {p95:.3g} s over its SLO {slo:g} s" for name, slo, p95 in (
         ("TTFT", policy.ttft_slo, signals.ttft_p95), ("TPOT", policy.tpot_slo, signals.tpot_p95))
         if slo is not None and p95 is not None and p95 > slo]

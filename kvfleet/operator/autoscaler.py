@@ -134,8 +134,9 @@ class FleetSignals:
             missing=tuple(missing))
 
 
-def policy_of(spec: Autoscaling, slos: SLOs | None) -> Policy:
+def policy_of(spec: Autoscaling, slos: SLOs | None, reserve: int = 0) -> Policy:
     return Policy(
+        reserve=reserve,
         min_replicas=spec.min_replicas, max_replicas=spec.max_replicas,
         target_load=spec.target_load, target_kv_usage=spec.target_kv_cache_usage,
         ttft_slo=slos.ttft_p95_seconds if slos is not None and spec.slo_scaling else None,
@@ -157,6 +158,7 @@ class PoolView:
     replicas: int
     autoscaling: Autoscaling
     slos: SLOs | None = None
+    reserve: int = 0  # reserves.failover + reserves.burst (deployment is a rollout's surge)
     ready: int = 0
     reconciled: bool = False  # its status has an observedGeneration
     # What its status shows now: (desiredReplicas, signal, AutoscalingActive, ScalingLimited)
@@ -182,6 +184,8 @@ class PoolView:
             replicas=int(spec.get("replicas", 1)),
             autoscaling=Autoscaling.model_validate(spec["autoscaling"]),
             slos=SLOs.model_validate(spec["slos"]) if spec.get("slos") else None,
+            reserve=sum(int((spec.get("reserves") or {}).get(k, 0))
+                        for k in ("failover", "burst")),
             ready=int(status.get("readyReplicas", 0)),
             reconciled=status.get("observedGeneration") is not None,
             shown=(shown_by.get("desiredReplicas"), shown_by.get("signal"),
@@ -250,7 +254,7 @@ class Autoscaler:
         unplaced, since = self.unplaced(key)
         # (Engines are expected to report once Ready: a pool still starting is not "missing".)
         signals = fleet.of(pool.namespace, pool.name, ready)
-        decision = decide(policy_of(pool.autoscaling, pool.slos), signals,
+        decision = decide(policy_of(pool.autoscaling, pool.slos, pool.reserve), signals,
                           Observed(current, ready, since, unplaced), state.history, now)
         metrics.AUTOSCALE_DESIRED.labels(*key).set(decision.desired)
         metrics.AUTOSCALE_ACTIVE.labels(*key).set(decision.active)

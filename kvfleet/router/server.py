@@ -223,8 +223,9 @@ class _RelayResponse(Response):
     """A relayed stream, sent on the ASGI connection by plain asyncio: Starlette's
     StreamingResponse watches for the disconnect through an anyio task group whose cancel
     formats task reprs (with Starlette's middleware, a fifth of the router's busy samples:
-    bench/README, router overhead). `on_close` runs however the answer ends: a client gone before the first chunk
-    means the generator never starts, and a generator that never started runs no `finally`."""
+    bench/README, router overhead). `on_close` runs however the answer ends: a client gone
+    before the first chunk means the generator never starts, and a generator that never started
+    runs no `finally`."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
                  headers: dict[str, str]) -> None:

@@ -140,3 +140,27 @@ def test_unschedulable_pods_are_counted_from_the_schedulers_verdict() -> None:
     count, since = unschedulable_since(pods)
     assert (count, since) == (2, 1767225610.0)
     assert unschedulable_since([pod("True")]) == (0, None)
+
+
+def test_the_reserves_are_kept_beyond_what_the_load_asks_for_but_not_at_zero() -> None:
+    """`reserves.failover` and `reserves.burst` are replicas beyond what the load needs: an
+    autoscaled pool keeps them on top of the load's (or the KV cache's) count, within
+    maxReplicas. Not on top of a held count, a wake or an idle pool: zero stays zero."""
+    reserved = Policy(min_replicas=0, max_replicas=6, target_load=2.0, target_kv_usage=0.8,
+                      down_window=60.0, idle_seconds=300.0, reserve=2)
+    load = decide(reserved, Signals(at=0, loads=(3.0, 2.0), last_request_at=0), Observed(2, 2),
+                  History(), 0)
+    assert (load.desired, load.signal) == (5, "load") and "+ 2 reserved" in load.message
+    kv = decide(reserved, Signals(at=0, loads=(0.5, 0.5), kv_usage=(0.9, 0.9),
+                                  last_request_at=0), Observed(2, 2), History(), 0)
+    assert (kv.desired, kv.signal) == (5, "kvCache")
+    capped = decide(reserved, Signals(at=0, loads=(12.0,), last_request_at=0), Observed(2, 2),
+                    History(), 0)
+    assert (capped.desired, capped.signal) == (6, "max")
+    unmeasured = decide(reserved, Signals(at=0, last_request_at=0), Observed(3, 0), History(), 0)
+    assert unmeasured.desired == 3  # (the count it holds already has them)
+    idle = decide(reserved, Signals(at=400, loads=(0.0, 0.0, 0.0), last_request_at=0),
+                  Observed(3, 3), History(), 400)
+    assert (idle.desired, idle.signal) == (0, "idle")
+    woken = decide(reserved, Signals(at=500, held=3), Observed(0, 0), History(), 500)
+    assert woken.desired == 1  # one replica to serve the held requests; then the load's count

@@ -14,6 +14,7 @@ from kvfleet.operator.autoscaler import (
     FleetSignals,
     Key,
     PoolView,
+    policy_of,
     signals_query,
 )
 from kvfleet.operator.events import Event
@@ -175,3 +176,16 @@ def test_a_pool_whose_writes_fail_does_not_stop_the_others_or_the_loop() -> None
     asyncio.run(refusing.step([_pool(), _pool(name="other")]))
     assert sorted(fake.scaled) == [((NS, "chat"), 3), ((NS, "other"), 3)]
     assert refusing.report((NS, "chat")) is not None
+
+
+def test_the_view_reads_the_pools_failover_and_burst_reserves() -> None:
+    plain = _pool()
+    assert plain.reserve == 0
+    pool = ServingPool.model_validate({
+        "metadata": {"name": "chat", "namespace": NS},
+        "spec": {"artifactRef": {"name": "smol"}, "gpu": {"product": "NVIDIA-L4"},
+                 "reserves": {"failover": 1, "burst": 2, "deployment": 3},
+                 "autoscaling": {"maxReplicas": 8, "targetLoad": 4.0}}})
+    view = PoolView.of(pool.to_wire())
+    assert view is not None and view.reserve == 3  # (the deployment reserve is a surge)
+    assert policy_of(view.autoscaling, view.slos, view.reserve).reserve == 3
