@@ -154,8 +154,9 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
             "max_context": max_context, "num_kv_blocks": served.num_kv_blocks,
             "block_size": served.block_size}})
         # What is loaded lives as long as the process: out of the cyclic collector's reach.
-        # A full pass over it (~229,000 objects with SmolLM2) took 90-97 ms, every step and
-        # stream of the engine waiting (the GIL); objects made later are still collected.
+        # A full pass over it (~226,000 objects with SmolLM2) took 90-115 ms, every step and
+        # stream of the engine waiting (the GIL; bench/gc_pause.py); objects made later are
+        # still collected.
         gc.freeze()
         return LoadedEngine(engine, model.chat_template,
                             tuple(model.tokenizer.encode(WARMUP_PROMPT)))

@@ -822,8 +822,8 @@ COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 def build_app(router: Router, ready: Callable[[], bool] = lambda: True) -> Callable[..., Any]:
     """The router's ASGI app. The two completion routes, every request the router relays,
-    go straight to `Router.handle` (Starlette's middleware and route matching cost a request
-    more CPU than the admission: bench/README, router overhead); the rest through Starlette."""
+    go straight to `Router.handle`, past Starlette's middleware and route matching (work a
+    relayed request does not need: bench/README, router overhead); the rest through Starlette."""
 
     async def models(request: Request) -> Response:
         try:
