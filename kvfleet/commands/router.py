@@ -204,7 +204,9 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
                                            timeout_keep_alive=75))
     # What is loaded by now lives as long as the router: out of the cyclic collector's reach,
     # whose full pass over it stalled every request in flight 43-63 ms (bench/README, router
-    # overhead). Objects made later (reloaded state, requests) are still collected.
+    # overhead). Objects made later (reloaded state, requests) are still collected; garbage of
+    # the start-up goes first (frozen, a cycle would be kept for ever).
+    gc.collect()
     gc.freeze()
     try:
         await server.serve()

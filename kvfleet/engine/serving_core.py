@@ -156,7 +156,8 @@ def build_loader(args: argparse.Namespace, limits: AdmissionLimits
         # What is loaded lives as long as the process: out of the cyclic collector's reach.
         # A full pass over it (~226,000 objects with SmolLM2) took 90-115 ms, every step and
         # stream of the engine waiting (the GIL; bench/gc_pause.py); objects made later are
-        # still collected.
+        # still collected. The loading's own garbage goes first: a frozen cycle is kept for ever.
+        gc.collect()
         gc.freeze()
         return LoadedEngine(engine, model.chat_template,
                             tuple(model.tokenizer.encode(WARMUP_PROMPT)))

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvfleet.api.labels import label_value
 from kvfleet.api.saturation import load_score
-from kvfleet.api.servingpool import Autoscaling, SLOs
+from kvfleet.api.servingpool import Autoscaling, Reserves, SLOs
 from kvfleet.operator import metrics
 from kvfleet.operator.autoscale import Decision, History, Observed, Policy, Signals, decide
 from kvfleet.operator.conditions import rfc3339
@@ -172,11 +172,12 @@ class PoolView:
     @classmethod
     def of(cls, raw: dict[str, Any]) -> PoolView | None:
         """None for a pool without spec.autoscaling; ValueError (pydantic's) for one whose
-        autoscaling or slos do not parse."""
+        autoscaling, slos or reserves do not parse."""
         spec, status = raw.get("spec") or {}, raw.get("status") or {}
         if not spec.get("autoscaling"):
             return None
         meta = raw["metadata"]
+        reserves = Reserves.model_validate(spec.get("reserves") or {})
         shown_by = status.get("autoscaling") or {}
         conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
         return cls(
@@ -184,8 +185,7 @@ class PoolView:
             replicas=int(spec.get("replicas", 1)),
             autoscaling=Autoscaling.model_validate(spec["autoscaling"]),
             slos=SLOs.model_validate(spec["slos"]) if spec.get("slos") else None,
-            reserve=sum(int((spec.get("reserves") or {}).get(k, 0))
-                        for k in ("failover", "burst")),
+            reserve=reserves.failover + reserves.burst,
             ready=int(status.get("readyReplicas", 0)),
             reconciled=status.get("observedGeneration") is not None,
             shown=(shown_by.get("desiredReplicas"), shown_by.get("signal"),

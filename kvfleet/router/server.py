@@ -282,6 +282,8 @@ async def _unless_gone(receive: Callable[[], Awaitable[Any]] | None, work: Await
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        if gone.done() and not gone.cancelled():
+            gone.exception()  # (a receive that failed: the client is gone all the same)
         gone.cancel()
         if not task.done():
             task.cancel()
