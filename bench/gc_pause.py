@@ -4,7 +4,7 @@ call once they have loaded).
 
     .venv/bin/python bench/gc_pause.py
 
-Loads the embedded SmolLM2 as the engine does and imports the servers, then times
+Loads the embedded SmolLM2 as the engine does and imports the engine's server, then times
 `gc.collect()` (the full pass the collector makes on its own whenever enough objects have
 survived to the oldest generation) three times before `gc.freeze()` and three times after.
 A full pass holds the GIL: every stream and decode step of the process waits for it.

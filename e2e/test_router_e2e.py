@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -324,13 +325,21 @@ def test_a_tenant_quota_from_a_newer_version_refuses_its_tenant_and_says_why(
                                       "metadata": {"name": "team-a"}, "spec": {"tenant": "team-a"}})
         later = "sk-e2e-team-c-0123456789abcdef"
         _key_secret(kube, namespace, "team-c-key", "team-c", later)
-        # (stored as sent: the apiserver knows the field now; a pruned one would mean nothing)
-        stored = kube.wait_for("the newer field stored", lambda: kube.request(
-            "POST", quotas, {"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
-                             "metadata": {"name": "team-c"},
-                             "spec": {"tenant": "team-c", "burstSeconds": 5,
-                                      "limits": {"maxConcurrentRequests": 1}}}), 30)
-        assert stored["spec"]["burstSeconds"] == 5, stored
+
+        def create_with_the_newer_field() -> dict[str, Any] | None:
+            # The apiserver serves a changed CRD schema a moment after the PUT: until then it
+            # prunes the field, and a pruned one would test nothing. Delete and try again.
+            stored = kube.request("POST", quotas, {
+                "apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+                "metadata": {"name": "team-c"}, "spec": {
+                    "tenant": "team-c", "burstSeconds": 5,
+                    "limits": {"maxConcurrentRequests": 1}}})
+            if stored["spec"].get("burstSeconds") == 5:
+                return stored
+            kube.request("DELETE", f"{quotas}/team-c")
+            return None
+
+        kube.wait_for("the newer field stored as sent", create_with_the_newer_field, 30, 1.0)
         router.wait_ready()
         pool = router_pool  # (a router of one namespace names its pools without it)
         assert chat(router.url, KEY, pool).status_code == 200
