@@ -19,12 +19,17 @@ seen; `410 Gone` (as an HTTP status or an ERROR event) → LIST again; any other
 LIST again after a back-off.
 
 Store views are what the operator's `cache.Cache` reads: key -> the objects filed under it.
+A store made with `pack=True` keeps each filed value compressed (`Packed`) and hands out a
+fresh copy on every read: the operator's children cost ~65 KB a pool as Python dicts and
+~6 KB packed (bench/README, "Operator memory"), for ~50 µs a read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import marshal
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -62,42 +67,66 @@ class WatchExpiredError(Exception):
     """The watch's resourceVersion is too old (410 Gone): list again."""
 
 
-class Store(Mapping[Any, list[JsonObj]]):
-    """Key -> the objects filed under it (by `index`), plus each object by uid."""
+class Packed:
+    """A decoded JSON value kept compressed (marshal, then zlib at its fastest level): a
+    Deployment's ~38 KB of dicts and strings become ~3 KB. `unpack` builds a new copy."""
 
-    def __init__(self, kind: str, index: Index = by_namespaced_name) -> None:
+    __slots__ = ("_data",)
+
+    def __init__(self, value: JsonObj) -> None:
+        self._data = zlib.compress(marshal.dumps(value), 1)
+
+    def unpack(self) -> JsonObj:
+        value: JsonObj = marshal.loads(zlib.decompress(self._data))
+        return value
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class Store(Mapping[Any, list[JsonObj]]):
+    """Key -> the objects filed under it (by `index`), plus each object by uid. With `pack`,
+    values are kept as `Packed` and every read unpacks a fresh copy (a reader may change it;
+    without `pack`, readers share the stored objects and must not)."""
+
+    def __init__(self, kind: str, index: Index = by_namespaced_name, *,
+                 pack: bool = False) -> None:
         self.kind = kind
         self._index = index
-        self._by_uid: dict[str, tuple[Any, JsonObj]] = {}
-        self._by_key: dict[Any, dict[str, JsonObj]] = {}
+        self._pack = pack
+        # uid -> (key, value, resourceVersion)
+        self._by_uid: dict[str, tuple[Any, JsonObj | Packed, str | None]] = {}
+        self._by_key: dict[Any, dict[str, JsonObj | Packed]] = {}
 
     def put(self, obj: JsonObj) -> None:
         uid = _uid(obj)
         self.discard(uid)
+        version = (obj.get("metadata") or {}).get("resourceVersion")
         for key, value in self._index(self.kind, obj).items():
-            self._by_uid[uid] = (key, value)
-            self._by_key.setdefault(key, {})[uid] = value
+            kept = Packed(value) if self._pack else value
+            self._by_uid[uid] = (key, kept, version)
+            self._by_key.setdefault(key, {})[uid] = kept
 
     def discard(self, uid: str) -> JsonObj | None:
         found = self._by_uid.pop(uid, None)
         if found is None:
             return None
-        key, value = found
+        key, value, _ = found
         filed = self._by_key.get(key, {})
         filed.pop(uid, None)
         if not filed:
             self._by_key.pop(key, None)
-        return value
+        return _unpacked(value)
 
     def uids(self) -> set[str]:
         return set(self._by_uid)
 
     def version_of(self, uid: str) -> str | None:
         found = self._by_uid.get(uid)
-        return None if found is None else found[1]["metadata"].get("resourceVersion")
+        return None if found is None else found[2]
 
     def __getitem__(self, key: Any) -> list[JsonObj]:
-        return list(self._by_key[key].values())
+        return [_unpacked(v) for v in self._by_key[key].values()]
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._by_key)
@@ -121,9 +150,10 @@ class Informer:
         namespace: str | None = None,
         on_list: Callable[[str], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        pack: bool = False,
     ) -> None:
         self.kind = kind
-        self.store = Store(kind, index)
+        self.store = Store(kind, index, pack=pack)
         self._namespace = namespace
         self._on_list = on_list
         self.synced = asyncio.Event()
@@ -225,6 +255,10 @@ class Informer:
             raise ValueError(f"{self.kind} watch sent an event of unknown type {kind!r}")
         self._on_event(kind, obj)
         return str(version) if version else None
+
+
+def _unpacked(value: JsonObj | Packed) -> JsonObj:
+    return value.unpack() if isinstance(value, Packed) else value
 
 
 def _uid(obj: JsonObj) -> str:

@@ -4,10 +4,11 @@ Watches already stream each kind a ServingPool reconcile reads: kopf streams the
 and ModelArtifacts (a kopf index handler each, in `handlers.py`), and `informer.Informer`s,
 through server-side label selectors, the operator's own Deployments, Services, ConfigMaps,
 PodDisruptionBudgets and engine pods. Each keeps the latest body of every object (values from
-`slim`/`slim_pod`), so a reconcile reads memory instead of sending GETs — controller-runtime's
-informer cache. Pool handlers run only once kopf's indices and every informer hold their
-initial listing (as controller-runtime waits for its caches to sync), so after a restart the
-first reconciles see what exists and create nothing twice.
+`slim`/`slim_pod`; the informers' compressed, `informer.Packed`, each read a fresh copy), so
+a reconcile reads memory instead of sending GETs — controller-runtime's informer cache. Pool
+handlers run only once kopf's indices and every informer hold their initial listing (as
+controller-runtime waits for its caches to sync), so after a restart the first reconciles see
+what exists and create nothing twice.
 
 Indices (read-only views: kopf's, or an informer's store), by id:
   pool_index, artifact_index,
@@ -17,7 +18,9 @@ Indices (read-only views: kopf's, or an informer's store), by id:
 
 The watch delivers the operator's own writes a moment after the apiserver answered them.
 Until it does, the answered object stands in for the cached one (client-go's MutationCache):
-whichever has the higher resourceVersion wins, and a stand-in expires after `ttl_seconds`.
+whichever has the higher resourceVersion wins; a stand-in is dropped once the watch delivers
+its version or a later one (`seen`), and expires after `ttl_seconds` at the latest (during a
+burst of creates, stand-ins kept for their whole TTL were a second copy of every new child).
 Deleting hides the object by uid until its DELETED event arrives. A stand-in never brings
 back a pool or artifact the watch no longer has: the operator only writes their status. A
 pool or artifact whose status write is answered 404 reads as absent from then on (`gone`):
@@ -234,6 +237,10 @@ class Cache:
             self._gone.add(uid)
         self._forget_stand_in(obj)
 
+    def seen(self, obj: Mapping[str, Any]) -> None:
+        """A child's ADDED or MODIFIED watch event: a stand-in no newer than it is done."""
+        self._forget_stand_in(obj)
+
     def seen_deleted(self, obj: Mapping[str, Any]) -> None:
         """A DELETED watch event: no stand-in may keep the object alive."""
         uid = _uid(obj)
@@ -265,6 +272,8 @@ class Cache:
             stand_ins = self._children.get((kind, namespace, owner), {})
             if name in stand_ins and not _newer(stand_ins[name].obj, obj):
                 del stand_ins[name]
+                if not stand_ins:
+                    del self._children[(kind, namespace, owner)]
 
     def _sweep(self) -> None:
         """Drop expired entries of objects nobody reads any more (deleted pools)."""

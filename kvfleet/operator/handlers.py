@@ -200,12 +200,16 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             await runtime.pools.trigger((namespace, name))
 
     def child_changed(type: str | None, body: JsonObj) -> None:
-        # Only changes matter: the first listing (None) is covered by the pools' resume, and
-        # ADDED is the operator's own create.
-        if type not in ("MODIFIED", "DELETED") or state.runtime is None:
+        if state.runtime is None:
             return
         if type == "DELETED":
             state.runtime.cache.seen_deleted(body)
+        else:
+            state.runtime.cache.seen(body)
+        # Only changes matter: the first listing (None) is covered by the pools' resume, and
+        # ADDED is the operator's own create.
+        if type not in ("MODIFIED", "DELETED"):
+            return
         pool = _controller_pool(body)
         if pool is not None:
             namespace = str(body["metadata"].get("namespace") or "default")
@@ -254,7 +258,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                           field_manager=naming.FIELD_MANAGER)
             state.informers = [
                 Informer(api, kind, selector, pod_changed if kind == "Pod" else child_changed,
-                         index=cache.index_entry, on_list=metrics.count_informer_list)
+                         index=cache.index_entry, on_list=metrics.count_informer_list,
+                         pack=True)
                 for kind, selector in INFORMED.items()
             ]
             # kopf hands every handler its indices as keyword arguments named by index id.

@@ -324,6 +324,23 @@ def test_the_newer_resource_version_wins_and_stand_ins_expire() -> None:
     assert len(c) == 0  # the stand-in went once the watch passed it
 
 
+def test_a_childs_stand_in_goes_once_the_watch_delivers_its_version() -> None:
+    """During a burst of creates a stand-in kept for its whole TTL is a second copy of
+    every new child: the watch's event for the same version ends it."""
+    c = Cache({i: FakeIndex() for i in INDEX_IDS.values()}, ttl_seconds=60, clock=lambda: 0.0)
+    owner = {"kind": "ServingPool", "controller": True, "uid": "p"}
+    written: JsonObj = {"kind": "Service", "metadata": {
+        "name": "s", "namespace": NS, "uid": "u", "resourceVersion": "6",
+        "ownerReferences": [owner]}}  # fmt: skip
+    older = copy.deepcopy(written)
+    older["metadata"]["resourceVersion"] = "5"
+    c.wrote(written)
+    c.seen(older)  # an event from before the write: the stand-in is still the latest
+    assert len(c) == 1 and c.owned("Service", NS, "p") == [written]
+    c.seen(copy.deepcopy(written))
+    assert len(c) == 0 and c._children == {}
+
+
 def test_cached_objects_drop_managed_fields_and_pods_their_spec() -> None:
     owner = {"kind": "ServingPool", "controller": True, "uid": "p"}
     meta: JsonObj = {"name": "d", "namespace": NS, "ownerReferences": [owner]}

@@ -21,7 +21,7 @@ from test_operator_cache import FakeCluster, _converge  # the cache tests' fake 
 from kvfleet.compat import default_matrix
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError, api_version_of
 from kvfleet.kube.credentials import Credentials
-from kvfleet.kube.informer import Informer, Store
+from kvfleet.kube.informer import Informer, Packed, Store
 from kvfleet.operator import naming
 from kvfleet.operator.cache import INDEX_IDS, Cache, index_entry
 from kvfleet.operator.handlers import drift_forever
@@ -204,6 +204,26 @@ def test_store_files_children_by_controlling_pool_and_pods_by_pool_label() -> No
     assert api_version_of("Deployment") == "apps/v1" and api_version_of("Pod") == "v1"
     assert "spec" not in stored
     assert pods.discard("uid-p") is not None and len(pods) == 0
+
+
+def test_a_packed_store_keeps_bodies_compressed_and_hands_out_copies() -> None:
+    deployment = child("a", 7, kind="Deployment")
+    deployment["spec"] = {"template": {"spec": {"containers": [
+        {"name": "engine", "env": [{"name": f"V{i}", "value": "x" * 40} for i in range(60)]}]}}}
+    plain, packed = Store("Deployment", index_entry), Store("Deployment", index_entry, pack=True)
+    plain.put(deployment)
+    packed.put(deployment)
+    (first,) = packed[(NS, "uid-chat")]
+    assert first == plain[(NS, "uid-chat")][0]  # the same body a plain store files
+    first["spec"]["template"] = {}  # a reader's change stays its own
+    (second,) = packed[(NS, "uid-chat")]
+    assert second == plain[(NS, "uid-chat")][0] and second is not first
+    ((_, kept, version),) = packed._by_uid.values()
+    assert isinstance(kept, Packed) and version == "7"
+    assert packed.version_of(deployment["metadata"]["uid"]) == "7"
+    assert len(kept) * 5 < len(json.dumps(deployment))  # repetitive bodies shrink
+    assert packed.discard(deployment["metadata"]["uid"]) == plain[(NS, "uid-chat")][0]
+    assert len(packed) == 0
 
 
 def serving_one_pool(cluster: FakeCluster) -> Runtime:
