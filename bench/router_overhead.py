@@ -11,7 +11,8 @@ against the upstream directly, through a real `kvfleet router --config` process,
 a second one whose quota ledger is shared in a real redis-server (`--redis`), in turns at
 each rate (the router not being measured is paused). The tenant's quota sets every limit
 (none binding), so each request takes the whole admission.
-Prints the shared ledger's script round trip alone, then per rate and router the time to the
+Prints the shared ledger's script round trip alone (through kvfleet's Redis client and, when
+installed, redis-py's, with the CPU each takes), then per rate and router the time to the
 first byte and the gap between streamed chunks, p50/p99, direct and routed, the difference
 (what the router adds), and the router's CPU time per request (from /proc). Writes
 `bench/out/router_overhead.png` (first-byte latency CDFs)."""
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import latency_plot
 import yaml
@@ -183,27 +185,53 @@ def start_redis(port: int, tmp: str) -> subprocess.Popen[bytes]:
     return proc
 
 
-async def script_latency(url: str, n: int = 2000) -> list[float]:
+async def script_latency(client: Any, n: int = 1000) -> tuple[list[float], float]:
     """One admission and its settle through the shared ledger's scripts, alone: what Redis
-    adds to a request (ms per admit)."""
-    import redis.asyncio
-
+    adds to a request. (ms per admit, router-process CPU ms per admit and settle)."""
     from kvfleet.router.fleet_ledger import SharedLedger
     from kvfleet.router.quota import QuotaLedger
 
     local = QuotaLedger()
     local.set_quotas({"bench": ("bench/bench", QUOTA_SPEC)}, 0.0)
-    client = redis.asyncio.Redis.from_url(url)
     ledger = SharedLedger(local, client, prefix="bench-latency")
     times = []
+    cpu = time.process_time()
     for _ in range(n):
         start = time.perf_counter()
         reservation = await ledger.admit("bench", 20, 16, time.monotonic())
         times.append((time.perf_counter() - start) * 1e3)
         ledger.settle(reservation, 16, time.monotonic(), 20)
         await ledger.drain()
+    cpu_ms = (time.process_time() - cpu) * 1e3 / n
     await client.aclose()
-    return times
+    return times, cpu_ms
+
+
+def compare_clients(url: str) -> None:
+    """The ledger's scripts through kvfleet's client and, when installed, redis-py's (the one
+    it replaced), in turns; prints each one's admit latency and CPU."""
+    from kvfleet.router.resp import Redis
+
+    clients: dict[str, Any] = {"kvfleet.router.resp": lambda: Redis.from_url(url)}
+    try:
+        import redis.asyncio
+
+        clients["redis-py asyncio"] = lambda: redis.asyncio.Redis.from_url(url)
+    except ImportError:
+        print("(redis-py not installed: kvfleet's client alone)")
+    found: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in clients}
+    for _ in range(3):
+        for name, make in clients.items():
+            times, cpu_ms = asyncio.run(script_latency(make()))
+            found[name][0].extend(times)
+            found[name][1].append(cpu_ms)
+    for name, (times, cpus) in found.items():
+        print(f"shared ledger admit via {name:20s} (script round trip, alone): p50 "
+              f"{pct(times, .5):.3f} ms, p99 {pct(times, .99):.3f} ms; CPU per admit and "
+              f"settle {sorted(cpus)[1]:.3f} ms (median of 3)")
+    if len(found) == 2:
+        (a, b) = (sorted(c)[1] for _, c in found.values())
+        print(f"CPU per admit and settle, kvfleet ÷ redis-py: {a / b:.2f}")
 
 
 def main() -> int:
@@ -249,9 +277,7 @@ def main() -> int:
             auth = {"authorization": f"Bearer {KEY}"}
             for name in ports:
                 asyncio.run(load(urls[name], auth, 50, 1.0))  # warm up
-            admits = asyncio.run(script_latency(redis_url))
-            print(f"shared ledger admit (script round trip, alone): p50 {pct(admits, .5):.3f} "
-                  f"ms, p99 {pct(admits, .99):.3f} ms")
+            compare_clients(redis_url)
             words = PROSE.split()
             prompt = " ".join(random.Random(1).choice(words) for _ in range(args.prompt_words))
             results = {rate: measure(urls, auth, rate, args.seconds, procs, prompt)

@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         default = None if args.default_quota is None else _default_quota(args.default_quota)
         state = RouterState() if args.config is None else load_config(args.config)
+        if args.redis:
+            _check_redis_url(args.redis)
     except ConfigError as exc:
         print(f"kvfleet router: {exc}", file=sys.stderr)
         return 2
@@ -122,6 +124,16 @@ def _default_quota(path: Path) -> Any:
         raise ConfigError(f"--default-quota {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--default-quota {path}: not YAML ({exc})") from None
+
+
+def _check_redis_url(url: str) -> None:
+    from kvfleet.router.resp import Redis
+    from kvfleet.router.state import ConfigError
+
+    try:
+        Redis.from_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"--redis: {exc}") from None
 
 
 def _cluster_api() -> Any:

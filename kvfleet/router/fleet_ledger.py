@@ -36,8 +36,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from kvfleet.api.tenantquota import BorrowableResource
 from kvfleet.router.quota import (
     CONCURRENCY,
@@ -52,6 +50,7 @@ from kvfleet.router.quota import (
     refusal,
     settle_refunds,
 )
+from kvfleet.router.resp import Redis, ReplyError
 
 log = logging.getLogger("kvfleet.router")
 
@@ -60,7 +59,9 @@ RENEW_SECONDS = 10.0
 RETRY_SECONDS = 2.0
 # A connection refused or reset, a timeout, an error reply: Redis cannot decide, the fallback
 # does.
-UNREACHABLE = (RedisError, OSError, asyncio.TimeoutError)
+# ConnectionError and TimeoutError are OSErrors; an error reply (a script's bug, a Redis out
+# of memory) is treated the same: the ledger falls back rather than refuse every request.
+UNREACHABLE = (ReplyError, OSError)
 RESOURCES = (RPM, INPUT_TPM, OUTPUT_TPM)  # the scripts' order: index 1, 2, 3
 
 # Shared by the scripts: the clock, and a bucket's level and debt refilled to now.
@@ -240,7 +241,7 @@ class SharedLedger:
     """Admission against the fleet-wide limits in Redis, with the router's own `QuotaLedger`
     (`local`) as the specs' source, the usage counter, and the fallback while Redis is away.
 
-    `client` is a `redis.asyncio.Redis` (or anything with the same `register_script`)."""
+    `client` is a `resp.Redis` (or anything with the same `register_script`)."""
 
     def __init__(self, local: QuotaLedger, client: Any, prefix: str = "kvfleet",
                  where: str = "redis", on_change: Callable[[bool], None] | None = None,
@@ -449,9 +450,6 @@ def connect(url: str, prefix: str, local: QuotaLedger,
             on_change: Callable[[bool], None] | None = None) -> SharedLedger:
     """A shared ledger at a redis:// URL. Short timeouts: a Redis that hangs must not hold
     admissions, they fall back to the local share."""
-    import redis.asyncio
-
-    client = redis.asyncio.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5,
-                                          health_check_interval=0)
+    client = Redis.from_url(url, timeout=0.5, connect_timeout=0.5)
     where = url.split("@")[-1]  # never a password in logs or conditions
     return SharedLedger(local, client, prefix, where, on_change)

@@ -15,7 +15,8 @@ from engine_server import free_port
 
 
 class RedisServer:
-    def __init__(self) -> None:
+    def __init__(self, *options: str) -> None:
+        self.options = options  # more redis-server options (`--requirepass`, ...)
         if shutil.which("redis-server") is None:
             pytest.fail("redis-server is not installed (Debian: apt-get install redis-server)")
         self.port = free_port()
@@ -29,11 +30,13 @@ class RedisServer:
     def start(self) -> None:
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self._dir.name],
+             "--appendonly", "no", "--dir", self._dir.name, *self.options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
+        # (a server with a password answers NOAUTH: it is up too)
         while subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True,
-                             check=False).stdout.strip() != b"PONG":
+                             check=False).stdout.strip().split(b" ")[0] not in (b"PONG",
+                                                                                b"NOAUTH"):
             assert time.monotonic() < deadline and self.process.poll() is None, \
                 "redis-server did not start"
             time.sleep(0.05)
@@ -46,8 +49,8 @@ class RedisServer:
 
 
 @contextmanager
-def running_redis() -> Iterator[RedisServer]:
-    server = RedisServer()
+def running_redis(*options: str) -> Iterator[RedisServer]:
+    server = RedisServer(*options)
     server.start()
     try:
         yield server

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-import redis.asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis_server import RedisServer, running_redis
@@ -20,6 +19,7 @@ from kvfleet.api.tenantquota import BorrowableResource, Borrowing, Limits, Tenan
 from kvfleet.router.errors import QuotaExceeded
 from kvfleet.router.fleet_ledger import LEASE_SECONDS, SharedLedger
 from kvfleet.router.quota import QuotaLedger, Reservation
+from kvfleet.router.resp import Redis
 
 ALL = list(BorrowableResource)[:4]
 
@@ -62,7 +62,7 @@ class Clock:
 
 
 def _shared(url: str, clock: Clock, prefix: str | None = None) -> SharedLedger:
-    client = redis.asyncio.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    client = Redis.from_url(url, timeout=0.5, connect_timeout=0.5)
     return SharedLedger(_ledger(clock.now), client, prefix or uuid.uuid4().hex,
                         where=url.removeprefix("redis://"), clock=clock)
 
@@ -166,10 +166,10 @@ def test_a_running_request_keeps_its_slot_however_long_and_after_an_outage(
         async with two_routers(redis_server.url, clock) as (one, two, prefix):
             await one.admit("team-b", 1, 1, clock.now)  # team-b: 1 slot
             slots = f"{prefix}:s:team-b"
-            await one.client.expire(slots, 3)  # (the set's own expiry, near its end)
+            await one.client.execute("EXPIRE", slots, 3)  # (the set's own expiry, near its end)
             clock.now += 10
             await one.renew()
-            assert await one.client.ttl(slots) >= 2 * LEASE_SECONDS - 1  # extended
+            assert await one.client.execute("TTL", slots) >= 2 * LEASE_SECONDS - 1  # extended
             with pytest.raises(QuotaExceeded, match="maxConcurrentRequests"):
                 await two.admit("team-b", 1, 1, clock.now)
             clock.now += LEASE_SECONDS + 1  # an outage outlived the lease...
