@@ -59,7 +59,14 @@ class _Protocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._reader.feed(data)
-        while (reply := self._reader.gets()) is not False:
+        while True:
+            try:
+                reply = self._reader.gets()
+            except hiredis.ProtocolError as error:
+                self.fail(ConnectionError(f"Redis sent something that is not RESP ({error})"))
+                return
+            if reply is False:
+                return
             if not self.waiting:
                 self.fail(ConnectionError("Redis sent a reply nobody asked for"))
                 return

@@ -125,6 +125,21 @@ async def test_a_reply_nobody_asked_for_drops_the_connection() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_server_that_does_not_speak_resp_fails_the_call_and_is_dropped() -> None:
+    def http(command: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    async with fake_server(http) as (port, seen):
+        client = Redis("127.0.0.1", port)
+        with pytest.raises(ConnectionError, match="not RESP"):
+            await client.execute("PING")
+        with pytest.raises(ConnectionError, match="not RESP"):
+            await client.execute("PING")  # on a new connection
+        assert seen.count("connected") == 2
+        await client.aclose()
+
+
+@pytest.mark.asyncio
 async def test_nobody_listening_is_an_os_error_at_once() -> None:
     async with fake_server(echo) as (port, _):
         pass  # closed: the port is free again
