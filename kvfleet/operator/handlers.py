@@ -314,9 +314,8 @@ def _register_kinds(registry: kopf.OperatorRegistry, state: _State) -> None:
     @kopf.on.update(GROUP, VERSION, "servingpools", id="servingpool-update", registry=registry)
     @kopf.on.resume(GROUP, VERSION, "servingpools", id="servingpool-resume", registry=registry)
     async def pool_changed(namespace: str | None, name: str, **_: Any) -> None:
-        # Handed over, not awaited: the runtime retries failures itself (Runtime.enqueue).
         runtime = await state.synced()
-        runtime.enqueue((namespace or "default", name))
+        await _handled(runtime.pools.trigger, (namespace or "default", name))
 
     # -- ModelArtifact --------------------------------------------------------------------
 
@@ -346,7 +345,7 @@ def _register_kinds(registry: kopf.OperatorRegistry, state: _State) -> None:
         runtime = await state.synced()
         pool = (spec.get("poolRef") or {}).get("name")
         if isinstance(pool, str):
-            runtime.enqueue((namespace or "default", pool))
+            await _handled(runtime.pools.trigger, (namespace or "default", pool))
 
     @kopf.on.delete(GROUP, VERSION, "rollouts", id="rollout-delete", optional=True,
                     registry=registry)
