@@ -434,7 +434,7 @@ def _module() -> list[str]:
 # (PREFIX-peak.snap), and one more at exit (PREFIX-end.snap). Snapshots pause the operator
 # for a moment: the timings of such a run are not comparable with a plain one.
 _TRACEMALLOC_WRAPPER = """
-import atexit, json, runpy, sys, threading, time, tracemalloc
+import atexit, json, os, runpy, sys, threading, time, tracemalloc
 import psutil
 prefix = sys.argv[1]
 sys.argv = ["kvfleet", *sys.argv[3:]]
@@ -452,7 +452,7 @@ def record(tag):
         tracemalloc.take_snapshot().dump(prefix + ("-end" if tag == "end" else "-peak") + ".snap")
 def watch():
     while True:
-        time.sleep(15)
+        time.sleep(float(os.environ.get("KVFLEET_BENCH_TRACEMALLOC_TICK", "15")))
         record("tick")
 threading.Thread(target=watch, daemon=True).start()
 atexit.register(record, "end")

@@ -14,6 +14,7 @@ its allowance starting from that router's report, not from a full minute's allow
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 import threading
@@ -336,3 +337,134 @@ def _router_restart(kube: KubeClient, ns: str, routers: dict[str, str]) -> None:
     refilled = report["remaining"]["requestsPerMinute"] + (
         datetime.now(UTC) - at).total_seconds() * TEAM_B_RPM / 2 / 60
     assert admitted <= math.floor(refilled) + 1 and admitted < 10, (admitted, refilled)
+
+
+ONE_KEY = "sk-e2e-team-one-0123456789abcdef"
+
+
+def test_two_router_pods_hold_one_limit_through_a_redis_pod_and_say_when_they_cannot(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
+    local_node: str, fake_nodes: list[str],
+) -> None:
+    """The install manifests with `--redis-secret`: two router pods admit against one Redis,
+    itself a pod on the local node. A `maxConcurrentRequests: 1` tenant hammered by 8 clients
+    through both routers never has two requests at the engine at once (the engine pod's own
+    request log), and its TenantQuota says the limits are fleet-wide. With the Redis pod
+    deleted, each router falls back to its share and the TenantQuota says so."""
+    kube.create(smollm2_revision("smol-v1", 40, namespace))
+    tenant(kube, namespace)
+    kube.create({"apiVersion": "v1", "kind": "Secret",
+                 "metadata": {"name": "team-one-key", "namespace": namespace,
+                              "labels": {"kvfleet.io/tenant": "team-one"}},
+                 "data": {"key": base64.b64encode(ONE_KEY.encode()).decode()}})
+    kube.create({"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+                 "metadata": {"name": "team-one", "namespace": namespace},
+                 "spec": {"tenant": "team-one", "limits": {"maxConcurrentRequests": 1}}})
+    kube.create(local_pool(POOL, "smol-v1", namespace))
+    with _only_the_local_l4_node(kube, kubectl):
+        ledger = _redis_pod(kube, namespace, local_node)
+        kube.create({"apiVersion": "v1", "kind": "Secret",
+                     "metadata": {"name": "ledger", "namespace": namespace},
+                     "stringData": {"url": f"redis://{ledger}:6379/0"}})
+        _wait_pool(kube, operator, namespace, POOL, _available, "the pool Available", 300)
+        router_on_node(kube, namespace, local_node, redis_secret="ledger")
+        urls = kube.wait_for("both router pods Ready", lambda: list(_routers(
+            kube, namespace).values()) if len(_routers(kube, namespace)) == 2 else None, 90)
+        time.sleep(0.5)  # a first scrape of the engine's load
+
+        since = time.time()
+        answers = _hammer(urls, ONE_KEY, clients=8, seconds=10)
+        codes = Counter(a.status_code for a in answers)
+        refusals = {a.json()["error"]["message"].split(":")[0] for a in answers
+                    if a.status_code == 429}
+        spans = _engine_spans(kube, kubectl, namespace, "team-one", since)
+        overlaps = sum(1 for (_, end), (start, _) in itertools.pairwise(spans) if start < end)
+        print(f"8 clients, 2 router pods, one Redis pod, maxConcurrentRequests 1: {codes[200]} "
+              f"served, {codes[429]} refused, {overlaps} overlaps in the engine's log")
+        assert set(codes) <= {200, 429}, [a.text for a in answers if a.status_code not in
+                                          (200, 429)][:3]
+        assert codes[200] >= 4 and len(spans) == codes[200]
+        assert overlaps == 0, spans
+        assert all("maxConcurrentRequests" in r for r in refusals), refusals
+        _wait_fleet_wide(kube, namespace, "True", "SharedLedger")
+
+        kube.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/ledger")
+        kube.wait_for("the Redis pod gone", lambda: None if any(
+            p["metadata"]["name"] == "ledger" for p in kube.list("Pod", namespace)) else True, 60)
+        with httpx.Client() as client:  # each router finds Redis gone on its next admission
+            for url in urls:
+                answer = _chat(client, url, ONE_KEY, "after-redis")
+                assert answer.status_code in (200, 429), answer.text
+        assert _router_metric(urls, "kvfleet_router_shared_ledger_up") == 0
+        _wait_fleet_wide(kube, namespace, "False", "SharedLedgerUnavailable")
+
+
+def _redis_pod(kube: KubeClient, ns: str, node: str) -> str:
+    """redis-server as a pod on the local node (its runner starts the command as a process,
+    bound to the pod's IP); that IP once the pod is Ready."""
+    from kvfleet.operator.placement import tolerations
+
+    kube.create({"apiVersion": "v1", "kind": "Pod",
+                 "metadata": {"name": "ledger", "namespace": ns},
+                 "spec": {"nodeName": node, "tolerations": tolerations(), "containers": [{
+                     "name": "redis", "image": "redis:7",
+                     "command": ["redis-server", "--bind", "$(POD_IP)", "--port", "6379",
+                                 "--save", "", "--appendonly", "no"],
+                     "env": [{"name": "POD_IP",
+                              "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                     "readinessProbe": {"tcpSocket": {"port": 6379}, "periodSeconds": 1}}]}})
+
+    def ready() -> str | None:
+        pod = kube.get("Pod", "ledger", ns)
+        conditions = (pod.get("status") or {}).get("conditions", [])
+        if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
+            return str(pod["status"]["podIP"])
+        return None
+
+    return kube.wait_for("the Redis pod Ready", ready, 60)
+
+
+def _hammer(urls: list[str], key: str, clients: int, seconds: float) -> list[httpx.Response]:
+    """`clients` threads sending one request after another for `seconds`, each alternating
+    between the routers (a refused one waits 50 ms before the next)."""
+    stop = time.monotonic() + seconds
+
+    def worker(i: int) -> list[httpx.Response]:
+        answers = []
+        with httpx.Client() as client:
+            while time.monotonic() < stop:
+                n = len(answers)
+                answers.append(_chat(client, urls[(i + n) % len(urls)], key, f"one-{i}-{n}",
+                                     max_tokens=16))
+                if answers[-1].status_code == 429:
+                    time.sleep(0.05)
+        return answers
+
+    with ThreadPoolExecutor(clients) as pool:
+        return [a for answers in pool.map(worker, range(clients)) for a in answers]
+
+
+def _engine_spans(kube: KubeClient, kubectl: Kubectl, ns: str, tenant_name: str,
+                  since: float) -> list[tuple[float, float]]:
+    """(arrival, finish) of each of the tenant's requests in the engine pods' request logs
+    (`kubectl logs`), sorted."""
+    spans = []
+    for pod in kube.list("Pod", ns, label_selector=f"{naming.POOL_LABEL}={POOL}"):
+        out = kubectl("logs", "-n", ns, pod["metadata"]["name"], "-c", "engine").stdout
+        for line in out.splitlines():
+            if '"request_finished"' not in line:
+                continue
+            record = json.loads(line)
+            if record.get("tenant") == tenant_name and record["ts"] >= since:
+                spans.append((record["arrival_time"], record["arrival_time"] + record["e2e_s"]))
+    return sorted(spans)
+
+
+def _wait_fleet_wide(kube: KubeClient, ns: str, status: str, reason: str) -> None:
+    def found() -> bool | None:
+        conditions = (kube.get("TenantQuota", "team-one", ns).get("status") or {}).get(
+            "conditions", [])
+        return True if any(c["type"] == "FleetWide" and c["status"] == status
+                           and c["reason"] == reason for c in conditions) else None
+
+    kube.wait_for(f"TenantQuota team-one FleetWide={status} ({reason})", found, 40)

@@ -160,13 +160,14 @@ def tenant(kube: KubeClient, namespace: str, key: str = TENANT_KEY) -> None:
     kube.create(tenant_quota(namespace))
 
 
-def router_on_node(kube: KubeClient, namespace: str, node: str, timeout: float = 90) -> str:
-    """The router's install manifests with its pod pinned to `node` (a local node: its pods
-    really run); its URL once Ready."""
+def router_on_node(kube: KubeClient, namespace: str, node: str, timeout: float = 90,
+                   redis_secret: str | None = None) -> str:
+    """The router's install manifests (`redis_secret`: as `--redis-secret`) with its pod
+    pinned to `node` (a local node: its pods really run); its URL once Ready."""
     from kvfleet.operator.placement import tolerations
     from kvfleet.router.manifests import PORT, build_manifests
 
-    for obj in build_manifests(namespace):
+    for obj in build_manifests(namespace, redis_secret=redis_secret):
         if obj["kind"] == "Deployment":
             pod_spec = obj["spec"]["template"]["spec"]
             pod_spec["nodeName"] = node

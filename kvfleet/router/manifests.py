@@ -35,7 +35,10 @@ def role_rules() -> list[dict[str, Any]]:
     ]
 
 
-def build_manifests(namespace: str, image: str = "kvfleet:0.1.0") -> list[dict[str, Any]]:
+def build_manifests(namespace: str, image: str = "kvfleet:0.1.0",
+                    redis_secret: str | None = None) -> list[dict[str, Any]]:
+    """`redis_secret`: the Secret whose key `url` holds the shared quota ledger's URL (as the
+    chart's `router.redis.urlSecret`); without it each replica enforces its 1/N share."""
     def meta() -> dict[str, Any]:  # a fresh copy each time: YAML gets no anchors
         return {"name": NAME, "namespace": namespace, "labels": dict(LABELS)}
 
@@ -48,7 +51,10 @@ def build_manifests(namespace: str, image: str = "kvfleet:0.1.0") -> list[dict[s
         "args": ["router", "-n", namespace, "--host", "$(POD_IP)", "--port", str(PORT)],
         # POD_NAME: the replica's name in the TenantQuotas' router reports.
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                # From the Secret, not an argument: the URL may hold a password (not in ps).
+                *([{"name": "KVFLEET_REDIS_URL", "valueFrom": {"secretKeyRef": {
+                    "name": redis_secret, "key": "url"}}}] if redis_secret else [])],
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},

@@ -358,6 +358,13 @@ def test_the_router_manifests_on_disk_are_the_generated_ones() -> None:
     role = next(m for m in on_disk if m["kind"] == "Role")
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert verbs == {"get", "list", "watch", "patch"}  # reads, and the quota status patch
+    # With the shared ledger, its URL comes from a Secret's key, as the chart's does.
+    (deployment,) = [m for m in build_manifests("llm", redis_secret="ledger")
+                     if m["kind"] == "Deployment"]
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KVFLEET_REDIS_URL"]["valueFrom"] == {
+        "secretKeyRef": {"name": "ledger", "key": "url"}}
+    assert "KVFLEET_REDIS_URL" not in yaml.safe_dump_all(on_disk)
 
 
 def test_engines_export_the_gauges_an_inference_pool_endpoint_picker_reads() -> None:
