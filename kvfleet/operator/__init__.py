@@ -6,12 +6,13 @@ Pure core (no I/O):
   builders.build_deployment/_config_map/_service/_pdb        the manifests
   placement                                                  node selection, scheduling reasons
   podwatch                                                   which pod events concern a pool
+  changes.Changes                                            which pool events need a reconcile
   drift.has_drifted(desired, observed)                       what counts as drift
 Edges:
   runtime.Runtime     reads what exists, runs the reconcilers, carries out plans
   cache.Cache         what exists, as the watches delivered it (no GETs per reconcile)
   informer.Informer   list-and-watch of the child kinds and engine pods (re-lists after 410)
-  handlers            kopf wiring (when reconciles run)
+  handlers            kopf wiring (when reconciles run; pools as events, retried by the runtime)
   kube.KubeApi        the operator's apiserver client (server-side apply, status, events)
   metrics, rbac       Prometheus metrics; the ClusterRole as data
 

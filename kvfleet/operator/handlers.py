@@ -36,7 +36,7 @@ from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.kube.credentials import Credentials, CredentialsError
 from kvfleet.kube.informer import Informer
 from kvfleet.kube.tasks import exit_process, fatal_if_it_ends
-from kvfleet.operator import cache, metrics, naming, podwatch
+from kvfleet.operator import cache, changes, metrics, naming, podwatch
 from kvfleet.operator.autoscaler import DEFAULT_INTERVAL_SECONDS
 from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.promquery import PromQuery
@@ -310,12 +310,16 @@ def _register_kinds(registry: kopf.OperatorRegistry, state: _State) -> None:
 
     # -- ServingPool ----------------------------------------------------------------------
 
-    @kopf.on.create(GROUP, VERSION, "servingpools", id="servingpool-create", registry=registry)
-    @kopf.on.update(GROUP, VERSION, "servingpools", id="servingpool-update", registry=registry)
-    @kopf.on.resume(GROUP, VERSION, "servingpools", id="servingpool-resume", registry=registry)
-    async def pool_changed(namespace: str | None, name: str, **_: Any) -> None:
-        runtime = await state.synced()
-        await _handled(runtime.pools.trigger, (namespace or "default", name))
+    # Events, not kopf's create/update/resume handlers: those PATCH their bookkeeping onto
+    # every pool (see changes.py); the runtime retries a failed reconcile itself.
+    pool_changes = changes.Changes()
+
+    @kopf.on.event(GROUP, VERSION, "servingpools", id="servingpool-event", registry=registry)
+    async def pool_event(type: str | None, body: Any, namespace: str | None, name: str,
+                         **_: Any) -> None:
+        if pool_changes.calls_for_reconcile(type, body):
+            runtime = await state.synced()
+            runtime.enqueue((namespace or "default", name))
 
     # -- ModelArtifact --------------------------------------------------------------------
 

@@ -19,10 +19,12 @@ WATCH = ["list", "watch"]
 
 def cluster_role_rules() -> list[dict[str, Any]]:
     return [
-        # kopf watches the kinds it handles and stores progress in their annotations.
+        # kopf watches the kinds it handles; it stores its progress in the annotations of
+        # artifacts and Rollouts (pools reach the operator as plain events: changes.py).
+        {"apiGroups": ["kvfleet.io"], "resources": ["servingpools"], "verbs": [*WATCH]},
         {
             "apiGroups": ["kvfleet.io"],
-            "resources": ["servingpools", "modelartifacts", "rollouts"],
+            "resources": ["modelartifacts", "rollouts"],
             "verbs": [*WATCH, "patch"],
         },
         {

@@ -75,6 +75,9 @@ Key = tuple[str, str]  # (namespace, name)
 KV_BLOCKS_QUERY = ("min by (namespace, kvfleet_io_pool, kvfleet_io_revision) "
                    "(kvfleet_engine_kv_cache_blocks)")
 KV_BLOCKS_TTL_SECONDS = 30.0
+# A pool whose reconcile failed is tried again after these many seconds (the n-th failure in
+# a row waits the n-th, then the last): controller-runtime's rate-limited requeue.
+RETRY_SECONDS = (5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0)
 
 
 class InvalidObjectError(ValueError):
@@ -107,6 +110,7 @@ class Runtime:
         self._autoscaled: dict[Key, tuple[str | None, PoolView]] = {}
         self._wakeups: dict[Key, asyncio.TimerHandle] = {}
         self._woken: set[asyncio.Task[None]] = set()
+        self._failures: dict[Key, int] = {}  # pools failing: how many times in a row
         self.pools = Coalescer(self._timed("ServingPool", self.reconcile_pool))
         self.artifacts = Coalescer(self._timed("ModelArtifact", self.reconcile_artifact))
         self._kv_blocks: tuple[float, dict[Key, dict[str, int]] | None] = (-1e18, None)
@@ -180,17 +184,37 @@ class Runtime:
             if urgent:
                 self._urgent.setdefault(key, time.perf_counter())
                 self._slots.promote(key)
-            task = loop.create_task(self._woken_reconcile(key))
-            self._woken.add(task)
-            task.add_done_callback(self._woken.discard)
+            self.enqueue(key)
 
         self._wakeups[key] = loop.call_at(when, fire)
 
-    async def _woken_reconcile(self, key: Key) -> None:
+    def enqueue(self, key: Key) -> None:
+        """Reconcile the pool in the background, and again after a back-off while it fails
+        (`RETRY_SECONDS`): controller-runtime's workqueue. The pools' watch events come here
+        (handlers.py), so kopf never retries, and never writes, a pool."""
+        task = asyncio.get_running_loop().create_task(self._reconcile_retried(key))
+        self._woken.add(task)
+        task.add_done_callback(self._woken.discard)
+
+    async def _reconcile_retried(self, key: Key) -> None:
         try:
             await self.pools.trigger(key)
-        except Exception as exc:  # the drift loop retries; say why meanwhile
-            log.warning("reconcile of %s/%s failed: %s", key[0], key[1], exc)
+        except InvalidObjectError as exc:
+            # Nothing to try again until the object changes (which enqueues it again).
+            self._failures.pop(key, None)
+            log.warning("%s", exc)
+            try:
+                await self._post_event_of(key, Event("Warning", "InvalidSpec", str(exc)))
+            except (KubeError, aiohttp.ClientError, TimeoutError) as error:
+                log.warning("event for %s/%s not posted: %s", key[0], key[1], error)
+        except Exception as exc:
+            tries = self._failures[key] = self._failures.get(key, 0) + 1
+            delay = RETRY_SECONDS[min(tries, len(RETRY_SECONDS)) - 1]
+            log.warning("reconcile of %s/%s failed (%s); trying again in %.0f s",
+                        key[0], key[1], exc, delay)
+            self.wake(key, delay, urgent=False)
+        else:
+            self._failures.pop(key, None)
 
     async def _rollout(self, raw_rollout: JsonObj, pool: ServingPool,
                        artifact: ModelArtifact | None, observed: Observed) -> RolloutDecision:

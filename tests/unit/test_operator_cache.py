@@ -428,3 +428,47 @@ async def test_an_incompatible_artifact_gets_one_warning_not_two(cluster: FakeCl
     await runtime.reconcile_artifact((NS, "fp8"))
     posted = [r for r in cluster.take() if r[0] == "POST"]
     assert posted.count(("POST", "Event Incompatible")) == 1, posted
+
+
+@pytest.mark.asyncio
+async def test_a_handed_over_pool_is_tried_again_with_back_off_until_it_lands(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kopf's handlers hand a pool over and return (`Runtime.enqueue`): the runtime itself
+    tries a failed reconcile again, waiting longer after each failure in a row, and a
+    success starts the count over."""
+    runtime = _runtime(cluster)
+    real_apply, refusals = cluster.apply, [2]
+    waits: list[tuple[float, bool]] = []
+
+    async def apply(obj: JsonObj) -> JsonObj:
+        if refusals[0] > 0 and obj["kind"] == "Service":
+            refusals[0] -= 1
+            raise KubeError("PATCH", "services/chat", 500, "etcd timed out")
+        return await real_apply(obj)
+
+    def wake(key: tuple[str, str], seconds: float, urgent: bool = True) -> None:
+        waits.append((seconds, urgent))
+        runtime.enqueue(key)  # at once: the test does not wait out the back-off
+
+    monkeypatch.setattr(cluster, "apply", apply)
+    monkeypatch.setattr(runtime, "wake", wake)
+    runtime.enqueue((NS, "chat"))
+    while runtime._woken:
+        await asyncio.gather(*list(runtime._woken))
+    assert waits == [(5.0, False), (10.0, False)]  # behind the urgent lane, longer each time
+    assert ("Service", "chat") in cluster.objects and runtime._failures == {}
+
+
+@pytest.mark.asyncio
+async def test_a_pool_the_models_reject_is_not_retried_and_says_why(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = _runtime(cluster)
+    cluster.edit("ServingPool", "chat", ["spec", "replicas"], "three")
+    cluster.deliver()
+    monkeypatch.setattr(runtime, "wake", lambda *_: pytest.fail("an invalid pool was retried"))
+    runtime.enqueue((NS, "chat"))
+    while runtime._woken:
+        await asyncio.gather(*list(runtime._woken))
+    assert ("POST", "Event InvalidSpec") in cluster.take()
