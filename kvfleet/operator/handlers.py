@@ -206,7 +206,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             state.runtime.cache.seen_deleted(body)
         else:
             state.runtime.cache.seen(body)
-        # Only changes matter: the first listing (None) is covered by the pools' resume, and
+        # Only changes matter: the first listing (None) is covered by the pools' own, and
         # ADDED is the operator's own create.
         if type not in ("MODIFIED", "DELETED"):
             return
