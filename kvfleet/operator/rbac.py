@@ -20,11 +20,11 @@ WATCH = ["list", "watch"]
 def cluster_role_rules() -> list[dict[str, Any]]:
     return [
         # kopf watches the kinds it handles; it stores its progress in the annotations of
-        # artifacts and Rollouts (pools reach the operator as plain events: changes.py).
-        {"apiGroups": ["kvfleet.io"], "resources": ["servingpools"], "verbs": [*WATCH]},
+        # artifacts and Rollouts (pools reach the operator as plain events: changes.py). A
+        # pool is patched only by the autoscaler, its spec.replicas.
         {
             "apiGroups": ["kvfleet.io"],
-            "resources": ["modelartifacts", "rollouts"],
+            "resources": ["servingpools", "modelartifacts", "rollouts"],
             "verbs": [*WATCH, "patch"],
         },
         {
