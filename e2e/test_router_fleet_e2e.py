@@ -189,18 +189,19 @@ def test_weights_stickiness_shadow_replica_loss_and_router_restart_on_a_real_fle
     stable, canary = (manifest_hash(a["spec"])[:12] for a in revisions)
     tenant(kube, namespace)
     _team_b(kube, namespace)
-    pool = local_pool(POOL, "smol-v1", namespace)
-    pool["spec"]["replicas"] = 2
-    kube.create(pool)
-    # The traffic table moves only on a person's promote: no step is analysed.
-    kube.create({
-        "apiVersion": "kvfleet.io/v1alpha1", "kind": "Rollout",
-        "metadata": {"name": POOL, "namespace": namespace},
-        "spec": {"poolRef": {"name": POOL}, "autoPromote": False, "drainSeconds": 3,
-                 "shadow": {"percent": 50, "durationSeconds": 1, "analysis": False},
-                 "steps": [{"weight": w, "analysis": False} for w in (10, 50, 100)]}})
-    sessions = [f"conversation-{i}" for i in range(SESSIONS)]
+    # Cordoned before the pool exists: no replica lands on a KWOK node, whose pods log nothing.
     with _only_the_local_l4_node(kube, kubectl):
+        pool = local_pool(POOL, "smol-v1", namespace)
+        pool["spec"]["replicas"] = 2
+        kube.create(pool)
+        # The traffic table moves only on a person's promote: no step is analysed.
+        kube.create({
+            "apiVersion": "kvfleet.io/v1alpha1", "kind": "Rollout",
+            "metadata": {"name": POOL, "namespace": namespace},
+            "spec": {"poolRef": {"name": POOL}, "autoPromote": False, "drainSeconds": 3,
+                     "shadow": {"percent": 50, "durationSeconds": 1, "analysis": False},
+                     "steps": [{"weight": w, "analysis": False} for w in (10, 50, 100)]}})
+        sessions = [f"conversation-{i}" for i in range(SESSIONS)]
         _wait_pool(kube, operator, namespace, POOL,
                    lambda p: _available(p) and len(_pods(kube, namespace, stable)) == 2,
                    "two stable replicas Ready", 300)
@@ -360,8 +361,8 @@ def test_two_router_pods_hold_one_limit_through_a_redis_pod_and_say_when_they_ca
     kube.create({"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
                  "metadata": {"name": "team-one", "namespace": namespace},
                  "spec": {"tenant": "team-one", "limits": {"maxConcurrentRequests": 1}}})
-    kube.create(local_pool(POOL, "smol-v1", namespace))
-    with _only_the_local_l4_node(kube, kubectl):
+    with _only_the_local_l4_node(kube, kubectl):  # before the pool: no pod on a KWOK node
+        kube.create(local_pool(POOL, "smol-v1", namespace))
         ledger = _redis_pod(kube, namespace, local_node)
         kube.create({"apiVersion": "v1", "kind": "Secret",
                      "metadata": {"name": "ledger", "namespace": namespace},
