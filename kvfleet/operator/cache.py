@@ -4,7 +4,7 @@ Watches already stream each kind a ServingPool reconcile reads: kopf streams the
 and ModelArtifacts (a kopf index handler each, in `handlers.py`), and `informer.Informer`s,
 through server-side label selectors, the operator's own Deployments, Services, ConfigMaps,
 PodDisruptionBudgets and engine pods. Each keeps the latest body of every object (values from
-`slim`/`slim_pod`, compressed as `informer.Packed`; each read unpacks a fresh copy), so
+`slim`/`slim_pod`; the informers' compressed, `informer.Packed`, each read a fresh copy), so
 a reconcile reads memory instead of sending GETs — controller-runtime's informer cache. Pool
 handlers run only once kopf's indices and every informer hold their initial listing (as
 controller-runtime waits for its caches to sync), so after a restart the first reconciles see
@@ -36,11 +36,10 @@ at most a write that changes nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.kube.informer import Packed
 from kvfleet.operator.naming import POOL_LABEL
 
 JsonObj = dict[str, Any]
@@ -90,12 +89,6 @@ def index_entry(kind: str, body: Mapping[str, Any]) -> dict[tuple[str, str], Jso
     return {} if owner is None else {(namespace, owner): slim(body)}
 
 
-def packed_entry(kind: str, body: Mapping[str, Any]) -> dict[tuple[str, str], Packed]:
-    """What a kopf index handler files, packed as the informers pack theirs: a pool with its
-    status is ~24 KB of dicts and strings, ~3 KB packed (`Unpacking` reads it back)."""
-    return {key: Packed(value) for key, value in index_entry(kind, body).items()}
-
-
 def controller_pool_uid(body: Mapping[str, Any]) -> str | None:
     for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
         if ref.get("kind") == "ServingPool" and ref.get("controller"):
@@ -123,23 +116,6 @@ def _ref(obj: Mapping[str, Any]) -> tuple[str, str, str] | None:
 def _uid(obj: Mapping[str, Any]) -> str | None:
     uid = (obj.get("metadata") or {}).get("uid")
     return uid if isinstance(uid, str) else None
-
-
-class Unpacking(Mapping[Any, list[JsonObj]]):
-    """A kopf index whose values are `Packed` (handlers.py packs what it files), read as
-    `IndexView`: each read unpacks a fresh copy, so a reader may change what it got."""
-
-    def __init__(self, index: Mapping[Any, Iterable[Packed]]) -> None:
-        self._index = index
-
-    def __getitem__(self, key: Any) -> list[JsonObj]:
-        return [value.unpack() for value in self._index[key]]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
 
 
 def _newer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

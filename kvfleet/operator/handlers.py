@@ -264,7 +264,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             ]
             # kopf hands every handler its indices as keyword arguments named by index id.
             indices: dict[str, cache.IndexView] = {
-                cache.INDEX_IDS[kind]: cache.Unpacking(kwargs[cache.INDEX_IDS[kind]])
+                cache.INDEX_IDS[kind]: kwargs[cache.INDEX_IDS[kind]]
                 for kind in KOPF_INDEXED.values()
             }
             indices.update({cache.INDEX_IDS[i.kind]: i.store for i in state.informers})
@@ -301,7 +301,7 @@ def _register_kinds(registry: kopf.OperatorRegistry, state: _State) -> None:
         # async although it awaits nothing: kopf runs a sync handler in its thread pool, a
         # thread hop (and a per-thread malloc arena) for every watch event.
         async def index(body: Any, **_: Any) -> dict[Any, Any]:
-            return cache.packed_entry(kind, body)
+            return cache.index_entry(kind, body)
 
         return index
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
-import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -17,9 +16,8 @@ import pytest
 from operator_fakes import artifact, pool
 from prometheus_client import generate_latest
 
-from kvfleet.api.builders import make_artifact, make_pool, make_rollout
+from kvfleet.api.builders import make_artifact, make_rollout
 from kvfleet.compat import default_matrix
-from kvfleet.kube import informer
 from kvfleet.kube.api import KubeError
 from kvfleet.operator import cache, handlers, metrics, naming
 from kvfleet.operator.cache import INDEX_IDS, Cache
@@ -48,9 +46,6 @@ class FakeIndex(Mapping[Any, list[JsonObj]]):
         return len(self.stores)
 
 
-KOPF_IDS = {INDEX_IDS[kind] for kind in handlers.KOPF_INDEXED.values()}
-
-
 class FakeCluster:
     """The apiserver (objects, resourceVersions, the operator's requests) and a lagging watch."""
 
@@ -64,25 +59,6 @@ class FakeCluster:
         self._versions = itertools.count(100)
         self._uids = itertools.count(1)
         self.cache: Cache | None = None
-
-    def read_indices(self) -> Mapping[str, Any]:
-        """The indices as the login handler hands them to the cache: kopf's (their values
-        packed) behind `cache.Unpacking`, the informers' as they are. Live: a test may put
-        an informer's store in `indices` later."""
-        cluster = self
-
-        class Reads(Mapping[str, Any]):
-            def __getitem__(self, index_id: str) -> Any:
-                index = cluster.indices[index_id]
-                return cache.Unpacking(index) if index_id in KOPF_IDS else index
-
-            def __iter__(self) -> Iterator[str]:
-                return iter(cluster.indices)
-
-            def __len__(self) -> int:
-                return len(cluster.indices)
-
-        return Reads()
 
     # -- the cluster side -----------------------------------------------------------------
 
@@ -131,9 +107,7 @@ class FakeCluster:
                 if self.cache is not None:
                     self.cache.seen_deleted(obj)
                 continue
-            kopf_filed = obj["kind"] in handlers.KOPF_INDEXED.values()  # packed, as handlers.py
-            entry = (cache.packed_entry if kopf_filed else cache.index_entry)(obj["kind"], obj)
-            for key, value in entry.items():
+            for key, value in cache.index_entry(obj["kind"], obj).items():
                 index.stores.setdefault(key, {})[uid] = value
         for idx in self.indices.values():  # kopf drops a key with no values left
             idx.stores = {key: values for key, values in idx.stores.items() if values}
@@ -187,7 +161,7 @@ class FakeCluster:
 
 
 def _runtime(cluster: FakeCluster) -> Runtime:
-    cluster.cache = Cache(cluster.read_indices())
+    cluster.cache = Cache(cluster.indices)
     return Runtime(api=cluster, cache=cluster.cache, matrix=default_matrix())  # type: ignore[arg-type]
 
 
@@ -391,28 +365,6 @@ def test_every_cache_index_is_fed_by_kopf_or_an_informer() -> None:
     assert ids == {INDEX_IDS[kind] for kind in handlers.KOPF_INDEXED.values()}
     assert set(handlers.KOPF_INDEXED.values()) | set(handlers.INFORMED) == set(INDEX_IDS)
     assert not set(handlers.KOPF_INDEXED.values()) & set(handlers.INFORMED)
-
-
-def test_kopf_files_pools_packed_and_each_read_is_a_fresh_copy() -> None:
-    """The pool index handler files a packed, slim body; the cache reads it back whole, and
-    a reader that changes what it got changes nothing cached."""
-    registry = build_registry(OperatorConfig(matrix=default_matrix()))
-    handler = next(h for h in registry._indexing.get_all_handlers()
-                   if h.id == INDEX_IDS["ServingPool"])
-    body = make_pool("chat").data()
-    body["metadata"].update(uid="u1", resourceVersion="3", managedFields=[{"manager": "x"}])
-    body["status"] = {"conditions": [{"type": "Ready", "status": "True", "message": "m" * 500}]}
-    filed = asyncio.run(handler.fn(body=body))
-    assert [type(v) for v in filed.values()] == [informer.Packed]
-    assert sum(map(len, filed.values())) < len(json.dumps(body))
-    index = FakeIndex()
-    index.stores = {key: {"u1": value} for key, value in filed.items()}
-    indices = {i: FakeIndex() for i in INDEX_IDS.values()}
-    c = Cache({**indices, INDEX_IDS["ServingPool"]: cache.Unpacking(index)})
-    read = c.get("ServingPool", NS, "chat")
-    assert read == cache.slim(body) and "managedFields" not in read["metadata"]
-    read["spec"]["replicas"] = 99
-    assert c.get("ServingPool", NS, "chat") == cache.slim(body)
 
 
 def _deployment_name(cluster: FakeCluster) -> str:

@@ -231,7 +231,7 @@ def serving_one_pool(cluster: FakeCluster) -> Runtime:
     cluster.store(artifact().to_wire(), "ADDED")
     cluster.store(pool().to_wire(), "ADDED")
     cluster.deliver()
-    runtime = Runtime(api=cluster, cache=Cache(cluster.read_indices()), matrix=default_matrix())  # type: ignore[arg-type]
+    runtime = Runtime(api=cluster, cache=Cache(cluster.indices), matrix=default_matrix())  # type: ignore[arg-type]
     cluster.cache = runtime.cache
     return runtime
 
@@ -283,7 +283,7 @@ async def test_the_drift_loop_checks_every_cached_pool_once_per_interval_spread_
     for name in ("a", "b", "c", "d"):
         cluster.store(pool(name).to_wire(), "ADDED")
     cluster.deliver()
-    runtime = Runtime(api=cluster, cache=Cache(cluster.read_indices()), matrix=default_matrix())  # type: ignore[arg-type]
+    runtime = Runtime(api=cluster, cache=Cache(cluster.indices), matrix=default_matrix())  # type: ignore[arg-type]
     slept: list[float] = []
     checked: list[str] = []
 
