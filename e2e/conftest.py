@@ -45,6 +45,12 @@ def _unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def require_redis_server() -> None:
+    """Argo CD's cache and the router's shared ledger run the machine's redis-server."""
+    if shutil.which("redis-server") is None:
+        _unavailable("redis-server is not installed (Debian: apt-get install redis-server)")
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[DevCluster | ExistingCluster]:
     existing = os.environ.get("KUBECONFIG")

@@ -17,7 +17,6 @@ commit, none from self-heal.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.conftest import _unavailable
+from e2e.conftest import _unavailable, require_redis_server
 from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixtures)
     Kubectl,
     OperatorProcess,
@@ -69,8 +68,7 @@ def argocd(cluster: DevCluster | ExistingCluster, kubectl_path: str,
         tools = toolchain.locate()
     except ToolsMissingError as exc:
         _unavailable(str(exc))
-    if shutil.which("redis-server") is None:
-        _unavailable("redis-server is not installed (Debian: apt-get install redis-server)")
+    require_redis_server()
     workdir = tmp_path_factory.mktemp("argocd")
     cm_patch = render_cm_patch(tools["helm"], workdir / "argocd-cm.yaml")
     argo = ArgoCD(tools["argocd"], tools.argocd_crds, cm_patch, Path(kubectl_path),

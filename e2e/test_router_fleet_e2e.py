@@ -17,7 +17,6 @@ import base64
 import itertools
 import json
 import math
-import shutil
 import threading
 import time
 import uuid
@@ -30,7 +29,7 @@ import httpx
 import pytest
 import yaml
 
-from e2e.conftest import _unavailable
+from e2e.conftest import require_redis_server
 from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixtures)
     Kubectl,
     OperatorProcess,
@@ -407,8 +406,7 @@ def _redis_pod(kube: KubeClient, ns: str, node: str) -> str:
     bound to the pod's IP); that IP once the pod is Ready."""
     from kvfleet.operator.placement import tolerations
 
-    if shutil.which("redis-server") is None:  # else the pod never starts: a 60 s timeout
-        _unavailable("redis-server is not installed (Debian: apt-get install redis-server)")
+    require_redis_server()  # else the pod never starts: a 60 s timeout
     kube.create({"apiVersion": "v1", "kind": "Pod",
                  "metadata": {"name": "ledger", "namespace": ns},
                  "spec": {"nodeName": node, "tolerations": tolerations(), "containers": [{
