@@ -45,8 +45,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--replicas", type=int, default=1,
-                   help="with --config: router replicas sharing the limits (each enforces 1/N "
-                        "of each); in a cluster the router counts its Ready pods")
+                   help="with --config: router replicas sharing the limits without a shared "
+                        "ledger (each enforces its share); in a cluster the router counts its "
+                        "Ready pods")
+    p.add_argument("--replica-index", type=int, default=None, metavar="I",
+                   help="with --config and --replicas N: this router's index, 0..N-1, so that "
+                        "the shares sum to each limit (without it each share is rounded up: "
+                        "the routers may admit up to N-1 over a limit)")
     p.add_argument("--name", default=os.environ.get("POD_NAME") or socket.gethostname(),
                    help="this replica's name in the TenantQuotas' router reports (default: "
                         "$POD_NAME, which the manifests set, else the host name); a restarted "
@@ -112,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         state = RouterState() if args.config is None else load_config(args.config)
         if args.redis:
             _check_redis_url(args.redis)
+        if args.replica_index is not None and not 0 <= args.replica_index < args.replicas:
+            raise ConfigError(f"--replica-index {args.replica_index}: it must be from 0 to "
+                              f"{args.replicas - 1} (--replicas {args.replicas})")
     except ConfigError as exc:
         print(f"kvfleet router: {exc}", file=sys.stderr)
         return 2
@@ -201,7 +209,7 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
                                                           name="quota slot leases")))
     api = None
     if args.config is not None:
-        router.ledger.set_replicas(args.replicas, 0.0)
+        router.ledger.set_replicas(args.replicas, 0.0, args.replica_index)
         tasks.append(fatal_if_it_ends(asyncio.create_task(_watch(args.config, router),
                                                           name="config watch")))
         app = build_app(router)

@@ -395,8 +395,10 @@ class ClusterSource:
         # This router counts itself from its start, before its own pod is Ready: a replacing
         # pod seeds its buckets at its final share, not at the survivors' larger one.
         routers = {str(p["metadata"]["name"]) for p in self._objects("routers") if _ready(p)}
+        routers.add(self.name)
         now = time.monotonic()
-        self.router.ledger.set_replicas(len(routers | {self.name}), now)
+        # Every router ranks the same names the same way: their shares sum to each limit.
+        self.router.ledger.set_replicas(len(routers), now, sorted(routers).index(self.name))
         wall = datetime.now(UTC)
         for raw in self._objects("quotas"):
             namespace, name = _where(raw)

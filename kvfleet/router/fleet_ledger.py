@@ -19,7 +19,8 @@ slots within a lease, and a settle that never arrives (Redis away at that moment
 most a lease.
 
 When Redis cannot be reached (or answers an error) the router falls back to its own ledger,
-where it enforces `1 / replicas` of each limit: the declared degraded mode. It says so in its
+where it enforces its share of each limit (the routers' shares sum to the limit, see
+`kvfleet.router.quota`): the declared degraded mode. It says so in its
 log (once per outage), in `kvfleet_router_shared_ledger_up` and in each TenantQuota's
 `FleetWide` condition, and tries Redis again every RETRY_SECONDS. A fallback's buckets start
 full: an outage can admit up to one extra minute's allowance per replica. A Redis that answers

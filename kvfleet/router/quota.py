@@ -23,10 +23,19 @@ reservation settled lower) goes back to its lenders first.
 Where the limits are kept: with a shared ledger (`--redis`, `kvfleet.router.fleet_ledger`)
 every router replica enforces the fleet-wide limits on the same buckets, atomically. Without
 one, or while it is unreachable, this module's ledger is the one each replica keeps for
-itself, and then each enforces `1 / replicas` of every limit (rounded up, at least 1),
-`replicas` being the Ready routers in its own Endpoints. The fleet-wide limit then holds as
-long as clients' requests spread over the replicas (the Service balances connections); a
-client pinned to one replica gets that replica's share.
+itself, and then each enforces its share of every limit, `replicas` being the Ready routers
+(in a cluster: the router pods, by name; from a config file: `--replicas`). The shares sum to
+the limit, never more: each router gets `limit // replicas`, and the remainder one unit each on
+`limit % replicas` of them, chosen by the router's rank (its pod name's place among the
+routers', or `--replica-index`) turned by a stable hash of the tenant, so that the units of
+small limits fall on different routers for different tenants. So with 2 routers
+`maxConcurrentRequests: 1` is 1 on one router and 0 on the other, which refuses the tenant and
+says that the other router holds it (Retry-After 1 s). The fleet-wide limit then holds as long as
+clients' requests spread over the replicas (the Service balances connections); a client pinned
+to one replica gets that replica's share. Routers that see a different set of replicas for a
+moment (one just became Ready) may overrun or underrun by a unit for that moment; a config-file
+router without `--replica-index` rounds its share up, and then the fleet may admit up to
+`replicas - 1` more than a limit.
 
 Restarts (without a shared ledger): each router reports what its buckets have left into the
 TenantQuota's status every `STATUS_INTERVAL_SECONDS` (see `kvfleet.router.cluster`), and a
@@ -39,6 +48,7 @@ is admitted twice, never a whole minute's allowance.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 
 from kvfleet.api.tenantquota import BorrowableResource, TenantQuotaSpec
@@ -113,8 +123,13 @@ class Reservation:
     shared: bool = False  # admitted by the shared (Redis) ledger, settled there
 
 
-def _share(limit: int, replicas: int) -> int:
-    return max(1, math.ceil(limit / replicas)) if limit > 0 else 0
+def share(limit: int, replicas: int, rank: int | None, tenant: str) -> int:
+    """Router `rank`'s (0-based) share of `tenant`'s fleet-wide `limit` among `replicas`; the
+    shares of ranks 0..replicas-1 sum to `limit`. With no rank, the share rounded up."""
+    if rank is None:
+        return max(1, math.ceil(limit / replicas)) if limit > 0 else 0
+    turned = (rank + zlib.crc32(tenant.encode())) % replicas
+    return limit // replicas + (1 if turned < limit % replicas else 0)
 
 
 DEFAULT_QUOTA_NAME = "the router's default quota"
@@ -165,8 +180,9 @@ class QuotaLedger:
     """The limits of every tenant with a TenantQuota (or, with a default quota, of every
     tenant that has been admitted under it), on this router replica."""
 
-    def __init__(self, replicas: int = 1) -> None:
+    def __init__(self, replicas: int = 1, rank: int | None = None) -> None:
         self.replicas = max(1, replicas)
+        self.rank = rank  # this router's place among them (None: unknown, shares rounded up)
         self._tenants: dict[str, TenantState] = {}
         self.default: TenantQuotaSpec | None = None
         self._explicit: set[str] = set()  # tenants with their own TenantQuota
@@ -190,20 +206,25 @@ class QuotaLedger:
             tenants[tenant] = state
         self._tenants = tenants
 
-    def set_replicas(self, replicas: int, now: float) -> None:
-        if max(1, replicas) != self.replicas:
-            self.replicas = max(1, replicas)
+    def set_replicas(self, replicas: int, now: float, rank: int | None = None) -> None:
+        """`replicas` routers enforce the limits, this one at place `rank` among them."""
+        replicas = max(1, replicas)
+        rank = None if rank is None else min(max(0, rank), replicas - 1)
+        if (replicas, rank) != (self.replicas, self.rank):
+            self.replicas, self.rank = replicas, rank
             self.set_quotas({t: (s.quota_name, s.spec) for t, s in self._tenants.items()
                              if t in self._explicit}, now, self.default)
 
-    def _limits(self, spec: TenantQuotaSpec) -> dict[BorrowableResource, int | None]:
-        return {r: None if v is None else _share(v, self.replicas)
-                for r, v in rate_limits(spec).items()}
+    def _share(self, limit: int | None, tenant: str) -> int | None:
+        return None if limit is None else share(limit, self.replicas, self.rank, tenant)
+
+    def _limits(self, state: TenantState) -> dict[BorrowableResource, int | None]:
+        return {r: self._share(v, state.tenant) for r, v in rate_limits(state.spec).items()}
 
     def _size_buckets(self, state: TenantState, now: float) -> None:
         """Creates, resizes (never above the new capacity) or drops the tenant's buckets to
         its spec's limits."""
-        for resource, limit in self._limits(state.spec).items():
+        for resource, limit in self._limits(state).items():
             bucket = state.buckets.get(resource)
             if limit is None:
                 state.buckets.pop(resource, None)
@@ -235,8 +256,7 @@ class QuotaLedger:
         return state
 
     def _concurrency_limit(self, state: TenantState) -> int | None:
-        limit = state.spec.limits.max_concurrent_requests
-        return None if limit is None else _share(limit, self.replicas)
+        return self._share(state.spec.limits.max_concurrent_requests, state.tenant)
 
     def lenders(self, tenant: str) -> list[TenantState]:
         """Who `tenant` may borrow from: the other tenants with their own TenantQuota, in a
@@ -246,8 +266,12 @@ class QuotaLedger:
 
     def _refuse(self, state: TenantState, resource: BorrowableResource, limit: float,
                 wait: float, detail: str) -> QuotaExceeded:
-        share = f" (this router's 1/{self.replicas} share)" if self.replicas > 1 else ""
-        return refusal(state.tenant, state.quota_name, resource, limit, wait, detail, share)
+        part = f" (this router's 1/{self.replicas} share)" if self.replicas > 1 else ""
+        if limit == 0 and self.replicas > 1:
+            # The limit's units are all on other routers: one of those may admit it now.
+            wait, detail = 1.0, (f"{detail}; this router's share of the limit is 0, the other "
+                                 f"{self.replicas - 1} routers hold it")
+        return refusal(state.tenant, state.quota_name, resource, limit, wait, detail, part)
 
     def _take_slot(self, state: TenantState) -> str | None:
         """A concurrency slot for a request of `state`'s tenant: its own (None) or a lender's

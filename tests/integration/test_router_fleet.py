@@ -88,10 +88,11 @@ class Routers:
         self.processes: list[Any] = []
 
     def start(self, stack: Any) -> None:
-        for _ in range(2):
+        for index in range(2):
             port = free_port()
             process, _ = stack.enter_context(running_kvfleet(
-                "router", *self.args, "--port", str(port), port=port, ready_timeout=60))
+                "router", *self.args, "--replica-index", str(index), "--port", str(port),
+                port=port, ready_timeout=60))
             self.urls.append(f"http://127.0.0.1:{port}")
             self.processes.append(process)
         time.sleep(0.5)  # a first scrape of the engine's load
@@ -216,7 +217,7 @@ def test_a_token_rate_holds_across_two_routers_within_one_request(
 
 
 def test_with_redis_stopped_each_router_enforces_its_share_and_says_so(
-    routers: Routers, redis_server: RedisServer,
+    routers: Routers, redis_server: RedisServer, engine: EngineServer,
 ) -> None:
     assert all(metric(url, "kvfleet_router_shared_ledger_up") == 1 for url in routers.urls)
     redis_server.stop()
@@ -227,6 +228,21 @@ def test_with_redis_stopped_each_router_enforces_its_share_and_says_so(
             assert answer.status_code == 429, answer.text
             assert "1/2 share" in answer.json()["error"]["message"]
         assert all(metric(url, "kvfleet_router_shared_ledger_up") == 0 for url in routers.urls)
+        # The shares sum to the limit: maxConcurrentRequests 1 is 1 on one router and 0 on
+        # the other (rounded up, it was 1 on each: 2 at the engine at once).
+        since = time.time()
+        answers = hammer(routers.urls, ONE_KEY, clients=8, seconds=8)
+        codes = [a.status_code for a in answers]
+        spans = engine_intervals(engine, "team-one", since)
+        zero = [a for a in answers if a.status_code == 429
+                and "share of the limit is 0" in a.json()["error"]["message"]]
+        print(f"\nRedis stopped, 8 clients, maxConcurrentRequests 1: {codes.count(200)} served, "
+              f"{codes.count(429)} refused ({len(zero)} by the router whose share is 0), "
+              f"{overlapping(spans)} overlaps in the engine's log")
+        assert set(codes) <= {200, 429}, codes
+        assert codes.count(200) >= 2 and len(spans) == codes.count(200)
+        assert overlapping(spans) == 0
+        assert zero and all(a.headers["retry-after"] == "1" for a in zero)
     finally:
         redis_server.start()
 

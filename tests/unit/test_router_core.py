@@ -10,13 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvfleet.api.servingpool import ServingPoolStatus, TrafficRole, TrafficTarget
 from kvfleet.api.tenantquota import BorrowableResource, Borrowing, Limits, TenantQuotaSpec
 from kvfleet.router.errors import NoTenantQuota, QuotaExceeded, Unauthorized
 from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad, pick
-from kvfleet.router.quota import QuotaLedger
+from kvfleet.router.quota import QuotaLedger, share
 from kvfleet.router.state import ConfigError, parse_config
 from kvfleet.router.traffic import TrafficTable, conversation_key
 
@@ -185,6 +187,37 @@ def test_each_router_replica_enforces_its_share() -> None:
     with pytest.raises(QuotaExceeded, match=r"= 5 of TenantQuota llm/team-a: .*retry after 12 s"):
         ledger.admit("team-a", 1, 1, 0.0)
     ledger.admit("team-a", 1, 1, 12.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(limit=st.integers(0, 50), replicas=st.integers(1, 7), tenant=st.text(max_size=12))
+def test_the_routers_shares_of_a_limit_sum_to_it_and_differ_by_at_most_one(
+    limit: int, replicas: int, tenant: str,
+) -> None:
+    shares = [share(limit, replicas, rank, tenant) for rank in range(replicas)]
+    assert sum(shares) == limit
+    assert max(shares) - min(shares) <= 1
+
+
+def test_with_two_routers_a_limit_of_one_is_admitted_by_one_of_them_only() -> None:
+    """No shared ledger (or it is down): `maxConcurrentRequests: 1` over 2 routers was 1 on
+    each (rounded up), 2 in flight fleet-wide. Now one router holds the slot; the other refuses,
+    says why and asks for a retry in 1 s (the Service may send it to the one that holds it)."""
+    routers = [QuotaLedger(replicas=2, rank=rank) for rank in range(2)]
+    admitted, refused = [], []
+    for ledger in routers:
+        ledger.set_quotas({"team-a": ("llm/team-a", quota(max_concurrent_requests=1))}, 0.0)
+        try:
+            admitted.append(ledger.admit("team-a", 1, 1, 0.0))
+        except QuotaExceeded as exc:
+            refused.append(exc)
+    assert len(admitted) == 1 and len(refused) == 1
+    assert "this router's share of the limit is 0, the other 1 routers hold it" in str(refused[0])
+    assert refused[0].headers() == {"retry-after": "1"}
+    # Other tenants' units fall on either router (a stable hash of the tenant turns the rank).
+    holders = {t: [share(1, 2, rank, t) for rank in range(2)].index(1)
+               for t in (f"team-{i}" for i in range(20))}
+    assert set(holders.values()) == {0, 1}
 
 
 def status(canary: int = 0, shadow: int = 0) -> ServingPoolStatus:
@@ -422,6 +455,7 @@ def test_in_a_cluster_each_router_enforces_its_share_of_the_ready_routers() -> N
         source.informers["routers"].store.put(pod)
     source.rebuild()
     assert router.ledger.replicas == 2  # the Ready ones
+    assert router.ledger.rank == 0  # router-0 before router-1, in every router's eyes
     for _ in range(5):
         router.ledger.admit("team-a", 1, 1, 0.0)
     with pytest.raises(QuotaExceeded, match="1/2 share"):
