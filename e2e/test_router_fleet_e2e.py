@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from typing import Any
 
 import httpx
 import pytest
@@ -79,12 +80,13 @@ def _routers(kube: KubeClient, ns: str) -> dict[str, str]:
 
 
 def _chat(client: httpx.Client, url: str, key: str, session: str, max_tokens: int = 1,
-          headers: dict[str, str] | None = None) -> httpx.Response:
+          headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None
+          ) -> httpx.Response:
     return client.post(url + "/v1/chat/completions", timeout=60,
                        headers={"authorization": f"Bearer {key}", **(headers or {})},
                        json={"model": POOL, "max_tokens": max_tokens, "user": session,
                              "temperature": 0,
-                             "messages": [{"role": "user", "content": "Hi"}]})
+                             "messages": [{"role": "user", "content": "Hi"}], **(extra or {})})
 
 
 class Clients:
@@ -342,6 +344,9 @@ def _router_restart(kube: KubeClient, ns: str, routers: dict[str, str]) -> None:
 
 
 ONE_KEY = "sk-e2e-team-one-0123456789abcdef"
+TPM_KEY = "sk-e2e-team-tpm-0123456789abcdef"
+TPM = 600  # team-tpm's output tokens a minute, fleet-wide
+TPM_MAX_TOKENS = 24
 
 
 def test_two_router_pods_hold_one_limit_through_a_redis_pod_and_say_when_they_cannot(
@@ -351,17 +356,22 @@ def test_two_router_pods_hold_one_limit_through_a_redis_pod_and_say_when_they_ca
     """The install manifests with `--redis-secret`: two router pods admit against one Redis,
     itself a pod on the local node. A `maxConcurrentRequests: 1` tenant hammered by 8 clients
     through both routers never has two requests at the engine at once (the engine pod's own
-    request log), and its TenantQuota says the limits are fleet-wide. With the Redis pod
-    deleted, each router falls back to its share and the TenantQuota says so."""
+    request log), and its TenantQuota says the limits are fleet-wide. A 600 output tokens/min
+    tenant hammered for 2 minutes, one router pod killed half-way, gets at the engine at most
+    one request more than the limit allows. With the Redis pod deleted, each router falls back
+    to its share, the shares sum to the limit (still never two at once), and the TenantQuota
+    says so."""
     kube.create(smollm2_revision("smol-v1", 40, namespace))
     tenant(kube, namespace)
-    kube.create({"apiVersion": "v1", "kind": "Secret",
-                 "metadata": {"name": "team-one-key", "namespace": namespace,
-                              "labels": {"kvfleet.io/tenant": "team-one"}},
-                 "data": {"key": base64.b64encode(ONE_KEY.encode()).decode()}})
-    kube.create({"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
-                 "metadata": {"name": "team-one", "namespace": namespace},
-                 "spec": {"tenant": "team-one", "limits": {"maxConcurrentRequests": 1}}})
+    for name, key, limits in (("team-one", ONE_KEY, {"maxConcurrentRequests": 1}),
+                              ("team-tpm", TPM_KEY, {"outputTokensPerMinute": TPM})):
+        kube.create({"apiVersion": "v1", "kind": "Secret",
+                     "metadata": {"name": f"{name}-key", "namespace": namespace,
+                                  "labels": {"kvfleet.io/tenant": name}},
+                     "data": {"key": base64.b64encode(key.encode()).decode()}})
+        kube.create({"apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+                     "metadata": {"name": name, "namespace": namespace},
+                     "spec": {"tenant": name, "limits": limits}})
     with _only_the_local_l4_node(kube, kubectl):  # before the pool: no pod on a KWOK node
         kube.create(local_pool(POOL, "smol-v1", namespace))
         ledger = _redis_pod(kube, namespace, local_node)
@@ -374,21 +384,12 @@ def test_two_router_pods_hold_one_limit_through_a_redis_pod_and_say_when_they_ca
             kube, namespace).values()) if len(_routers(kube, namespace)) == 2 else None, 90)
         time.sleep(0.5)  # a first scrape of the engine's load
 
-        since = time.time()
-        answers = _hammer(urls, ONE_KEY, clients=8, seconds=10)
-        codes = Counter(a.status_code for a in answers)
-        refusals = {a.json()["error"]["message"].split(":")[0] for a in answers
-                    if a.status_code == 429}
-        spans = _engine_spans(kube, kubectl, namespace, "team-one", since)
-        overlaps = sum(1 for (_, end), (start, _) in itertools.pairwise(spans) if start < end)
-        print(f"8 clients, 2 router pods, one Redis pod, maxConcurrentRequests 1: {codes[200]} "
-              f"served, {codes[429]} refused, {overlaps} overlaps in the engine's log")
-        assert set(codes) <= {200, 429}, [a.text for a in answers if a.status_code not in
-                                          (200, 429)][:3]
-        assert codes[200] >= 4 and len(spans) == codes[200]
-        assert overlaps == 0, spans
+        refusals = _one_at_a_time(kube, kubectl, namespace, urls, "one Redis pod")
         assert all("maxConcurrentRequests" in r for r in refusals), refusals
         _wait_fleet_wide(kube, namespace, "True", "SharedLedger")
+        _token_rate_with_a_router_killed(kube, kubectl, namespace, urls)
+        urls = kube.wait_for("two router pods Ready again", lambda: list(_routers(
+            kube, namespace).values()) if len(_routers(kube, namespace)) == 2 else None, 90)
 
         kube.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/ledger")
         kube.wait_for("the Redis pod gone", lambda: None if any(
@@ -399,6 +400,63 @@ def test_two_router_pods_hold_one_limit_through_a_redis_pod_and_say_when_they_ca
                 assert answer.status_code in (200, 429), answer.text
         assert _router_metric(urls, "kvfleet_router_shared_ledger_up") == 0
         _wait_fleet_wide(kube, namespace, "False", "SharedLedgerUnavailable")
+        # The fallback: one router holds team-one's single slot, the other's share is 0.
+        refusals = _one_at_a_time(kube, kubectl, namespace, urls, "Redis gone")
+        assert any("share of the limit is 0" in r for r in refusals), refusals
+
+
+def _one_at_a_time(kube: KubeClient, kubectl: Kubectl, ns: str, urls: list[str], where: str
+                   ) -> list[str]:
+    """8 clients of the `maxConcurrentRequests: 1` tenant through both routers for 10 s:
+    never two of its requests at the engine at once (the engine pod's request log). The
+    refusals' messages."""
+    since = time.time()
+    answers = _hammer(urls, ONE_KEY, clients=8, seconds=10)
+    codes = Counter(a.status_code for a in answers)
+    refusals = [a.json()["error"]["message"] for a in answers if a.status_code == 429]
+    spans = _engine_spans(kube, kubectl, ns, "team-one", since)
+    overlaps = sum(1 for (_, end), (start, _) in itertools.pairwise(spans) if start < end)
+    print(f"8 clients, 2 router pods, {where}, maxConcurrentRequests 1: {codes[200]} "
+          f"served, {codes[429]} refused, {overlaps} overlaps in the engine's log")
+    assert set(codes) <= {200, 429}, [a.text for a in answers if a.status_code not in
+                                      (200, 429)][:3]
+    assert codes[200] >= 4 and len(spans) == codes[200]
+    assert overlaps == 0, spans
+    return refusals
+
+
+def _token_rate_with_a_router_killed(kube: KubeClient, kubectl: Kubectl, ns: str,
+                                     urls: list[str]) -> None:
+    """team-tpm (600 output tokens a minute) hammered by 4 clients through both routers for
+    2 minutes; one router pod is killed (deleted without grace) after 50 s, and its clients
+    go on through the other. What the engine generated for the tenant, the requests cut by
+    the kill included, is within one request of the limit; and near it (the limit is the
+    fleet's, not one router's half)."""
+    victim = next(name for name, url in _routers(kube, ns).items() if url == urls[0])
+    killer = threading.Timer(50, lambda: kube.request(
+        "DELETE", f"/api/v1/namespaces/{ns}/pods/{victim}", {"gracePeriodSeconds": 0}))
+    since, start = time.time(), time.monotonic()
+    killer.start()
+    try:
+        answers = _hammer(urls, TPM_KEY, clients=4, seconds=120, max_tokens=TPM_MAX_TOKENS,
+                          ignore_eos=True, survive=True)
+    finally:
+        killer.cancel()
+    elapsed = time.monotonic() - start
+    served = [a for a in answers if isinstance(a, httpx.Response) and a.status_code == 200]
+    cut = [a for a in answers if not isinstance(a, httpx.Response)]
+    refused = [a for a in answers if isinstance(a, httpx.Response) and a.status_code == 429]
+    billed = sum(a.json()["usage"]["completion_tokens"] for a in served)
+    generated = sum(r["completion_tokens"] for r in _engine_records(kube, kubectl, ns,
+                                                                      "team-tpm", since))
+    bound = TPM + TPM * elapsed / 60 + TPM_MAX_TOKENS  # a full bucket, the refill, one request
+    print(f"{TPM} output tokens/min over 2 router pods for {elapsed:.0f} s, one killed at "
+          f"50 s: {generated} generated at the engine, {billed} billed in {len(served)} "
+          f"answers, {len(refused)} refused, {len(cut)} cut by the kill (bound {bound:.0f})")
+    assert {a.status_code for a in answers if isinstance(a, httpx.Response)} <= {200, 429}
+    assert len(cut) <= 4, cut  # the clients' requests in flight on the killed router
+    assert billed <= generated <= bound
+    assert billed >= 0.75 * (bound - TPM_MAX_TOKENS)
 
 
 def _redis_pod(kube: KubeClient, ns: str, node: str) -> str:
@@ -427,18 +485,29 @@ def _redis_pod(kube: KubeClient, ns: str, node: str) -> str:
     return kube.wait_for("the Redis pod Ready", ready, 60)
 
 
-def _hammer(urls: list[str], key: str, clients: int, seconds: float) -> list[httpx.Response]:
+def _hammer(urls: list[str], key: str, clients: int, seconds: float, max_tokens: int = 16,
+            ignore_eos: bool = False, survive: bool = False) -> list[Any]:
     """`clients` threads sending one request after another for `seconds`, each alternating
-    between the routers (a refused one waits 50 ms before the next)."""
+    between the routers (a refused one waits 50 ms before the next). With `survive`, a router
+    that cannot be reached is dropped by that client, and the error is its answer."""
     stop = time.monotonic() + seconds
 
-    def worker(i: int) -> list[httpx.Response]:
-        answers = []
+    def worker(i: int) -> list[Any]:
+        answers: list[Any] = []
+        mine = list(urls)
         with httpx.Client() as client:
-            while time.monotonic() < stop:
+            while time.monotonic() < stop and mine:
                 n = len(answers)
-                answers.append(_chat(client, urls[(i + n) % len(urls)], key, f"one-{i}-{n}",
-                                     max_tokens=16))
+                url = mine[(i + n) % len(mine)]
+                try:
+                    answers.append(_chat(client, url, key, f"one-{i}-{n}", max_tokens=max_tokens,
+                                         extra={"ignore_eos": True} if ignore_eos else None))
+                except httpx.TransportError as exc:
+                    if not survive:
+                        raise
+                    answers.append(exc)
+                    mine.remove(url)
+                    continue
                 if answers[-1].status_code == 429:
                     time.sleep(0.05)
         return answers
@@ -447,11 +516,11 @@ def _hammer(urls: list[str], key: str, clients: int, seconds: float) -> list[htt
         return [a for answers in pool.map(worker, range(clients)) for a in answers]
 
 
-def _engine_spans(kube: KubeClient, kubectl: Kubectl, ns: str, tenant_name: str,
-                  since: float) -> list[tuple[float, float]]:
-    """(arrival, finish) of each of the tenant's requests in the engine pods' request logs
-    (`kubectl logs`), sorted."""
-    spans = []
+def _engine_records(kube: KubeClient, kubectl: Kubectl, ns: str, tenant_name: str,
+                    since: float) -> list[dict[str, Any]]:
+    """The tenant's `request_finished` records since `since` in the engine pods' request logs
+    (`kubectl logs`)."""
+    records = []
     for pod in kube.list("Pod", ns, label_selector=f"{naming.POOL_LABEL}={POOL}"):
         out = kubectl("logs", "-n", ns, pod["metadata"]["name"], "-c", "engine").stdout
         for line in out.splitlines():
@@ -459,8 +528,15 @@ def _engine_spans(kube: KubeClient, kubectl: Kubectl, ns: str, tenant_name: str,
                 continue
             record = json.loads(line)
             if record.get("tenant") == tenant_name and record["ts"] >= since:
-                spans.append((record["arrival_time"], record["arrival_time"] + record["e2e_s"]))
-    return sorted(spans)
+                records.append(record)
+    return records
+
+
+def _engine_spans(kube: KubeClient, kubectl: Kubectl, ns: str, tenant_name: str,
+                  since: float) -> list[tuple[float, float]]:
+    """(arrival, finish) of each of the tenant's requests at the engines, sorted."""
+    return sorted((r["arrival_time"], r["arrival_time"] + r["e2e_s"])
+                  for r in _engine_records(kube, kubectl, ns, tenant_name, since))
 
 
 def _wait_fleet_wide(kube: KubeClient, ns: str, status: str, reason: str) -> None:
