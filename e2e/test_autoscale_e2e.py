@@ -8,11 +8,13 @@ e) The router stopped: its series go stale, AutoscalingActive turns False within
    intervals (plus Prometheus's scrape and staleness), and the count is held.
 b) Idle -> 0, the next request held and served after the cold start, a burst after it.
 d) No GPU for more replicas: ScalingLimited, the count stops growing, nothing hangs.
-c) A scale-down while 8 streams run fails none of them.
+c) A scale-down while 8 streams run fails none of them; and with spec.engine.drainSeconds,
+   streams longer than the default drain finish on the replica being removed.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -31,8 +33,9 @@ from e2e.test_operator_e2e import (  # noqa: F401 (crds is a fixture)
     crds,
     operator_kubeconfig,
 )
+from e2e.test_rollout_e2e import faults  # noqa: F401 (a fixture)
 from kvfleet.api import manifest_hash
-from kvfleet.api.labels import ROUTER_APP
+from kvfleet.api.labels import ENGINE_PORT, ROUTER_APP
 from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
 from kvfleet.devcluster.demo import (
     POOL,
@@ -41,10 +44,12 @@ from kvfleet.devcluster.demo import (
     local_pool,
     router_on_node,
     smollm2_revision,
+    stream_problem,
     tenant,
 )
 from kvfleet.devcluster.kube import KubeClient
 from kvfleet.devcluster.prometheus import PrometheusClient
+from kvfleet.engine.faults import FAULTS_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -311,3 +316,85 @@ def test_no_gpu_for_a_replica_limits_the_count_and_a_scale_down_under_streams_fa
         assert streams.failures == [], streams.failures[:5]
         assert streams.codes == {"200": streams.codes["200"]}
         assert streams.codes["200"] > served_before > 0
+
+
+LONG_TOKENS = 800
+TOKEN_DELAY_S = 0.05  # at least 40 s for a long stream: past the default 30 s drain
+
+
+def _long_stream(url: str, n: int, out: dict[int, tuple[float, str]],
+                 started: threading.Event) -> None:
+    """One stream of LONG_TOKENS tokens through the router; `out[n]` = (when it ended, its
+    text, or the error's repr)."""
+    body = {"model": POOL, "max_tokens": LONG_TOKENS, "stream": True, "ignore_eos": True,
+            "user": f"long-{n}", "messages": [{"role": "user", "content": f"Count from {n}."}]}
+    lines: list[str] = []
+    try:
+        with httpx.Client(timeout=300) as client, client.stream(
+                "POST", url + "/v1/chat/completions", json=body,
+                headers={"authorization": f"Bearer {TENANT_KEY}"}) as resp:
+            for line in resp.iter_lines():
+                if '"content"' in line:
+                    started.set()
+                lines.append(line)
+        out[n] = time.monotonic(), "\n".join(lines) if resp.status_code == 200 else resp.text
+    except httpx.HTTPError as exc:
+        out[n] = time.monotonic(), repr(exc)
+
+
+def _running(pod: dict) -> float:
+    """The engine pod's requests running now (its own /metrics)."""
+    text = httpx.get(f"http://{pod['status']['podIP']}:{ENGINE_PORT}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+def test_a_replica_removed_under_long_streams_finishes_them_past_the_default_drain(
+    kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,
+    local_node: str, faults: dict[str, str],  # noqa: F811
+) -> None:
+    """spec.engine.drainSeconds 120 on a pool of 2 replicas whose engines take at least 50 ms a
+    token (the token_delay fault): 6 streams of 800 tokens run on both, the pool goes to 1
+    replica (`spec.replicas`, as `kubectl scale` writes it), and every stream ends whole, the
+    removed replica's too, though they outlast the 30 s a default drain would have given them.
+    The removed pod goes when its streams are done, not before."""
+    artifact = smollm2_revision("smol", 40, namespace)
+    os.environ[FAULTS_ENV] = f"{manifest_hash(artifact['spec'])[:12]}:token_delay={TOKEN_DELAY_S}"
+    kube.create(artifact)
+    tenant(kube, namespace)
+    pool = local_pool(POOL, "smol", namespace)
+    pool["spec"]["replicas"] = 2
+    pool["spec"]["engine"]["drainSeconds"] = 120
+    with _only_the_local_l4_node(kube, kubectl):
+        kube.create(pool)
+        _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p) == (2, 2),
+                   "2 replicas Ready", 300)
+        url = router_on_node(kube, namespace, local_node)
+        pods = kube.list("Pod", namespace, label_selector="kvfleet.io/pool=" + POOL)
+        grace = pods[0]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > 120, grace
+        out: dict[int, tuple[float, str]] = {}
+        started = [threading.Event() for _ in range(6)]
+        threads = [threading.Thread(target=_long_stream, args=(url, n, out, started[n]))
+                   for n in range(6)]
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(120) for event in started), "the streams did not start"
+        kube.wait_for("streams running on both replicas", lambda: all(
+            _running(p) >= 1 for p in pods) or None, 30)
+
+        scaled = time.monotonic()
+        kube.merge_patch("ServingPool", POOL, {"spec": {"replicas": 1}}, namespace)
+        kube.wait_for("one engine pod left", lambda: len(kube.list(
+            "Pod", namespace, label_selector="kvfleet.io/pool=" + POOL)) == 1 or None, 200)
+        gone = time.monotonic() - scaled
+        for thread in threads:
+            thread.join(200)
+    last = max(ended for ended, _ in out.values()) - scaled
+    print(f"2 -> 1 replica under 6 streams of {LONG_TOKENS} tokens: the removed pod went "
+          f"{gone:.0f} s after the scale-down, the last stream ended {last:.0f} s after it")
+    assert sorted(out) == list(range(6))
+    for _, text in out.values():
+        assert stream_problem(text) is None, text[-500:]
+        assert '"finish_reason":"length"' in text.replace(" ", ""), text[-500:]
+    assert gone > 30  # the streams outlived a default drain, and the pod waited for them

@@ -139,6 +139,16 @@ class EngineSettings(KubeModel):
         pattern=QUANTITY_PATTERN,
         description="GPU memory per rank held back (driver, fragmentation).",
     )
+    drain_seconds: int = Field(
+        default=30,
+        ge=0,
+        le=3600,
+        description="How long a replica that is going away (scale-down, rollout, node drain) "
+        "lets its in-flight requests finish before they are cut: it takes no new ones and "
+        "exits as soon as none is left. Set it above the pool's longest generation "
+        "(max_tokens / tokens a second) so that no stream fails on the way down; the pod's "
+        "termination grace period follows it.",
+    )
 
 
 class SLOs(KubeModel):

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvfleet.api import API_VERSION, ModelArtifact, ServingPool, labels
 from kvfleet.api.quantity import parse_bytes, whole_cpus
+from kvfleet.api.servingpool import EngineSettings
 from kvfleet.capacity import MemoryPlan
 from kvfleet.operator import naming
 from kvfleet.operator.placement import (
@@ -37,12 +38,15 @@ ENGINE_PREVIOUS_CERT_KEY = labels.ENGINE_PREVIOUS_CERT_KEY
 ROUTER_TOKEN_VOLUME = "router-token"
 ROUTER_TOKEN_DIR = "/var/run/kvfleet/router-token"
 ENGINE_PORT_NAME = "http"
-# The engine drains in-flight requests for this long after SIGTERM (`--drain-grace-seconds`).
-DRAIN_SECONDS = 30
-# preStop pause: endpoints controllers and routers stop sending before the engine drains.
+# preStop pause: endpoints controllers and routers stop sending before the engine drains
+# (for spec.engine.drainSeconds after SIGTERM, `--drain-grace-seconds`).
 PRE_STOP_SECONDS = 5
-# The kubelet kills after the grace period; it must cover the pause, the drain and exit.
-TERMINATION_GRACE_SECONDS = PRE_STOP_SECONDS + DRAIN_SECONDS + 15
+# The kubelet kills after the grace period; it must cover the pause, the drain and the exit.
+EXIT_SECONDS = 15
+
+
+def termination_grace_seconds(engine: EngineSettings) -> int:
+    return PRE_STOP_SECONDS + engine.drain_seconds + EXIT_SECONDS
 # Env names the engine reads (see the operator report: the serving engine implements the
 # sha256 check against KVFLEET_EXPECTED_SHA256).
 EXPECTED_SHA256_ENV = "KVFLEET_EXPECTED_SHA256"
@@ -112,7 +116,7 @@ def engine_settings(pool: ServingPool) -> dict[str, str]:
         "KVFLEET_INT16_ACTIVATIONS": "1" if engine.int16_activations else "0",
         "KVFLEET_MAX_PREFILL_TOKENS_PER_STEP": "auto" if engine.prefill_tokens_per_step is None
         else str(engine.prefill_tokens_per_step),
-        "KVFLEET_DRAIN_GRACE_SECONDS": str(DRAIN_SECONDS),
+        "KVFLEET_DRAIN_GRACE_SECONDS": str(engine.drain_seconds),
     }
     if engine.max_model_length is not None:
         data["KVFLEET_MAX_MODEL_LEN"] = str(engine.max_model_length)
@@ -342,7 +346,7 @@ def build_deployment(
                            else (ROUTER_TOKEN_KEY,))]}}],
         "nodeSelector": node_selector(pool.spec),
         "tolerations": tolerations(pool.spec),
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": termination_grace_seconds(pool.spec.engine),
         "enableServiceLinks": False,
     }
     affinity = node_affinity(pool.spec)

@@ -62,9 +62,22 @@ def test_readiness_grace_and_engine_command() -> None:
     assert c["command"] == ["kvfleet", "serve"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     grace = d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > builders.DRAIN_SECONDS + builders.PRE_STOP_SECONDS
+    assert grace > 30 + builders.PRE_STOP_SECONDS  # the default drain, and the pause before
     assert "--drain-grace-seconds=$(KVFLEET_DRAIN_GRACE_SECONDS)" in c["args"]
     assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_a_pool_with_long_generations_drains_longer_and_the_kubelet_waits_for_it() -> None:
+    """spec.engine.drainSeconds reaches the engine (its SIGTERM drain) and the pod's grace
+    period, which must outlast the preStop pause plus the drain, or the kubelet cuts the
+    streams the drain was waiting for."""
+    p = pool(spec__engine__drainSeconds=600)
+    assert builders.engine_settings(p)["KVFLEET_DRAIN_GRACE_SECONDS"] == "600"
+    grace = _deployment(spec__engine__drainSeconds=600)["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"]
+    assert grace == builders.PRE_STOP_SECONDS + 600 + builders.EXIT_SECONDS
+    with pytest.raises(ValueError, match="drainSeconds"):
+        pool(spec__engine__drainSeconds=3601)
 
 
 def test_labels_owner_and_expected_sha256() -> None:
