@@ -52,6 +52,10 @@ def register(subparsers: Any) -> None:
                    help="with --config and --replicas N: this router's index, 0..N-1, so that "
                         "the shares sum to each limit (without it each share is rounded up: "
                         "the routers may admit up to N-1 over a limit)")
+    p.add_argument("--own-namespace", default=_own_namespace(), metavar="NS",
+                   help="with -A: the namespace of the router's own pods, the only router pods "
+                        "counted as its replicas (default: $POD_NAMESPACE, which the manifests "
+                        "set, else the pod's service account namespace; else every namespace's)")
     p.add_argument("--name", default=os.environ.get("POD_NAME") or socket.gethostname(),
                    help="this replica's name in the TenantQuotas' router reports (default: "
                         "$POD_NAME, which the manifests set, else the host name); a restarted "
@@ -91,6 +95,18 @@ def register(subparsers: Any) -> None:
                    "hold)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
+
+
+def _own_namespace() -> str | None:
+    """The namespace this process runs in as a pod, if it can tell."""
+    if namespace := os.environ.get("POD_NAMESPACE"):
+        return namespace
+    try:
+        from kvfleet.kube.credentials import SERVICE_ACCOUNT
+
+        return (SERVICE_ACCOUNT / "namespace").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,7 +234,7 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
 
         api = _cluster_api()
         source = ClusterSource(api, router, None if args.all_namespaces else args.namespace,
-                               name=args.name)
+                               name=args.name, own_namespace=args.own_namespace)
         tasks.append(asyncio.create_task(source.run()))
         app = build_app(router, ready=source.synced)
     # Keep-alive longer than clients' and load balancers' idle timeouts (60 s is common; httpx

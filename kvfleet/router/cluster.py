@@ -345,7 +345,10 @@ class ClusterSource:
     """Keeps a router's state in step with the cluster (one namespace, or all with None)."""
 
     def __init__(self, api: KubeApi, router: Any, namespace: str | None,
-                 name: str = "router") -> None:
+                 name: str = "router", own_namespace: str | None = None) -> None:
+        """`own_namespace`: where this router's pods run (default `namespace`). Only router
+        pods there count as its replicas: with `-A`, a pod that wears the router's labels in a
+        tenant's namespace would otherwise shrink every replica's share of each limit."""
         self.api, self.router, self.namespace = api, router, namespace
         self.name = name  # this replica's name in the TenantQuotas' reports: its pod's
         self.on_fatal = exit_process  # what a background loop's end does (tests record it)
@@ -364,7 +367,7 @@ class ClusterSource:
                                namespace=namespace),
             "quotas": Informer(api, "TenantQuota", "", self._changed, namespace=namespace),
             "routers": Informer(api, "Pod", ROUTER_SELECTOR, self._changed,
-                                namespace=namespace),
+                                namespace=own_namespace or namespace),
         }
         # TenantQuota -> (requests, tokens, in flight) at this router's last report
         self._reported: dict[str, tuple[int, int, int]] = {}

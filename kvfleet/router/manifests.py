@@ -52,6 +52,9 @@ def build_manifests(namespace: str, image: str = "kvfleet:0.1.0",
         # POD_NAME: the replica's name in the TenantQuotas' router reports.
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                # POD_NAMESPACE: where its replicas are (the only router pods it counts).
+                {"name": "POD_NAMESPACE",
+                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                 # From the Secret, not an argument: the URL may hold a password (not in ps).
                 *([{"name": "KVFLEET_REDIS_URL", "valueFrom": {"secretKeyRef": {
                     "name": redis_secret, "key": "url"}}}] if redis_secret else [])],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
@@ -460,6 +461,52 @@ def test_in_a_cluster_each_router_enforces_its_share_of_the_ready_routers() -> N
         router.ledger.admit("team-a", 1, 1, 0.0)
     with pytest.raises(QuotaExceeded, match="1/2 share"):
         router.ledger.admit("team-a", 1, 1, 0.0)
+
+
+class ListingApi:
+    """Records what each informer lists: (kind, label selector, namespace); empty lists and
+    quiet watches."""
+
+    def __init__(self) -> None:
+        self.listed: list[tuple[str, str | None, str | None]] = []
+
+    async def list_page(self, kind: str, params: dict[str, str],
+                        namespace: str | None = None) -> dict[str, Any]:
+        self.listed.append((kind, params.get("labelSelector"), namespace))
+        return {"items": [], "metadata": {"resourceVersion": "1"}}
+
+    async def watch(self, kind: str, params: dict[str, str],
+                    namespace: str | None = None) -> Any:
+        await asyncio.Event().wait()
+        yield {}
+
+
+@pytest.mark.asyncio
+async def test_with_all_namespaces_only_router_pods_of_its_own_namespace_are_its_replicas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A router watching every namespace (-A) still counts its replicas in its own only: a
+    tenant who may create pods in hers could otherwise add Ready pods wearing the router's
+    labels and shrink every replica's share of each limit."""
+    from kvfleet.commands.router import _own_namespace
+    from kvfleet.router.cluster import ROUTER_SELECTOR, TENANT_LABEL, ClusterSource
+    from kvfleet.router.server import Router
+
+    monkeypatch.setenv("POD_NAMESPACE", "kvfleet")
+    api = ListingApi()
+    source = ClusterSource(api, Router(parse_config({})), None,  # type: ignore[arg-type]
+                           name="router-0", own_namespace=_own_namespace())
+    tasks = [asyncio.create_task(i.run()) for i in source.informers.values()]
+    try:
+        async with asyncio.timeout(5):
+            while not source.synced():
+                await asyncio.sleep(0.01)
+    finally:
+        for task in tasks:
+            task.cancel()
+    assert ("Pod", ROUTER_SELECTOR, "kvfleet") in api.listed
+    assert ("Secret", TENANT_LABEL, None) in api.listed  # keys: every namespace, as asked
+    assert not [x for x in api.listed if x[1] == ROUTER_SELECTOR and x[2] != "kvfleet"]
 
 
 def test_a_pool_with_a_long_name_finds_its_pods_and_token_by_the_operators_label_value() -> None:
