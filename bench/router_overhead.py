@@ -1,7 +1,7 @@
 """What the router adds to a request, isolated with a fast fake engine.
 
     .venv/bin/python bench/router_overhead.py [--rates 50,100,200] [--seconds 10] [--chunks 16]
-        [--prompt-words 1]
+        [--prompt-words 1] [--pin]
 
 A fake upstream (its own process: aiohttp, answers at once, streams `--chunks` SSE frames and
 a usage frame, and serves the gauges the router scrapes and the embedded model's tokenizer,
@@ -242,11 +242,23 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--prompt-words", type=int, default=1,
                         help="words in each request's prompt (the router tokenizes it)")
+    parser.add_argument("--pin", action="store_true",
+                        help="the routers on the last CPU, the client, the fake engine and "
+                             "redis-server on the others: a router with a core of its own, "
+                             "apart from the host's contention")
     parser.add_argument("--upstream", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.upstream:
         upstream(args.upstream, args.chunks)
         return 0
+    router_cpus: set[int] | None = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs 2 CPUs or more")
+        router_cpus = {cpus[-1]}
+        os.sched_setaffinity(0, set(cpus[:-1]))  # this client, and the children it starts
+        print(f"pinned: routers on CPU {cpus[-1]}, the rest on {cpus[:-1]}")
     up_port, redis_port = free_port(), free_port()
     ports = {"router": free_port(), "router+redis": free_port()}
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -265,7 +277,9 @@ def main() -> int:
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "kvfleet", "router", "--config", str(config), "--port",
                  str(port), "--log-level", "warning", *extra],
-                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                preexec_fn=None if router_cpus is None else (
+                    lambda: os.sched_setaffinity(0, router_cpus)))
         try:
             wait_http(f"http://127.0.0.1:{up_port}/metrics")
             for port in ports.values():
