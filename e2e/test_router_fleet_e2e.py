@@ -454,7 +454,9 @@ def _token_rate_with_a_router_killed(kube: KubeClient, kubectl: Kubectl, ns: str
           f"50 s: {generated} generated at the engine, {billed} billed in {len(served)} "
           f"answers, {len(refused)} refused, {len(cut)} cut by the kill (bound {bound:.0f})")
     assert {a.status_code for a in answers if isinstance(a, httpx.Response)} <= {200, 429}
-    assert len(cut) <= 4, cut  # the clients' requests in flight on the killed router
+    # Each client meets the dead router once (a request in flight, or its next one), then
+    # goes on through the other: none of them means the kill did not happen.
+    assert 1 <= len(cut) <= 4, cut
     assert billed <= generated <= bound
     assert billed >= 0.75 * (bound - TPM_MAX_TOKENS)
 

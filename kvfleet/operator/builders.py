@@ -43,10 +43,6 @@ ENGINE_PORT_NAME = "http"
 PRE_STOP_SECONDS = 5
 # The kubelet kills after the grace period; it must cover the pause, the drain and the exit.
 EXIT_SECONDS = 15
-
-
-def termination_grace_seconds(engine: EngineSettings) -> int:
-    return PRE_STOP_SECONDS + engine.drain_seconds + EXIT_SECONDS
 # Env names the engine reads (see the operator report: the serving engine implements the
 # sha256 check against KVFLEET_EXPECTED_SHA256).
 EXPECTED_SHA256_ENV = "KVFLEET_EXPECTED_SHA256"
@@ -92,6 +88,10 @@ def _meta(name: str, pool: ServingPool, labels: dict[str, str]) -> dict[str, Any
             naming.owner_reference(API_VERSION, "ServingPool", pool.metadata.name, uid)
         ],
     }
+
+
+def termination_grace_seconds(engine: EngineSettings) -> int:
+    return PRE_STOP_SECONDS + engine.drain_seconds + EXIT_SECONDS
 
 
 def engine_settings(pool: ServingPool) -> dict[str, str]:

@@ -269,8 +269,8 @@ class QuotaLedger:
         part = f" (this router's 1/{self.replicas} share)" if self.replicas > 1 else ""
         if limit == 0 and self.replicas > 1:
             # The limit's units are all on other routers: one of those may admit it now.
-            wait, detail = 1.0, (f"{detail}; this router's share of the limit is 0, the other "
-                                 f"{self.replicas - 1} routers hold it")
+            wait, detail = 1.0, (f"{detail}; this router's share of the limit is 0, another "
+                                 "router holds it")
         return refusal(state.tenant, state.quota_name, resource, limit, wait, detail, part)
 
     def _take_slot(self, state: TenantState) -> str | None:
