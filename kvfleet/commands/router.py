@@ -52,7 +52,7 @@ def register(subparsers: Any) -> None:
                    help="with --config and --replicas N: this router's index, 0..N-1, so that "
                         "the shares sum to each limit (without it each share is rounded up: "
                         "the routers may admit up to N-1 over a limit)")
-    p.add_argument("--own-namespace", default=_own_namespace(), metavar="NS",
+    p.add_argument("--own-namespace", metavar="NS",
                    help="with -A: the namespace of the router's own pods, the only router pods "
                         "counted as its replicas (default: $POD_NAMESPACE, which the manifests "
                         "set, else the pod's service account namespace; else every namespace's)")
@@ -234,7 +234,8 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
 
         api = _cluster_api()
         source = ClusterSource(api, router, None if args.all_namespaces else args.namespace,
-                               name=args.name, own_namespace=args.own_namespace)
+                               name=args.name,
+                               own_namespace=args.own_namespace or _own_namespace())
         tasks.append(asyncio.create_task(source.run()))
         app = build_app(router, ready=source.synced)
     # Keep-alive longer than clients' and load balancers' idle timeouts (60 s is common; httpx

@@ -267,8 +267,11 @@ class QuotaLedger:
     def _refuse(self, state: TenantState, resource: BorrowableResource, limit: float,
                 wait: float, detail: str) -> QuotaExceeded:
         part = f" (this router's 1/{self.replicas} share)" if self.replicas > 1 else ""
-        if limit == 0 and self.replicas > 1:
-            # The limit's units are all on other routers: one of those may admit it now.
+        fleet_limit = state.spec.limits.max_concurrent_requests if resource is CONCURRENCY \
+            else rate_limits(state.spec)[resource]
+        if limit == 0 and fleet_limit:
+            # The limit's units are all on other routers: one of those may admit it now (a
+            # limit of 0 itself refuses everywhere, and says so).
             wait, detail = 1.0, (f"{detail}; this router's share of the limit is 0, another "
                                  "router holds it")
         return refusal(state.tenant, state.quota_name, resource, limit, wait, detail, part)

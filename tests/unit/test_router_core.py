@@ -215,6 +215,12 @@ def test_with_two_routers_a_limit_of_one_is_admitted_by_one_of_them_only() -> No
     assert len(admitted) == 1 and len(refused) == 1
     assert "this router's share of the limit is 0, another router holds it" in str(refused[0])
     assert refused[0].headers() == {"retry-after": "1"}
+    # A limit of 0 (a paused tenant) is 0 on every router: not "another router holds it".
+    paused = QuotaLedger(replicas=2, rank=0)
+    paused.set_quotas({"team-b": ("llm/team-b", quota(max_concurrent_requests=0))}, 0.0)
+    with pytest.raises(QuotaExceeded) as refused_everywhere:
+        paused.admit("team-b", 1, 1, 0.0)
+    assert "another router" not in str(refused_everywhere.value)
     # Other tenants' units fall on either router (a stable hash of the tenant turns the rank).
     holders = {t: [share(1, 2, rank, t) for rank in range(2)].index(1)
                for t in (f"team-{i}" for i in range(20))}
