@@ -40,6 +40,7 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,11 +48,14 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
+import httpx
 import psutil
 import yaml
 
@@ -67,6 +71,7 @@ from kvfleet.devcluster.cluster import (  # noqa: E402
     DevCluster,
     node_lease_seconds_for,
 )
+from kvfleet.devcluster.errors import KubeApiError  # noqa: E402
 from kvfleet.devcluster.kube import KubeClient  # noqa: E402
 from kvfleet.kube.api import path_of  # noqa: E402
 
@@ -104,6 +109,11 @@ class Result:
     step_s: float = float("nan")
     queries_per_interval: float = float("nan")
     urgent_queue_p95_s: float = float("nan")
+    # Where a slow reconcile's time went: the apiserver's own time for the operator's writes,
+    # and the operator's event loop running late (its own CPU, not the apiserver).
+    apiserver_write_p95_s: float = float("nan")
+    loop_lag_p95_s: float = float("nan")
+    loop_lag_p99_s: float = float("nan")
 
 
 STEP_POOL, STEP_LOAD, STEP_REPLICAS = "pool-0000", 6.0, 3
@@ -201,17 +211,19 @@ def _total(samples: dict[str, float], prefix: str) -> float:
 
 def _quantile(
     samples: dict[str, float], q: float, metric: str = "reconcile_duration_seconds",
-    lane: str | None = None,
+    lane: str | None = None, kind: str | None = "ServingPool",
 ) -> float:
     """PromQL histogram_quantile over the ServingPool buckets of an operator histogram (of
-    one lane, for the queue wait)."""
-    prefix = (f'kvfleet_operator_{metric}_bucket{{kind="ServingPool",'
+    one lane, for the queue wait; of no kind, for the loop lag)."""
+    prefix = (f"kvfleet_operator_{metric}_bucket{{" + (f'kind="{kind}",' if kind else "")
               + (f'lane="{lane}",' if lane else "") + 'le="')
-    buckets = sorted(
-        (float("inf") if k[len(prefix):-2] == "+Inf" else float(k[len(prefix):-2]), v)
-        for k, v in samples.items()
-        if k.startswith(prefix)
-    )  # fmt: skip
+    return _histogram_quantile(
+        ((float(k[len(prefix):-2]), v) for k, v in samples.items() if k.startswith(prefix)), q)
+
+
+def _histogram_quantile(buckets_: Iterable[tuple[float, float]], q: float) -> float:
+    """histogram_quantile over (upper bound, cumulative count) pairs (+Inf as inf)."""
+    buckets = sorted(buckets_)
     total = buckets[-1][1] if buckets else 0
     if total == 0:
         return float("nan")
@@ -225,20 +237,84 @@ def _quantile(
     return lower
 
 
+# The operator's writes as the apiserver timed them: its applies (nobody else in the
+# benchmark applies) and the pools' status patches.
+_OPERATOR_WRITES = re.compile(
+    r'apiserver_request_duration_seconds_bucket\{(?=[^}]*verb="APPLY"|[^}]*resource='
+    r'"servingpools",[^}]*subresource="status",[^}]*verb="PATCH")[^}]*le="([^"]+)"\} (\S+)')
+
+
+def _apiserver_writes(kube: KubeClient) -> dict[float, float]:
+    """Cumulative counts by upper bound of the operator's writes in the apiserver's own
+    request-duration histogram (summed over kinds)."""
+    counts: dict[float, float] = {}
+    for bound, value in _OPERATOR_WRITES.findall(kube.get_raw("/metrics").text):
+        counts[float(bound)] = counts.get(float(bound), 0.0) + float(value)
+    return counts
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
+def _is_available(pool: dict[str, Any]) -> bool:
+    return any(c["type"] == "Available" and c["status"] == "True"
+               for c in (pool.get("status") or {}).get("conditions", []))
+
+
 def _available(kube: KubeClient) -> int:
     pools = kube.request("GET", path_of("ServingPool", NAMESPACE)).get("items", [])
-    return sum(
-        1
-        for p in pools
-        if any(
-            c["type"] == "Available" and c["status"] == "True"
-            for c in (p.get("status") or {}).get("conditions", [])
-        )
-    )
+    return sum(1 for p in pools if _is_available(p))
+
+
+class AvailableWatch:
+    """How many pools are Available, from one watch of the bench's ServingPools.
+
+    Polling a LIST once a second loaded the very apiserver the operator is measured against:
+    at 5,000 pools each LIST was 10.7 MB of JSON, took 1.7-3.5 s on the saturated apiserver
+    and 0.5 s of this process's CPU to parse, back to back. A watch sends each change once.
+    """
+
+    def __init__(self, kube: KubeClient) -> None:
+        self._kube = KubeClient(kube.credentials)  # (its own connection, for this thread)
+        self._available: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def count(self) -> int:
+        if not self._thread.is_alive() and not self._stop.is_set():
+            raise RuntimeError("the watch of the pools died (its traceback is above)")
+        return len(self._available)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._kube.close()
+
+    def _run(self) -> None:
+        path = path_of("ServingPool", NAMESPACE)
+        while not self._stop.is_set():
+            try:
+                listing = self._kube.request("GET", path)
+                self._available = {p["metadata"]["name"] for p in listing.get("items", [])
+                                   if _is_available(p)}
+                version = listing["metadata"]["resourceVersion"]
+                while not self._stop.is_set():
+                    for event in self._kube.watch(path, version):
+                        if event["type"] == "ERROR":  # 410: compacted, list again
+                            raise KubeApiError("WATCH", path, 410, "Expired", str(event))
+                        obj = event["object"]
+                        version = obj["metadata"]["resourceVersion"]
+                        if event["type"] == "BOOKMARK":
+                            continue
+                        name = obj["metadata"]["name"]
+                        if event["type"] != "DELETED" and _is_available(obj):
+                            self._available.add(name)
+                        else:
+                            self._available.discard(name)
+            except (KubeApiError, httpx.HTTPError, ValueError):
+                if not self._stop.wait(1):
+                    continue
 
 
 def run_one(
@@ -281,21 +357,26 @@ def run_one(
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             preexec_fn=_die_with_parent,
         )  # fmt: skip
-        peak_rss = [0]
+        peak_rss = [0, 0.0]  # bytes, and when (s since the operator started)
+        current_rss = [0]
         cpu_s = [0.0]
         stop = threading.Event()
 
         def sample_rss() -> None:
             proc = psutil.Process(operator.pid)
+            born = time.monotonic()
             while not stop.is_set():
                 try:
-                    peak_rss[0] = max(peak_rss[0], proc.memory_info().rss)
+                    current_rss[0] = proc.memory_info().rss
+                    if current_rss[0] > peak_rss[0]:
+                        peak_rss[:] = [current_rss[0], time.monotonic() - born]
                     times = proc.cpu_times()
                     cpu_s[0] = times.user + times.system
                 except psutil.Error:
                     return
                 stop.wait(0.5)
 
+        closing: list[Callable[[], None]] = []
         sampler = threading.Thread(target=sample_rss, daemon=True)
         sampler.start()
         try:
@@ -315,6 +396,9 @@ def run_one(
             if fake is not None:
                 for p in pools:
                     p["spec"]["autoscaling"] = AUTOSCALING
+            watch = AvailableWatch(kube)
+            closing.append(watch.close)
+            writes_before = _apiserver_writes(kube)
             started = time.monotonic()
             with ThreadPoolExecutor(8) as pool_exec:
                 list(pool_exec.map(
@@ -328,12 +412,15 @@ def run_one(
                 step_s = _step_to_deployment(kube, fake, 10 * autoscale_s)
                 print(f"[{num_pools} pools] load step on {STEP_POOL} -> its Deployment at "
                       f"{STEP_REPLICAS} replicas in {step_s:.1f} s "
-                      f"({_available(kube)} pools Available meanwhile)", flush=True)
-            last_print = 0.0
+                      f"({watch.count()} pools Available meanwhile)", flush=True)
+            last_print = last_scrape = 0.0
             operator_done = float("nan")
-            while (done := _available(kube)) < num_pools:
+            while (done := watch.count()) < num_pools:
                 now = time.monotonic()
-                if operator_done != operator_done:  # NaN: the operator's own part not yet done
+                # NaN: the operator's own part is not yet done. Scraped every 5 s, as a busy
+                # Prometheus would: at 5,000 pools /metrics is 0.8 MB of the operator's CPU.
+                if operator_done != operator_done and now - last_scrape >= 5:
+                    last_scrape = now
                     applied = _scrape(port).get(
                         'kvfleet_operator_objects_applied_total{kind="Deployment"}', 0.0
                     )
@@ -347,7 +434,10 @@ def run_one(
                     )
                     break
                 if now - last_print > 10:
-                    print(f"[{num_pools} pools] {done} Available at {now - started:.0f}s",
+                    # (RSS over time: whether the peak is the burst or the cache growing)
+                    print(f"[{num_pools} pools] {done} Available at {now - started:.0f}s, "
+                          f"operator RSS {current_rss[0] / 2**20:.0f} MB "
+                          f"(peak {peak_rss[0] / 2**20:.0f} at {peak_rss[1]:.0f} s)",
                           flush=True)  # fmt: skip
                     last_print = now
                 time.sleep(1)
@@ -355,16 +445,19 @@ def run_one(
             if fake is not None and autoscale_s is not None:
                 intervals = (time.monotonic() - asked_from) / autoscale_s
                 queries_per_interval = (fake.queries - queries_from) / max(intervals, 1e-9)
-            num_available = done
+            num_available = _available(kube)  # (the watch's count, checked once)
             if operator_done != operator_done:
                 operator_done = converge
             converged = _scrape(port)
+            writes_after = _apiserver_writes(kube)
             steady: dict[str, float] = {}  # no steady state to measure after a timeout
             if num_available == num_pools:
                 time.sleep(drift_s + 5)  # one drift tick over every pool
                 steady = _delta(_scrape(port), converged)
         finally:
             stop.set()
+            for close in closing:
+                close()
             if fake is not None:
                 fake.close()
             operator.send_signal(signal.SIGTERM)
@@ -406,6 +499,10 @@ def run_one(
         step_s=round(step_s, 2),
         queries_per_interval=round(queries_per_interval, 2),
         urgent_queue_p95_s=round(_quantile(window, 0.95, "reconcile_queue_seconds", "urgent"), 4),
+        apiserver_write_p95_s=round(_histogram_quantile(
+            ((b, v - writes_before.get(b, 0.0)) for b, v in writes_after.items()), 0.95), 4),
+        loop_lag_p95_s=round(_quantile(window, 0.95, "event_loop_lag_seconds", kind=None), 4),
+        loop_lag_p99_s=round(_quantile(window, 0.99, "event_loop_lag_seconds", kind=None), 4),
     )
 
 
@@ -415,31 +512,33 @@ def _profiler(num_pools: int) -> list[str]:
     folder = os.environ.get("KVFLEET_BENCH_PROFILE")
     if folder:
         return ["-m", "cProfile", "-o", f"{folder}/operator-{num_pools}.prof"]
-    folder = os.environ.get("KVFLEET_BENCH_TRACEMALLOC")
-    if folder:
-        return ["-c", _TRACEMALLOC_WRAPPER, f"{folder}/operator-{num_pools}", "--"]
+    for variable, wrapper in (("KVFLEET_BENCH_TRACEMALLOC", _TRACEMALLOC_WRAPPER),
+                              ("KVFLEET_BENCH_MALLOCSTATS", _MALLOCSTATS_WRAPPER)):
+        folder = os.environ.get(variable)
+        if folder:
+            return ["-c", wrapper, f"{folder}/operator-{num_pools}", "--"]
     return []
 
 
 def _module() -> list[str]:
-    """How the operator's command line starts: the tracemalloc wrapper takes the arguments."""
-    traced = os.environ.get("KVFLEET_BENCH_TRACEMALLOC") and not os.environ.get(
-        "KVFLEET_BENCH_PROFILE"
-    )
-    return [] if traced else ["-m", "kvfleet"]
+    """How the operator's command line starts: a memory wrapper takes the arguments."""
+    wrapped = not os.environ.get("KVFLEET_BENCH_PROFILE") and (
+        os.environ.get("KVFLEET_BENCH_TRACEMALLOC") or os.environ.get("KVFLEET_BENCH_MALLOCSTATS"))
+    return [] if wrapped else ["-m", "kvfleet"]
 
 
 # Runs `python -m kvfleet ARGS` under tracemalloc and, every 15 s, records the traced and
 # resident memory; whenever the traced memory reached a new high it dumps a snapshot
-# (PREFIX-peak.snap), and one more at exit (PREFIX-end.snap). Snapshots pause the operator
+# (PREFIX-peak-SECONDSs.snap: two of them compared show what grew), and one more at exit
+# (PREFIX-end.snap). Snapshots pause the operator
 # for a moment: the timings of such a run are not comparable with a plain one.
 _TRACEMALLOC_WRAPPER = """
 import atexit, json, os, runpy, sys, threading, time, tracemalloc
 import psutil
 prefix = sys.argv[1]
 sys.argv = ["kvfleet", *sys.argv[3:]]
-tracemalloc.start(8)
-high = [0]
+tracemalloc.start(int(os.environ.get("KVFLEET_BENCH_TRACEMALLOC_FRAMES", "8")))
+high, born = [0], time.monotonic()
 log = open(prefix + "-memory.jsonl", "a")
 def record(tag):
     current, peak = tracemalloc.get_traced_memory()
@@ -449,13 +548,71 @@ def record(tag):
     log.flush()
     if tag == "end" or current > high[0]:
         high[0] = current
-        tracemalloc.take_snapshot().dump(prefix + ("-end" if tag == "end" else "-peak") + ".snap")
+        name = "-end" if tag == "end" else f"-peak-{time.monotonic() - born:.0f}s"
+        tracemalloc.take_snapshot().dump(prefix + name + ".snap")
 def watch():
     while True:
         time.sleep(float(os.environ.get("KVFLEET_BENCH_TRACEMALLOC_TICK", "15")))
         record("tick")
 threading.Thread(target=watch, daemon=True).start()
 atexit.register(record, "end")
+runpy.run_module("kvfleet", run_name="__main__", alter_sys=True)
+"""
+
+# Runs `python -m kvfleet ARGS` and, every KVFLEET_BENCH_TRACEMALLOC_TICK (15) s, records who
+# holds the resident memory, without tracing (which slows the operator and inflates it):
+# pymalloc's arenas and the bytes in their live blocks (sys._debugmallocstats, Python objects of
+# 512 bytes or less), and glibc's heap, its free part and its mmapped chunks (mallinfo2: larger
+# Python objects and C libraries' buffers), and a census of the objects the GC tracks, by type
+# (coroutines by function). PREFIX-malloc.jsonl, one line per tick.
+_MALLOCSTATS_WRAPPER = """
+import collections, ctypes, gc, json, os, re, runpy, sys, tempfile, threading, time
+import psutil
+prefix = sys.argv[1]
+sys.argv = ["kvfleet", *sys.argv[3:]]
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd usmblks "
+                                               "fsmblks uordblks fordblks keepcost").split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+log = open(prefix + "-malloc.jsonl", "a")
+def pymalloc():
+    with tempfile.TemporaryFile("w+") as out:
+        saved = os.dup(2)
+        os.dup2(out.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        text = out.read()
+    def field(label):
+        found = re.search(re.escape(label) + r"\\s*=\\s*([\\d,]+)", text)
+        return int(found.group(1).replace(",", "")) if found else None
+    return {"arenas": field("# arenas allocated current"),
+            "allocated_blocks": field("# bytes in allocated blocks"),
+            "free_blocks": field("# bytes in available blocks"),
+            "total": field("Total")}
+def census():
+    # The most numerous objects the GC tracks, coroutines by their function's name: a pile of
+    # waiting tasks shows here by what they wait in.
+    counts = collections.Counter(
+        f"coroutine {o.__qualname__}" if type(o).__name__ == "coroutine" else type(o).__name__
+        for o in gc.get_objects())
+    return dict(counts.most_common(25))
+def record():
+    info = libc.mallinfo2()
+    log.write(json.dumps({"t": time.time(), "rss": psutil.Process().memory_info().rss,
+                          "glibc_heap": info.arena, "glibc_in_use": info.uordblks,
+                          "glibc_free": info.fordblks, "glibc_mmapped": info.hblkhd,
+                          "pymalloc": pymalloc(), "census": census()}) + "\\n")
+    log.flush()
+def watch():
+    while True:
+        time.sleep(float(os.environ.get("KVFLEET_BENCH_TRACEMALLOC_TICK", "15")))
+        record()
+threading.Thread(target=watch, daemon=True).start()
 runpy.run_module("kvfleet", run_name="__main__", alter_sys=True)
 """
 
@@ -519,9 +676,10 @@ def _print_table(results: list[Result]) -> None:
         "| p50 s | p95 s | queue p95 s | req/reconcile | GET/reconcile | req/pool "
         "| steady p50 s | steady p95 s "
         "| steady req/reconcile | steady writes | RSS MB | operator CPU s | s/pool vs first "
-        "| step s | queries/interval | urgent queue p95 s |"
+        "| step s | queries/interval | urgent queue p95 s | apiserver write p95 s "
+        "| loop lag p95 s | loop lag p99 s |"
     )
-    print("|" + "---|" * 23)
+    print("|" + "---|" * 26)
     for r in results:
         ratio = (r.converge_s / r.pools) / (base.converge_s / base.pools)
         print(f"| {r.pools} | {r.nodes} | {r.available} | {r.converge_s} | {r.operator_done_s} | "
@@ -531,7 +689,8 @@ def _print_table(results: list[Result]) -> None:
               f"{r.requests_per_pool} | "
               f"{r.steady_p50_s} | {r.steady_p95_s} | {r.steady_requests_per_reconcile} | "
               f"{r.steady_writes} | {r.rss_mb} | {r.operator_cpu_s} | {ratio:.2f}× | "
-              f"{r.step_s} | {r.queries_per_interval} | {r.urgent_queue_p95_s} |",
+              f"{r.step_s} | {r.queries_per_interval} | {r.urgent_queue_p95_s} | "
+              f"{r.apiserver_write_p95_s} | {r.loop_lag_p95_s} | {r.loop_lag_p99_s} |",
               flush=True)  # fmt: skip
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -96,6 +96,23 @@ class KubeClient:
             return {}
         data: JsonObj = resp.json()
         return data
+
+    def watch(self, path: str, resource_version: str, timeout_s: int = 60) -> Iterator[JsonObj]:
+        """The watch events of the collection at `path` from `resource_version` on, with
+        bookmarks, until the server ends the watch (after `timeout_s`). A 410 (history
+        compacted) comes as an ERROR event, as the API sends it: list again."""
+        params = {"watch": "1", "resourceVersion": resource_version,
+                  "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_s)}
+        with self._http.stream(
+            "GET", path, params=params, headers=self.credentials.headers(),
+            timeout=httpx.Timeout(self._timeout, read=timeout_s + self._timeout),
+        ) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                raise KubeApiError("GET", path, resp.status_code, "", resp.text)
+            for line in resp.iter_lines():
+                if line:
+                    yield json.loads(line)
 
     def get_raw(self, path: str) -> httpx.Response:
         return self._send("GET", path)

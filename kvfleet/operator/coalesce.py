@@ -37,6 +37,12 @@ class Coalescer(Generic[K]):
         """Keys with a trigger in flight."""
         return len(self._locks)
 
+    def pending(self, key: K) -> bool:
+        """A run of `key` is triggered and has not started: a trigger now would only join it,
+        and that run reads the state of when it starts, so a caller that needs no result
+        (a watch event) has nothing to add."""
+        return key in self._waiting
+
     async def trigger(self, key: K) -> None:
         """Return once a run that started after this call has finished (raise if it failed)."""
         waiting = self._waiting.get(key)

@@ -191,7 +191,10 @@ class Runtime:
     def enqueue(self, key: Key) -> None:
         """Reconcile the pool in the background, and again after a back-off while it fails
         (`RETRY_SECONDS`): controller-runtime's workqueue. The pools' watch events come here
-        (handlers.py), so kopf never retries, and never writes, a pool."""
+        (handlers.py), so kopf never retries, and never writes, a pool. A run that has not
+        started yet covers the request (and retries as this one would)."""
+        if self.pools.pending(key):
+            return
         task = asyncio.get_running_loop().create_task(self._reconcile_retried(key))
         self._woken.add(task)
         task.add_done_callback(self._woken.discard)

@@ -23,6 +23,7 @@ from kvfleet.operator import cache, handlers, metrics, naming
 from kvfleet.operator.cache import INDEX_IDS, Cache
 from kvfleet.operator.handlers import OperatorConfig, build_registry
 from kvfleet.operator.runtime import Runtime
+from kvfleet.operator.slots import Slots
 
 JsonObj = dict[str, Any]
 Requests = list[tuple[str, str]]  # (verb, what)
@@ -472,3 +473,20 @@ async def test_a_pool_the_models_reject_is_not_retried_and_says_why(
     while runtime._woken:
         await asyncio.gather(*list(runtime._woken))
     assert ("POST", "Event InvalidSpec") in cluster.take()
+
+
+@pytest.mark.asyncio
+async def test_pool_events_while_its_reconcile_queues_add_no_task(cluster: FakeCluster) -> None:
+    """A pool whose reconcile waits for a slot behind a burst: its further events are covered
+    by the run not yet started, and add no task each (see handlers' reconcile_soon)."""
+    runtime = _runtime(cluster)
+    runtime._slots = Slots(1)
+    await runtime._slots.acquire()  # the burst holds the only slot
+    for _ in range(200):
+        runtime.enqueue((NS, "chat"))
+        await asyncio.sleep(0)
+    assert len(runtime._woken) <= 2  # the run waiting for the slot, and one follow-up
+    runtime._slots.release()
+    while runtime._woken:
+        await asyncio.gather(*list(runtime._woken))
+    assert ("Deployment", "chat") in {(k, n.split("-")[0]) for k, n in cluster.objects}

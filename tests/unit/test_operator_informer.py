@@ -292,12 +292,8 @@ async def test_the_drift_loop_checks_every_cached_pool_once_per_interval_spread_
         if len(slept) > 8:
             raise asyncio.CancelledError
 
-    def spawn(trigger: Any, key: tuple[str, str]) -> None:
-        assert trigger == runtime.pools.trigger
-        checked.append(key[1])
-
     with contextlib.suppress(asyncio.CancelledError):
-        await drift_forever(runtime, 20.0, spawn, sleep)
+        await drift_forever(runtime, 20.0, lambda key: checked.append(key[1]), sleep)
     assert sorted(checked[:4]) == ["a", "b", "c", "d"] and checked[4:] == checked[:4]
     assert slept[:8] == [5.0] * 8  # 20 s over 4 pools
     assert cluster.requests == []  # the loop itself reads only the cache

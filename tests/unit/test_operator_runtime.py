@@ -6,13 +6,14 @@ import asyncio
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from kvfleet.cli import build_parser
 from kvfleet.operator.coalesce import Coalescer
-from kvfleet.operator.handlers import CHILD_KINDS, PODS
+from kvfleet.operator.handlers import CHILD_KINDS, PODS, _State
 from kvfleet.operator.rbac import build_rbac, install_rbac, permissions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +39,37 @@ async def test_triggers_during_a_run_coalesce_into_one_follow_up() -> None:
     await asyncio.wait_for(asyncio.gather(first, *followers), 1)
     assert runs == ["a", "b", "a"]
     assert coalescer.num_keys == 0  # nothing kept per key once its triggers are served
+
+
+@pytest.mark.asyncio
+async def test_a_pool_queued_behind_a_burst_gathers_no_waiter_per_event() -> None:
+    """At 5,000 pools a pool waited minutes for its reconcile, and every watch event of its
+    children and pods added a task waiting for that same run: 30,000 after three minutes,
+    and the operator's memory grew with them. Requests a pending run covers add nothing,
+    and that run still sees the state after them."""
+    slot = asyncio.Event()  # the burst: every reconcile waits for a slot
+    seen: list[int] = []
+    state_now = [0]
+
+    async def reconcile(key: tuple[str, str]) -> None:
+        await slot.wait()
+        seen.append(state_now[0])
+
+    state = _State()
+    state.runtime = SimpleNamespace(pools=Coalescer(reconcile))  # type: ignore[assignment]
+    key = ("ns", "pool-1")
+    state.reconcile_soon(key)
+    await asyncio.sleep(0)  # the first run started (it waits for a slot)
+    for event in range(1, 1001):  # children and pods changing meanwhile
+        state_now[0] = event
+        state.reconcile_soon(key)
+        await asyncio.sleep(0)
+    assert len(state.background) <= 2  # the run waiting for a slot, and one follow-up
+    assert state.runtime.pools.pending(key)
+    slot.set()
+    await asyncio.wait_for(asyncio.gather(*state.background), 2)
+    assert seen == [1000, 1000]  # the follow-up read the state after the last event
+    assert not state.runtime.pools.pending(key) and state.runtime.pools.num_keys == 0
 
 
 @pytest.mark.asyncio
