@@ -114,6 +114,8 @@ class Result:
     apiserver_write_p95_s: float = float("nan")
     loop_lag_p95_s: float = float("nan")
     loop_lag_p99_s: float = float("nan")
+    gc_full_s: float = float("nan")  # the operator's full (generation 2) collections: seconds
+    gc_full_count: int = 0
 
 
 STEP_POOL, STEP_LOAD, STEP_REPLICAS = "pool-0000", 6.0, 3
@@ -414,6 +416,7 @@ def run_one(
                       f"{STEP_REPLICAS} replicas in {step_s:.1f} s "
                       f"({watch.count()} pools Available meanwhile)", flush=True)
             last_print = last_scrape = 0.0
+            deployments = [0]  # the operator's Deployments applied so far
             operator_done = float("nan")
             while (done := watch.count()) < num_pools:
                 now = time.monotonic()
@@ -424,6 +427,7 @@ def run_one(
                     applied = _scrape(port).get(
                         'kvfleet_operator_objects_applied_total{kind="Deployment"}', 0.0
                     )
+                    deployments[0] = int(applied)
                     if applied >= num_pools:
                         operator_done = now - started
                 if now - started > timeout_s:
@@ -436,6 +440,7 @@ def run_one(
                 if now - last_print > 10:
                     # (RSS over time: whether the peak is the burst or the cache growing)
                     print(f"[{num_pools} pools] {done} Available at {now - started:.0f}s, "
+                          f"{deployments[0]} Deployments applied, "
                           f"operator RSS {current_rss[0] / 2**20:.0f} MB "
                           f"(peak {peak_rss[0] / 2**20:.0f} at {peak_rss[1]:.0f} s)",
                           flush=True)  # fmt: skip
@@ -503,6 +508,10 @@ def run_one(
             ((b, v - writes_before.get(b, 0.0)) for b, v in writes_after.items()), 0.95), 4),
         loop_lag_p95_s=round(_quantile(window, 0.95, "event_loop_lag_seconds", kind=None), 4),
         loop_lag_p99_s=round(_quantile(window, 0.99, "event_loop_lag_seconds", kind=None), 4),
+        gc_full_s=round(window.get(
+            'kvfleet_operator_gc_pause_seconds_sum{generation="2"}', 0.0), 2),
+        gc_full_count=int(window.get(
+            'kvfleet_operator_gc_pause_seconds_count{generation="2"}', 0.0)),
     )
 
 
@@ -677,9 +686,9 @@ def _print_table(results: list[Result]) -> None:
         "| steady p50 s | steady p95 s "
         "| steady req/reconcile | steady writes | RSS MB | operator CPU s | s/pool vs first "
         "| step s | queries/interval | urgent queue p95 s | apiserver write p95 s "
-        "| loop lag p95 s | loop lag p99 s |"
+        "| loop lag p95 s | loop lag p99 s | full GCs | full GC s |"
     )
-    print("|" + "---|" * 26)
+    print("|" + "---|" * 28)
     for r in results:
         ratio = (r.converge_s / r.pools) / (base.converge_s / base.pools)
         print(f"| {r.pools} | {r.nodes} | {r.available} | {r.converge_s} | {r.operator_done_s} | "
@@ -690,7 +699,8 @@ def _print_table(results: list[Result]) -> None:
               f"{r.steady_p50_s} | {r.steady_p95_s} | {r.steady_requests_per_reconcile} | "
               f"{r.steady_writes} | {r.rss_mb} | {r.operator_cpu_s} | {ratio:.2f}× | "
               f"{r.step_s} | {r.queries_per_interval} | {r.urgent_queue_p95_s} | "
-              f"{r.apiserver_write_p95_s} | {r.loop_lag_p95_s} | {r.loop_lag_p99_s} |",
+              f"{r.apiserver_write_p95_s} | {r.loop_lag_p95_s} | {r.loop_lag_p99_s} | "
+              f"{r.gc_full_count} | {r.gc_full_s} |",
               flush=True)  # fmt: skip
 
 

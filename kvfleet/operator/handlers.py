@@ -246,6 +246,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                                             config.on_fatal))
         state.loops.append(fatal_if_it_ends(
             loop.create_task(metrics.measure_loop_lag(), name="loop lag"), config.on_fatal))
+        metrics.time_gc_pauses()
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> kopf.ConnectionInfo:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import time
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -58,6 +61,29 @@ async def measure_loop_lag() -> None:
         due = loop.time() + LOOP_LAG_PERIOD_SECONDS
         await asyncio.sleep(LOOP_LAG_PERIOD_SECONDS)
         LOOP_LAG.observe(max(0.0, loop.time() - due))
+
+GC_PAUSE = Histogram(
+    "kvfleet_operator_gc_pause_seconds",
+    "Python's cyclic garbage collections, by generation: each one stops the event loop (a "
+    "full one walks every object the operator holds).",
+    ["generation"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+_gc_started = [0.0]
+
+
+def _time_gc(phase: str, info: dict[str, Any]) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    else:
+        GC_PAUSE.labels(generation=str(info["generation"])).observe(
+            time.perf_counter() - _gc_started[0])
+
+
+def time_gc_pauses() -> None:
+    """Observe GC_PAUSE from now on (once per process)."""
+    if _time_gc not in gc.callbacks:
+        gc.callbacks.append(_time_gc)
 
 
 def count_request(verb: str) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from kvfleet.api.saturation import load_score
 from kvfleet.api.servingpool import ServingPool
 from kvfleet.operator.autoscaler import (
+    DECIDE_CHUNK,
     Autoscaler,
     FleetSignals,
     Key,
@@ -189,3 +190,29 @@ def test_the_view_reads_the_pools_failover_and_burst_reserves() -> None:
     view = PoolView.of(pool.to_wire())
     assert view is not None and view.reserve == 3  # (the deployment reserve is a surge)
     assert policy_of(view.autoscaling, view.slos, view.reserve).reserve == 3
+
+
+def test_a_large_fleet_is_decided_in_chunks_between_which_the_loop_runs_other_work() -> None:
+    """5,000 pools decided in one turn of the event loop held every reconcile in flight (and
+    the watches) for about a second; at most DECIDE_CHUNK pools are decided between two turns."""
+    fake = _Fake()
+    scaler = fake.autoscaler()
+    fake.fleet = FleetSignals(1000.0, error="Prometheus did not answer")
+    decided: list[int] = []
+    scaler.unplaced = lambda key: (decided.append(1), (0, None))[1]
+    pools = [_pool(name=f"p{i}") for i in range(5 * DECIDE_CHUNK)]
+    gaps: list[int] = []
+
+    async def run() -> None:
+        async def other_work() -> None:  # a reply or a watch event, every turn of the loop
+            seen = 0
+            while len(decided) < len(pools):
+                await asyncio.sleep(0)
+                gaps.append(len(decided) - seen)
+                seen = len(decided)
+
+        await asyncio.gather(scaler.step(pools), other_work())
+
+    asyncio.run(run())
+    assert len(decided) == len(pools)
+    assert 0 < max(gaps) <= DECIDE_CHUNK
