@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from kvfleet.compat import MatrixError, default_matrix, load_matrix
+    from kvfleet.operator import gcsettings
     from kvfleet.operator.builders import EngineOptions
     from kvfleet.operator.handlers import OperatorConfig, build_registry
     from kvfleet.operator.rbac import install_rbac
@@ -186,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent_reconciles=args.max_concurrent_reconciles,
         prometheus_url=args.prometheus_url,
     )
+    gcsettings.tune()
     leadership = None
     if args.leader_elect:
         from kvfleet.operator.leadership import Leadership

@@ -213,3 +213,15 @@ def test_the_operator_times_its_gc_pauses_and_its_event_loops_lag() -> None:
     late = (count("kvfleet_operator_event_loop_lag_seconds_count") - total) - (
         count("kvfleet_operator_event_loop_lag_seconds_bucket", le="0.1") - lagged)
     assert late == 1
+
+
+def test_the_operators_gc_lets_short_lived_objects_die_young_and_freezes_its_imports() -> None:
+    from kvfleet.operator import gcsettings
+
+    saved = gc.get_threshold()
+    try:
+        gcsettings.tune()
+        assert gc.get_threshold()[0] == gcsettings.YOUNG_THRESHOLD and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*saved)
