@@ -14,7 +14,11 @@ renewals/s), with a matching controller-manager node-monitor grace period. Measu
                         GETs among them: reads come from the watch-fed cache); the watches'
                         own lists and streams (kopf's and the informers') are not counted
   steady req/reconcile  the same over one drift interval after convergence (writes must be 0)
-  rss_mb                operator peak resident memory
+  rss_mb                operator peak resident memory (and, while it runs, RSS over time)
+  apiserver write p95   the apiserver's own time for the operator's writes (its
+                        apiserver_request_duration_seconds: applies and pool status patches)
+  loop lag p95/p99      how late the operator's event loop ran a 0.25 s timer: its own stalls
+  full GCs, full GC s   the operator's generation-2 collections, and the seconds they stopped it
   the per-pool ratios against the smallest N, which show whether cost grows linearly
 
 With `--autoscale` every pool has spec.autoscaling and the operator reads its signals every
@@ -32,6 +36,13 @@ creates, while the burst's reconciles queue, one pool's load steps to 6 running 
     .venv/bin/python bench/operator_scale.py --pools 10 100          # ~3 min on 2 cores
     .venv/bin/python bench/operator_scale.py --pools 10 100 1000     # the issue's full run
     .venv/bin/python bench/operator_scale.py --pools 1000 5000 --autoscale
+
+Pools Available are counted from one watch, not a LIST a second (at 5,000 pools a 10.7 MB
+LIST loaded the apiserver being measured). Where the operator's memory goes:
+KVFLEET_BENCH_MALLOCSTATS=DIR records pymalloc's and glibc's shares and a census of objects by
+type every KVFLEET_BENCH_TRACEMALLOC_TICK s, without tracing; KVFLEET_BENCH_TRACEMALLOC=DIR
+traces (KVFLEET_BENCH_TRACEMALLOC_FRAMES deep) and dumps snapshots; KVFLEET_BENCH_PROFILE=DIR
+runs cProfile.
 """
 
 from __future__ import annotations

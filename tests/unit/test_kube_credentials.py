@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import json
 import ssl
 import stat
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import yaml
 from aiohttp import web
 from kubeconfig_fakes import write_kubeconfig
 
-from kvfleet.devcluster.errors import DevClusterError
+from kvfleet.devcluster.errors import DevClusterError, KubeApiError
 from kvfleet.devcluster.kube import KubeClient, connect
 from kvfleet.devcluster.pki import create_pki
 from kvfleet.kube.api import KubeApi, login
@@ -191,31 +193,38 @@ class RotatingApiserver:
         return web.json_response({"kind": "ServingPool", "metadata": {"name": "a"}})
 
 
+@contextlib.contextmanager
+def _serving(handle: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Iterator[int]:
+    """An HTTP server on its own thread answering every request with `handle`; its port."""
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
 @pytest.fixture
 def rotating(tmp_path: Path) -> Iterator[tuple[RotatingApiserver, Path]]:
     token = tmp_path / "token"
     token.write_text("old")
     server = RotatingApiserver(token)
-    loop = asyncio.new_event_loop()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", server.handle)
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    # The client's own copy of the token (as a pod reads its projected token file).
-    mine = tmp_path / "client-token"
-    mine.write_text("old")
-    kubeconfig = write_kubeconfig(tmp_path / "kc", {}, {"tokenFile": str(mine)},
-                             server=f"http://127.0.0.1:{port}")
-    yield server, kubeconfig
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    with _serving(server.handle) as port:
+        # The client's own copy of the token (as a pod reads its projected token file).
+        mine = tmp_path / "client-token"
+        mine.write_text("old")
+        yield server, write_kubeconfig(tmp_path / "kc", {}, {"tokenFile": str(mine)},
+                                       server=f"http://127.0.0.1:{port}")
 
 
 def _rotate(server: RotatingApiserver, kubeconfig: Path) -> None:
@@ -295,3 +304,37 @@ def test_the_private_folder_is_0700_and_gone_after(tmp_path: Path) -> None:
     with private_folder() as folder:
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert not folder.exists()
+
+
+def test_harness_client_watch_yields_events_across_chunks_and_raises_on_a_refusal(
+        tmp_path: Path) -> None:
+    """`KubeClient.watch` (the benchmarks' pool watch): lines cut anywhere between chunks,
+    bookmarks passed on, and a watch the server refuses (410: list again) an error."""
+    events = [{"type": "ADDED", "object": {"metadata": {"name": "a", "resourceVersion": "5"}}},
+              {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "6"}}},
+              {"type": "MODIFIED", "object": {"metadata": {"name": "a", "resourceVersion": "7"},
+                                              "blob": "x" * 100_000}}]
+    payload = b"".join(json.dumps(e).encode() + b"\n" for e in events)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        assert request.query["watch"] == "1" and request.query["allowWatchBookmarks"] == "true"
+        if request.query["resourceVersion"] == "1":
+            return web.json_response({"kind": "Status", "code": 410, "reason": "Expired"},
+                                     status=410)
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for start in range(0, len(payload), 4099):
+            await response.write(payload[start:start + 4099])
+        await response.write_eof()
+        return response
+
+    with _serving(handle) as port:
+        kubeconfig = write_kubeconfig(tmp_path / "kc", {}, {"token": "t"},
+                                      server=f"http://127.0.0.1:{port}")
+        client = connect(kubeconfig)
+        path = "/apis/kvfleet.io/v1alpha1/namespaces/ns/servingpools"
+        assert list(client.watch(path, "4")) == events
+        with pytest.raises(KubeApiError) as refused:
+            list(client.watch(path, "1"))
+        assert refused.value.status == 410
+        client.close()
