@@ -61,7 +61,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -104,19 +104,20 @@ class Result:
     available: int  # pools Available at the end (== pools unless the run timed out)
     converge_s: float
     operator_done_s: float
-    reconciles: int
-    reconcile_p50_s: float
-    reconcile_p95_s: float
-    queue_p95_s: float  # waiting for a reconcile slot, outside the duration above
-    requests_per_reconcile: float
-    gets_per_reconcile: float
-    requests_per_pool: float
-    steady_p50_s: float
-    steady_p95_s: float
-    steady_requests_per_reconcile: float
-    steady_writes: int
     rss_mb: float
     operator_cpu_s: float
+    # From the operator's metrics (`_result`):
+    reconciles: int = 0
+    reconcile_p50_s: float = float("nan")
+    reconcile_p95_s: float = float("nan")
+    queue_p95_s: float = float("nan")  # waiting for a reconcile slot, outside the duration
+    requests_per_reconcile: float = float("nan")
+    gets_per_reconcile: float = float("nan")
+    requests_per_pool: float = float("nan")
+    steady_p50_s: float = float("nan")
+    steady_p95_s: float = float("nan")
+    steady_requests_per_reconcile: float = float("nan")
+    steady_writes: int = 0
     step_s: float = float("nan")
     queries_per_interval: float = float("nan")
     urgent_queue_p95_s: float = float("nan")
@@ -370,28 +371,8 @@ def run_one(
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             preexec_fn=_die_with_parent,
         )  # fmt: skip
-        peak_rss = [0, 0.0]  # bytes, and when (s since the operator started)
-        current_rss = [0]
-        cpu_s = [0.0]
-        stop = threading.Event()
-
-        def sample_rss() -> None:
-            proc = psutil.Process(operator.pid)
-            born = time.monotonic()
-            while not stop.is_set():
-                try:
-                    current_rss[0] = proc.memory_info().rss
-                    if current_rss[0] > peak_rss[0]:
-                        peak_rss[:] = [current_rss[0], time.monotonic() - born]
-                    times = proc.cpu_times()
-                    cpu_s[0] = times.user + times.system
-                except psutil.Error:
-                    return
-                stop.wait(0.5)
-
-        closing: list[Callable[[], None]] = []
-        sampler = threading.Thread(target=sample_rss, daemon=True)
-        sampler.start()
+        sampler = ProcessSampler(operator.pid)
+        closing: list[Callable[[], None]] = [sampler.close]
         try:
             deadline = time.monotonic() + 60
             while True:
@@ -426,43 +407,13 @@ def run_one(
                 print(f"[{num_pools} pools] load step on {STEP_POOL} -> its Deployment at "
                       f"{STEP_REPLICAS} replicas in {step_s:.1f} s "
                       f"({watch.count()} pools Available meanwhile)", flush=True)
-            last_print = last_scrape = 0.0
-            deployments = [0]  # the operator's Deployments applied so far
-            operator_done = float("nan")
-            while (done := watch.count()) < num_pools:
-                now = time.monotonic()
-                # NaN: the operator's own part is not yet done. Scraped every 5 s, as a busy
-                # Prometheus would: at 5,000 pools /metrics is 0.8 MB of the operator's CPU.
-                if operator_done != operator_done and now - last_scrape >= 5:
-                    last_scrape = now
-                    applied = _scrape(port).get(
-                        'kvfleet_operator_objects_applied_total{kind="Deployment"}', 0.0
-                    )
-                    deployments[0] = int(applied)
-                    if applied >= num_pools:
-                        operator_done = now - started
-                if now - started > timeout_s:
-                    print(
-                        f"[{num_pools} pools] timed out: {done} Available after "
-                        f"{timeout_s:.0f}s; recording what was measured",
-                        flush=True,
-                    )
-                    break
-                if now - last_print > 10:
-                    # (RSS over time: whether the peak is the burst or the cache growing)
-                    print(f"[{num_pools} pools] {done} Available at {now - started:.0f}s, "
-                          f"{deployments[0]} Deployments applied, "
-                          f"operator RSS {current_rss[0] / 2**20:.0f} MB "
-                          f"(peak {peak_rss[0] / 2**20:.0f} at {peak_rss[1]:.0f} s)",
-                          flush=True)  # fmt: skip
-                    last_print = now
-                time.sleep(1)
+            operator_done = _wait_available(num_pools, watch, port, started, timeout_s, sampler)
             converge = time.monotonic() - started
             if fake is not None and autoscale_s is not None:
                 intervals = (time.monotonic() - asked_from) / autoscale_s
                 queries_per_interval = (fake.queries - queries_from) / max(intervals, 1e-9)
             num_available = _available(kube)  # (the watch's count, checked once)
-            if operator_done != operator_done:
+            if operator_done != operator_done:  # NaN: not seen before the end
                 operator_done = converge
             converged = _scrape(port)
             writes_after = _apiserver_writes(kube)
@@ -471,7 +422,6 @@ def run_one(
                 time.sleep(drift_s + 5)  # one drift tick over every pool
                 steady = _delta(_scrape(port), converged)
         finally:
-            stop.set()
             for close in closing:
                 close()
             if fake is not None:
@@ -483,7 +433,80 @@ def run_one(
                 operator.kill()
                 operator.wait(10)
             log.close()
-    window = _delta(converged, before)
+    return _result(
+        Result(pools=num_pools, nodes=num_nodes, available=num_available,
+               converge_s=round(converge, 2), operator_done_s=round(operator_done, 2),
+               rss_mb=round(sampler.peak / 2**20, 1), operator_cpu_s=round(sampler.cpu_s, 1),
+               step_s=round(step_s, 2), queries_per_interval=round(queries_per_interval, 2),
+               apiserver_write_p95_s=round(_histogram_quantile(
+                   ((b, v - writes_before.get(b, 0.0)) for b, v in writes_after.items()),
+                   0.95), 4)),
+        _delta(converged, before), steady)
+
+
+class ProcessSampler:
+    """The operator's resident memory (now, and its peak and when) and CPU seconds, sampled
+    every 0.5 s on a thread of its own."""
+
+    def __init__(self, pid: int) -> None:
+        self.current = self.peak = 0
+        self.peak_at, self.cpu_s = 0.0, 0.0
+        self._process = psutil.Process(pid)
+        self._born = time.monotonic()
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.current = self._process.memory_info().rss
+                if self.current > self.peak:
+                    self.peak, self.peak_at = self.current, time.monotonic() - self._born
+                times = self._process.cpu_times()
+                self.cpu_s = times.user + times.system
+            except psutil.Error:
+                return
+            self._stop.wait(0.5)
+
+
+def _wait_available(num_pools: int, watch: AvailableWatch, port: int, started: float,
+                    timeout_s: float, sampler: ProcessSampler) -> float:
+    """Until every pool is Available or `timeout_s` passed, with progress every 10 s; when
+    the operator had applied every Deployment (s after `started`; NaN: not seen)."""
+    last_print = last_scrape = 0.0
+    deployments = 0  # the operator's Deployments applied so far
+    operator_done = float("nan")
+    while (done := watch.count()) < num_pools:
+        now = time.monotonic()
+        # Scraped every 5 s, as a busy Prometheus would: at 5,000 pools /metrics is 0.8 MB of
+        # the operator's CPU.
+        if operator_done != operator_done and now - last_scrape >= 5:
+            last_scrape = now
+            deployments = int(_scrape(port).get(
+                'kvfleet_operator_objects_applied_total{kind="Deployment"}', 0.0))
+            if deployments >= num_pools:
+                operator_done = now - started
+        if now - started > timeout_s:
+            print(f"[{num_pools} pools] timed out: {done} Available after {timeout_s:.0f}s; "
+                  "recording what was measured", flush=True)
+            break
+        if now - last_print > 10:
+            # (RSS over time: whether the peak is the burst or the cache growing)
+            print(f"[{num_pools} pools] {done} Available at {now - started:.0f}s, "
+                  f"{deployments} Deployments applied, "
+                  f"operator RSS {sampler.current / 2**20:.0f} MB "
+                  f"(peak {sampler.peak / 2**20:.0f} at {sampler.peak_at:.0f} s)", flush=True)
+            last_print = now
+        time.sleep(1)
+    return operator_done
+
+
+def _result(measured: Result, window: dict[str, float], steady: dict[str, float]) -> Result:
+    """`measured` completed with what the operator's metrics say over the run (`window`) and
+    over one drift interval after it (`steady`; empty after a timeout)."""
     reconciles = _total(window, 'kvfleet_operator_reconciles_total{kind="ServingPool"')
     reconciles += _total(window, 'kvfleet_operator_reconciles_total{kind="ModelArtifact"')
     requests = _total(window, "kvfleet_operator_apiserver_requests_total")
@@ -493,30 +516,20 @@ def run_one(
     writes = steady_requests - _total(
         steady, 'kvfleet_operator_apiserver_requests_total{verb="GET"'
     )
-    return Result(
-        pools=num_pools,
-        nodes=num_nodes,
-        available=num_available,
-        converge_s=round(converge, 2),
-        operator_done_s=round(operator_done, 2),
+    return replace(
+        measured,
         reconciles=int(reconciles),
         reconcile_p50_s=round(_quantile(window, 0.50), 4),
         reconcile_p95_s=round(_quantile(window, 0.95), 4),
         queue_p95_s=round(_quantile(window, 0.95, "reconcile_queue_seconds", "bulk"), 4),
         requests_per_reconcile=round(requests / max(reconciles, 1), 2),
         gets_per_reconcile=round(gets / max(reconciles, 1), 2),
-        requests_per_pool=round(requests / num_pools, 2),
+        requests_per_pool=round(requests / measured.pools, 2),
         steady_p50_s=round(_quantile(steady, 0.50), 4),
         steady_p95_s=round(_quantile(steady, 0.95), 4),
         steady_requests_per_reconcile=round(steady_requests / max(steady_reconciles, 1), 2),
         steady_writes=int(writes),
-        rss_mb=round(peak_rss[0] / 2**20, 1),
-        operator_cpu_s=round(cpu_s[0], 1),
-        step_s=round(step_s, 2),
-        queries_per_interval=round(queries_per_interval, 2),
         urgent_queue_p95_s=round(_quantile(window, 0.95, "reconcile_queue_seconds", "urgent"), 4),
-        apiserver_write_p95_s=round(_histogram_quantile(
-            ((b, v - writes_before.get(b, 0.0)) for b, v in writes_after.items()), 0.95), 4),
         loop_lag_p95_s=round(_quantile(window, 0.95, "event_loop_lag_seconds", kind=None), 4),
         loop_lag_p99_s=round(_quantile(window, 0.99, "event_loop_lag_seconds", kind=None), 4),
         gc_full_s=round(window.get(

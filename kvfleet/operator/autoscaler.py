@@ -245,13 +245,19 @@ class Autoscaler:
             return
         fleet = await self.read()
         now = self.clock()
-        tasks = []
-        for i, pool in enumerate(wanted.values(), 1):
-            tasks.append(asyncio.ensure_future(self._one(pool, fleet, now)))
-            if i % DECIDE_CHUNK == 0:
-                # Let replies and watch events in between: 5,000 pools decided in one go held
-                # the event loop, and every reconcile in flight, for a second.
-                await asyncio.sleep(0)
+        tasks: list[asyncio.Future[None]] = []
+        try:
+            for i, pool in enumerate(wanted.values(), 1):
+                tasks.append(asyncio.ensure_future(self._one(pool, fleet, now)))
+                if i % DECIDE_CHUNK == 0:
+                    # Let replies and watch events in between: 5,000 pools decided in one go
+                    # held the event loop, and every reconcile in flight, for a second.
+                    await asyncio.sleep(0)
+        except BaseException:  # cancelled (shutdown): no decision goes on writing alone
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         outcomes = await asyncio.gather(*tasks, return_exceptions=True)
         for key, outcome in zip(wanted, outcomes, strict=True):
             if isinstance(outcome, Exception):  # (one pool's failure is not the others')

@@ -115,22 +115,20 @@ class _State:
         return runtime
 
     def reconcile_soon(self, key: Key) -> None:
-        """Reconcile the pool in the background (failures logged: the drift loop retries).
-
-        A run of it that has not started yet covers the request, so no task is added: a pool
-        queued behind a burst of creates gathers no waiter per watch event of its children
-        and pods (at 5,000 pools, 30,000 waiters of ~4 KB each after three minutes)."""
+        """Reconcile the pool in the background (`Runtime.enqueue`: retried with back-off,
+        and nothing added when a run not started yet covers it)."""
         runtime = self.runtime
-        if runtime is not None and runtime.pools.pending(key):
+        if runtime is not None and all(i.synced.is_set() for i in self.informers):
+            runtime.enqueue(key)
             return
 
         async def run() -> None:
             try:
                 # An informer's first listing can trigger before the others have listed: a
                 # reconcile then would see children missing that merely are not listed yet.
-                await (await self.synced()).pools.trigger(key)
-            except Exception as exc:  # the drift loop retries; say why meanwhile
-                log.warning("reconcile of %s/%s failed: %s", key[0], key[1], exc)
+                (await self.synced()).enqueue(key)
+            except Exception as exc:  # (not logged in yet) the drift loop asks again
+                log.warning("reconcile of %s/%s not queued: %s", key[0], key[1], exc)
 
         task = asyncio.get_running_loop().create_task(run())
         self.background.add(task)

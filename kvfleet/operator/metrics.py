@@ -70,13 +70,17 @@ GC_PAUSE = Histogram(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 _gc_started = [0.0]
+# Resolved here, once: `labels()` takes the metric's lock, which a /metrics scrape holds while
+# it allocates, and a collection that allocation starts would then wait on its own thread's
+# lock for ever (prometheus/client_python#363). A child's observe only locks around floats.
+_GC_PAUSE_BY_GENERATION = tuple(GC_PAUSE.labels(generation=str(g)) for g in range(3))
 
 
 def _time_gc(phase: str, info: dict[str, Any]) -> None:
     if phase == "start":
         _gc_started[0] = time.perf_counter()
     else:
-        GC_PAUSE.labels(generation=str(info["generation"])).observe(
+        _GC_PAUSE_BY_GENERATION[info["generation"]].observe(
             time.perf_counter() - _gc_started[0])
 
 

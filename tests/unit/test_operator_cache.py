@@ -469,24 +469,63 @@ async def test_a_pool_the_models_reject_is_not_retried_and_says_why(
     cluster.edit("ServingPool", "chat", ["spec", "replicas"], "three")
     cluster.deliver()
     monkeypatch.setattr(runtime, "wake", lambda *_: pytest.fail("an invalid pool was retried"))
-    runtime.enqueue((NS, "chat"))
-    while runtime._woken:
-        await asyncio.gather(*list(runtime._woken))
-    assert ("POST", "Event InvalidSpec") in cluster.take()
+    for _ in range(3):  # its event, then the drift loop's checks: said once
+        runtime.enqueue((NS, "chat"))
+        while runtime._woken:
+            await asyncio.gather(*list(runtime._woken))
+    assert cluster.take().count(("POST", "Event InvalidSpec")) == 1
 
 
 @pytest.mark.asyncio
-async def test_pool_events_while_its_reconcile_queues_add_no_task(cluster: FakeCluster) -> None:
-    """A pool whose reconcile waits for a slot behind a burst: its further events are covered
-    by the run not yet started, and add no task each (see handlers' reconcile_soon)."""
+async def test_requests_while_a_pools_reconcile_queues_add_no_task(cluster: FakeCluster) -> None:
+    """At 5,000 pools a pool waited minutes for a slot, and each request meanwhile (the drift
+    loop, every child's and pod's watch event) added a task waiting for that same run: 30,000
+    after three minutes, and the operator's memory grew with them. A run not started yet
+    covers them, several in one turn of the event loop included, and sees their state."""
     runtime = _runtime(cluster)
+    state = handlers._State()
+    state.runtime = runtime
     runtime._slots = Slots(1)
     await runtime._slots.acquire()  # the burst holds the only slot
-    for _ in range(200):
-        runtime.enqueue((NS, "chat"))
+    for _ in range(100):
+        state.reconcile_soon((NS, "chat"))  # a child's watch event
+        runtime.enqueue((NS, "chat"))  # the pool's own
+    await asyncio.sleep(0)
+    for _ in range(100):
+        state.reconcile_soon((NS, "chat"))
         await asyncio.sleep(0)
-    assert len(runtime._woken) <= 2  # the run waiting for the slot, and one follow-up
+    assert len(runtime._woken) <= 2 and not state.background  # waiting for a slot, and one more
     runtime._slots.release()
     while runtime._woken:
         await asyncio.gather(*list(runtime._woken))
     assert ("Deployment", "chat") in {(k, n.split("-")[0]) for k, n in cluster.objects}
+
+
+@pytest.mark.asyncio
+async def test_a_failed_run_that_covered_other_requests_is_tried_again(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool's own event found a run (a child's event's) pending and added nothing: when
+    that run fails, it is tried again with back-off as the pool's own would have been."""
+    runtime = _runtime(cluster)
+    state = handlers._State()
+    state.runtime = runtime
+    waits: list[float] = []
+    monkeypatch.setattr(runtime, "wake", lambda key, seconds, urgent=True: waits.append(seconds))
+
+    async def refuse(obj: JsonObj) -> JsonObj:
+        raise KubeError("PATCH", "services/chat", 500, "etcd timed out")
+
+    monkeypatch.setattr(cluster, "apply", refuse)
+    runtime._slots = Slots(1)
+    await runtime._slots.acquire()
+    runtime.enqueue((NS, "chat"))
+    await asyncio.sleep(0)  # a run started: it waits for the slot
+    state.reconcile_soon((NS, "chat"))  # a child's event: the follow-up run
+    await asyncio.sleep(0)
+    runtime.enqueue((NS, "chat"))  # the pool's own event: covered by the follow-up
+    assert len(runtime._woken) == 2
+    runtime._slots.release()
+    while runtime._woken:
+        await asyncio.gather(*list(runtime._woken))
+    assert waits == [5.0, 10.0]  # both runs failed, and each is tried again
