@@ -326,9 +326,10 @@ class AvailableWatch:
                             self._available.add(name)
                         else:
                             self._available.discard(name)
-            except (KubeApiError, httpx.HTTPError, ValueError):
-                if not self._stop.wait(1):
-                    continue
+            except (KubeApiError, httpx.HTTPError, ValueError) as error:
+                if not self._stop.is_set():  # (said each time: a count that froze says why)
+                    print(f"pool watch: {error}; listing again", flush=True)
+                    self._stop.wait(1)
 
 
 def run_one(

@@ -62,6 +62,7 @@ async def measure_loop_lag() -> None:
         await asyncio.sleep(LOOP_LAG_PERIOD_SECONDS)
         LOOP_LAG.observe(max(0.0, loop.time() - due))
 
+
 GC_PAUSE = Histogram(
     "kvfleet_operator_gc_pause_seconds",
     "Python's cyclic garbage collections, by generation: each one stops the event loop (a "

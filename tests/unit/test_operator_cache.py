@@ -487,6 +487,8 @@ async def test_requests_while_a_pools_reconcile_queues_add_no_task(cluster: Fake
     state.runtime = runtime
     runtime._slots = Slots(1)
     await runtime._slots.acquire()  # the burst holds the only slot
+    cluster.edit("ServingPool", "chat", ["spec", "replicas"], 3)  # what the requests announce
+    cluster.deliver()
     for _ in range(100):
         state.reconcile_soon((NS, "chat"))  # a child's watch event
         runtime.enqueue((NS, "chat"))  # the pool's own
@@ -498,7 +500,8 @@ async def test_requests_while_a_pools_reconcile_queues_add_no_task(cluster: Fake
     runtime._slots.release()
     while runtime._woken:
         await asyncio.gather(*list(runtime._woken))
-    assert ("Deployment", "chat") in {(k, n.split("-")[0]) for k, n in cluster.objects}
+    assert [o["spec"]["replicas"] for (k, _), o in cluster.objects.items()
+            if k == "Deployment"] == [3]  # the run read the state the requests announced
 
 
 @pytest.mark.asyncio
