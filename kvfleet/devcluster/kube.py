@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -97,7 +97,8 @@ class KubeClient:
         data: JsonObj = resp.json()
         return data
 
-    def watch(self, path: str, resource_version: str, timeout_s: int = 60) -> Iterator[JsonObj]:
+    def watch(self, path: str, resource_version: str, timeout_s: int = 60
+              ) -> Generator[JsonObj, None, None]:
         """The watch events of the collection at `path` from `resource_version` on, with
         bookmarks, until the server ends the watch (after `timeout_s`). A 410 (history
         compacted) comes as an ERROR event, as the API sends it: list again."""
