@@ -552,11 +552,7 @@ def test_operator_restart_converges_without_duplicates(
 ) -> None:
     _artifact_and_pool(kube, namespace, "p0")
     _wait_pool(kube, operator, namespace, "p0", _available, "p0 Available")
-    operator.stop()
     new = [f"p{i}" for i in range(1, 7)]
-    for name in new:
-        _create(kube, make_pool(name, "qwen3-8b", namespace).set("spec.gpu.product", H100).data())
-    kube.delete("Service", "p0", namespace)
 
     def made() -> list[str]:
         return sorted(d["metadata"]["labels"][naming.POOL_LABEL]
@@ -567,9 +563,14 @@ def test_operator_restart_converges_without_duplicates(
     # not; the kill lands in it, as soon as a watch reports the first new Deployment. (A LIST
     # poll was too slow: in a CI run all 3 pools of the test's first form were made by then.)
     deployments = path_of("Deployment", namespace)
-    since = kube.request("GET", deployments)["metadata"]["resourceVersion"]
-    operator.extra_args = ("--max-concurrent-reconciles", "1")
     try:
+        operator.stop()
+        for name in new:
+            _create(kube, make_pool(name, "qwen3-8b", namespace)
+                    .set("spec.gpu.product", H100).data())
+        kube.delete("Service", "p0", namespace)
+        since = kube.request("GET", deployments)["metadata"]["resourceVersion"]
+        operator.extra_args = ("--max-concurrent-reconciles", "1")
         operator.start()
         with contextlib.closing(kube.watch(deployments, since, timeout_s=90)) as events:
             first = next((e for e in events if e["type"] == "ADDED" and (

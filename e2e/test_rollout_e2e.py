@@ -89,6 +89,16 @@ def _events(kube: KubeClient, ns: str, reason: str) -> list[JsonObj]:
             if e.get("reason") == reason]
 
 
+def _posted(kube: KubeClient, ns: str, reason: str, count: int) -> list[JsonObj]:
+    """The Rollout events of `reason` once there are `count` (waited for: they are posted after
+    the status that records the decision, so a read right after it may see fewer)."""
+    deadline = time.monotonic() + 15
+    while len(events := _events(kube, ns, reason)) < count:
+        assert time.monotonic() < deadline, f"{reason}: {len(events)} events, not {count}"
+        time.sleep(0.5)
+    return events
+
+
 def _pods(kube: KubeClient, ns: str, revision: str) -> dict[str, str]:
     selector = f"{naming.POOL_LABEL}={POOL},{naming.REVISION_LABEL}={revision[:12]}"
     return {p["metadata"]["name"]: p["metadata"]["uid"]
@@ -229,7 +239,7 @@ def _promote(kube: KubeClient, kubectl: Kubectl, op: OperatorProcess, ns: str,
     # No evaluation lost or counted twice across the kills: each window slot appears once.
     slots = [(e["revision"], e["step"], e["index"]) for e in status["evaluations"]]
     assert len(slots) == len(set(slots)), slots
-    assert len(_events(kube, ns, "Promoted")) == 1
+    assert len(_posted(kube, ns, "Promoted", 1)) == 1
     pool = _wait_pool(kube, op, ns, POOL, lambda p: not _pods(kube, ns, hashes["smol-v1"])
                       and _available(p), "the old revision retired", 120)
     assert pool["status"]["servingRevision"] == hashes["smol-v2"]
@@ -393,16 +403,12 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
             table = {t["role"]: t["weight"] for t in pool["status"].get("traffic") or []}
             assert table in ({}, {"stable": 100})  # while the canary drains: stable's alone
             assert pool["status"]["servingRevision"] == hashes["smol-v1"]
-            assert len(_events(kube, namespace, "Aborted")) == 1
+            assert len(_posted(kube, namespace, "Aborted", 1)) == 1
             assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods  # never restarted
             for action in ("retry", "retry"):
                 plugin(action)
             _wait_rollout(kube, operator, namespace, _phase("Progressing"), "retried", 30)
-            # (Events are posted after the status that records the decision.)
-            deadline = time.monotonic() + 15
-            while len(started := _events(kube, namespace, "RolloutStarted")) < 2:
-                assert time.monotonic() < deadline, started
-                time.sleep(0.5)
+            started = _posted(kube, namespace, "RolloutStarted", 2)
             assert len(started) == 2, started
             plugin("promote", "--full")
             _wait_rollout(kube, operator, namespace, _phase("Promoted"), "promoted", 180)
