@@ -296,6 +296,10 @@ def test_no_gpu_for_a_replica_limits_the_count_and_a_scale_down_under_streams_fa
                 message
             held = _replicas(_get(kube, "ServingPool", namespace, POOL))
             assert 3 <= held[0] < 8, held
+            # The second replica may still be loading the model when the limit is set: the
+            # two placed ones Ready, at the count that was held, first.
+            _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p) == (held[0], 2),
+                       f"the 2 placed replicas Ready at {held[0]}", 120)
             for _ in range(3):  # the count stays while the load asks for more
                 time.sleep(INTERVAL_S)
                 assert _replicas(_get(kube, "ServingPool", namespace, POOL)) == (held[0], 2)
