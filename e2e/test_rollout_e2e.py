@@ -577,7 +577,7 @@ def test_a_canary_slow_only_on_long_prompts_is_stopped_by_the_prompt_class_split
         # a window with 2 slow in 38 failed it (a share of 1 in N holds only on average).
         # TPOT likewise: a long prompt's prefill (3 chunks of 512 tokens) stalls the decode of
         # the requests beside it on both revisions, and a CI run's TPOT p95 on 38 canary
-        # samples (2 stalled, none on stable) read 9x stable's and rolled back the control.
+        # samples read 9x stable's (0.78 s against 0.085 s) and rolled back the control.
         policy = kube.get("Rollout", POOL, namespace)["spec"]
         metrics = [{**m, "minSamples": 60} if m["name"] in ("ttft", "tpot") else m
                    for m in policy["analysis"]["metrics"]]
