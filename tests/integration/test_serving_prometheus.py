@@ -23,7 +23,7 @@ from engine_server import EngineServer, free_port, running_server
 from kvfleet.devcluster import toolchain
 from kvfleet.engine.metrics import LATENCY_BUCKETS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.tools, pytest.mark.timeout(300)]
 
 TTFT_P95 = ("histogram_quantile(0.95, sum by (le) "
             "(rate(kvfleet_engine_time_to_first_token_seconds_bucket[1m])))")

@@ -82,6 +82,7 @@ def test_the_scripts_use_only_the_libraries_argo_cd_opens() -> None:
         assert not used, f"{script.relative_to(CUSTOMIZATIONS)} uses {sorted(used)}"
 
 
+@pytest.mark.tools
 @pytest.mark.parametrize(("kind", "case"), _health_cases(),
                          ids=lambda v: v if isinstance(v, str) else v["inputPath"])
 def test_argo_cd_health_is_what_the_test_expects(
@@ -93,6 +94,7 @@ def test_argo_cd_health_is_what_the_test_expects(
     assert (health.status, health.message) == (expected["status"], expected["message"])
 
 
+@pytest.mark.tools
 def test_rollout_actions_are_offered_only_where_they_apply(settings: ArgoCDSettings) -> None:
     for case in _load(ACTIONS / "action_test.yaml")["discoveryTests"]:
         obj = _load(ACTIONS / case["inputPath"])
@@ -100,6 +102,7 @@ def test_rollout_actions_are_offered_only_where_they_apply(settings: ArgoCDSetti
         assert settings.actions(obj) == expected, case["inputPath"]
 
 
+@pytest.mark.tools
 def test_each_rollout_action_writes_the_request_the_operator_reads(
     settings: ArgoCDSettings
 ) -> None:

@@ -43,6 +43,7 @@ def test_every_query_names_a_series_the_code_exports() -> None:
         assert any(n.startswith(prefix) for n in names), prefix
 
 
+@pytest.mark.tools
 def test_every_query_is_valid_promql(tmp_path: Path) -> None:
     try:
         promtool = toolchain.locate()["promtool"]

@@ -74,6 +74,7 @@ def _render(tmp_path: Path, *sets: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out) if d]
 
 
+@pytest.mark.tools
 def test_chart_lints_and_refuses_a_bad_value_by_name(tmp_path: Path) -> None:
     lint = _run(tmp_path, "lint", "--strict", str(CHART))
     assert "0 chart(s) failed" in lint.stdout
@@ -85,6 +86,7 @@ def test_chart_lints_and_refuses_a_bad_value_by_name(tmp_path: Path) -> None:
     assert typo.returncode != 0 and "replica" in typo.stderr
 
 
+@pytest.mark.tools
 def test_every_pod_runs_restricted_and_rbac_renders_as_generated(tmp_path: Path) -> None:
     docs = _render(tmp_path, "operator.prometheusUrl=http://prometheus:9090")
     deployments = [d for d in docs if d["kind"] == "Deployment"]
@@ -121,6 +123,7 @@ def test_every_pod_runs_restricted_and_rbac_renders_as_generated(tmp_path: Path)
     assert got["clientConfig"]["service"] == expected["clientConfig"]["service"]
 
 
+@pytest.mark.tools
 def test_optional_parts_render_only_when_asked(tmp_path: Path) -> None:
     """The argocd-cm patch (Argo CD owns argocd-cm: rendered for `kubectl patch`, never
     installed by default) and the Grafana dashboard's ConfigMap for the sidecar."""
@@ -143,6 +146,7 @@ def test_optional_parts_render_only_when_asked(tmp_path: Path) -> None:
         (CHART / "dashboards" / "kvfleet.json").read_text())
 
 
+@pytest.mark.tools
 def test_each_network_policy_admits_only_its_pods_named_ports(tmp_path: Path) -> None:
     docs = _render(tmp_path)
     policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
@@ -162,6 +166,7 @@ def test_each_network_policy_admits_only_its_pods_named_ports(tmp_path: Path) ->
                    for d in _render(tmp_path, "networkPolicies.enabled=false"))
 
 
+@pytest.mark.tools
 def test_cert_manager_issues_the_webhook_certificate_when_asked(tmp_path: Path) -> None:
     missing = _run(tmp_path, "template", "kv", str(CHART), "--set",
                    "webhook.certManager.enabled=true", check=False)
@@ -178,6 +183,7 @@ def test_cert_manager_issues_the_webhook_certificate_when_asked(tmp_path: Path) 
         "kvfleet-system/kvfleet-webhook"
 
 
+@pytest.mark.tools
 def test_pod_monitors_scrape_each_component_on_its_named_port(tmp_path: Path) -> None:
     from kvfleet.operator.builders import ENGINE_PORT_NAME
     from kvfleet.operator.naming import ENGINE_COMPONENT
@@ -202,6 +208,7 @@ def test_pod_monitors_scrape_each_component_on_its_named_port(tmp_path: Path) ->
     assert engines["podMetricsEndpoints"][0]["port"] == ENGINE_PORT_NAME
 
 
+@pytest.mark.tools
 def test_the_charts_pods_run_the_image_as_the_dockerfile_builds_it(tmp_path: Path) -> None:
     """One image for every component: the chart runs its entrypoint as the user it drops to
     (a different uid could not read the prebuilt kernels)."""
@@ -217,6 +224,7 @@ def test_the_charts_pods_run_the_image_as_the_dockerfile_builds_it(tmp_path: Pat
             assert c["command"] == entry, (d["metadata"]["name"], c["command"])
 
 
+@pytest.mark.tools
 def test_the_webhooks_role_grants_what_its_reviews_read(tmp_path: Path) -> None:
     """Each kind reviewed with a recording fetch and list: the kinds it reads by reference (a
     pool's artifact, a rollout's pool) and lists (every TenantQuota, a pool's Rollouts) are
