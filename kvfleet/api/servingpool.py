@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 from typing import ClassVar, Literal
 
@@ -351,6 +352,31 @@ class TrafficTarget(KubeModel):
         "greedy probes to it and to stable, whose answers are compared token by token.")
 
 
+MAX_REFUSED = 10
+RETRY_ANNOTATION = "kvfleet.io/retry-revision"
+
+
+class RefusalReason(StrEnum):
+    """Why a revision is refused: a Rollout rolled it back or aborted it, or the Rollout trying
+    it was deleted before it finished."""
+
+    ROLLED_BACK = "RolledBack"
+    ABORTED = "Aborted"
+    ROLLOUT_DELETED = "RolloutDeleted"
+
+
+class RefusedRevision(KubeModel):
+    """A revision the pool will not serve again until a person retries it: whatever Git, a
+    deleted or new Rollout, or a restore of the pool does."""
+
+    revision: str = Field(pattern=SHA256_PATTERN, description="Artifact manifest hash.")
+    artifact: str = Field(default="", max_length=253, description="Its ModelArtifact, then.")
+    reason: RefusalReason = Field(description="RolledBack, Aborted or RolloutDeleted.")
+    rollout: str = Field(default="", max_length=253, description="The Rollout that decided.")
+    message: str = Field(default="", max_length=512, description="Why, in the Rollout's words.")
+    at: datetime = Field(description="When it was refused.")
+
+
 class ServingPoolStatus(KubeModel):
     """Observed state of the pool."""
 
@@ -372,6 +398,14 @@ class ServingPoolStatus(KubeModel):
         "every request goes to servingRevision.")
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="The autoscaler's last decision (with spec.autoscaling).")
+    refused_revisions: list[RefusedRevision] = Field(
+        default_factory=list, max_length=MAX_REFUSED,
+        description="Revisions rolled back, aborted, or left by a deleted Rollout: never served "
+        "again until `kvfleet rollout retry` (or the kvfleet.io/retry-revision annotation "
+        "naming the revision) clears them. The latest ten, oldest first.")
+    handled_retry: str | None = Field(
+        default=None, max_length=253,
+        description="The kvfleet.io/retry-revision annotation value last acted on (once).")
     observed_generation: int | None = Field(default=None, ge=0, description="Generation seen.")
     conditions: list[Condition] = conditions_field()
 

@@ -84,6 +84,9 @@ class Decision:
     promote: bool = False  # the pool's servingRevision becomes status.canaryRevision
     events: list[Event] = field(default_factory=list)
     requeue_seconds: float | None = None
+    # The request in the annotation is a retry that this status shows handled (the pool's
+    # memory forgets the revision once it runs again: kvfleet.operator.refusals).
+    retried: bool = False
 
 
 def policy_hash(spec: RolloutSpec) -> str:
@@ -538,8 +541,11 @@ def decide(view: View, window: Window | None, results: list[MetricEvaluation] | 
         if view.request is not None:
             run.handle(view.request)
         _progress(run, window, results)
+    request = view.request
     decision = Decision(status=s, events=run.events, requeue_seconds=run.requeue,
-                        promote=run.promote)
+                        promote=run.promote,
+                        retried=request is not None and request.action == RequestAction.RETRY
+                        and s.last_request_id == request.id)
     if not nothing_to_do:
         _actions(run, decision)
     s.observed_generation = view.generation

@@ -31,7 +31,7 @@ from kvfleet.api.analysis import overall
 from kvfleet.api.rollout import REQUEST_ANNOTATION, Phase, RolloutRequest, RolloutStatus
 from kvfleet.compat import Matrix
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
-from kvfleet.operator import metrics, naming
+from kvfleet.operator import metrics, naming, refusals
 from kvfleet.operator.autoscaler import (
     DEFAULT_INTERVAL_SECONDS,
     Autoscaler,
@@ -237,9 +237,6 @@ class Runtime:
         """The Rollout's decision, its analysis queried first; its status is written here."""
         rollout = _parse(Rollout, raw_rollout)
         ns, name = pool.metadata.namespace or "default", pool.metadata.name
-        problem = target_problem(pool, artifact, self.matrix)
-        target = manifest_hash(artifact.spec) if artifact is not None and problem is None \
-            else None
         request, request_error = None, None
         text = (rollout.metadata.annotations or {}).get(REQUEST_ANNOTATION)
         if text:
@@ -247,6 +244,14 @@ class Runtime:
                 request = RolloutRequest.parse(text)
             except ValueError as exc:
                 request_error = str(exc)
+        problem = target_problem(pool, artifact, self.matrix)
+        if problem is None and artifact is not None:
+            refused = refusals.refused_for_rollout(pool, manifest_hash(artifact.spec),
+                                                   rollout.status or RolloutStatus(), request)
+            if refused is not None:
+                problem = f"RevisionRefused: {refusals.describe(refused)}"
+        target = manifest_hash(artifact.spec) if artifact is not None and problem is None \
+            else None
         pods = revision_pods(observed, target)
         diagnosis = diagnose(pool.spec, pods) if pods else None
         view = View(
@@ -413,6 +418,7 @@ class Runtime:
         plan = reconcile(
             pool, artifact, observed, matrix=self.matrix, now=_now(), options=self.options,
             new_router_token=secrets.token_hex(24), rollout=decision,
+            rollout_name=raw_rollout["metadata"]["name"] if raw_rollout is not None else "",
             autoscaling=self.autoscaler.report(key),
         )
         # Every write is independent of the others (a pod waits for its ConfigMap by itself;

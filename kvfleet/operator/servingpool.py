@@ -26,7 +26,7 @@ from kvfleet.api import ModelArtifact, ServingPool, manifest_hash
 from kvfleet.api.labels import engine_server_name
 from kvfleet.capacity import MemoryPlan, plan_for_pool
 from kvfleet.compat import Matrix, check
-from kvfleet.operator import builders, naming
+from kvfleet.operator import builders, naming, refusals
 from kvfleet.operator.autoscaler import Report as AutoscaleReport
 from kvfleet.operator.builders import EngineCertificate
 from kvfleet.operator.conditions import Cond, merge_conditions
@@ -269,6 +269,7 @@ class _Facts:
     blocker: _Blocker | None
     diagnosis: Diagnosis | None  # what is wrong with the revision's pods, if anything
     rollover: _Rollover | None
+    memory: refusals.Memory
     autoscaling: AutoscaleReport | None = None
 
 
@@ -291,12 +292,13 @@ def reconcile(
     new_router_token: str = "",
     new_engine_certificate: Callable[[str], EngineCertificate] = issue_engine_certificate,
     rollout: RolloutDecision | None = None,
+    rollout_name: str = "",
     autoscaling: AutoscaleReport | None = None,
 ) -> Plan:
     """`new_router_token`: the pool's router token if it has none yet (random, from the
     caller: this function stays pure); an existing token is kept. `new_engine_certificate`:
     issues one (engine TLS), called only when the pool has none or it is due for renewal.
-    `rollout`: the decision of the Rollout that governs the pool, if one does.
+    `rollout`: the decision of the Rollout (`rollout_name`) that governs the pool, if one does.
     `autoscaling`: the autoscaler's last decision for the pool, if it made one."""
     previous = pool.status.to_wire() if pool.status is not None else {}
     plan, capacity = (None, None) if artifact is None else _capacity(pool, artifact, matrix)
@@ -306,6 +308,15 @@ def reconcile(
     if rollout is not None and rollout.promote and rollout.status.canary_revision == revision:
         serving = revision  # promoted: from now on the canary is the revision that serves
     governed = rollout is not None and serving is not None and revision != serving
+    memory = refusals.remember(
+        pool, revision=revision, serving=serving, now=now,
+        governing=None if rollout is None else refusals.Governing(
+            rollout_name, rollout.status, rollout.retried))
+    refused = memory.of(revision)
+    if blocker is None and refused is not None and revision != serving and not governed:
+        # (Governed, the Rollout holds it back itself: its own RolledBack, or a target the
+        # runtime showed it as blocked; the RevisionRefused condition says which.)
+        blocker = _Blocker("RevisionRefused", refusals.describe(refused))
     # A governed canary's pods are the Rollout's to report; the pool keeps serving meanwhile.
     diagnosis = None if governed else diagnose(pool.spec, revision_pods(observed, revision))
     rollover = None
@@ -315,7 +326,7 @@ def reconcile(
             ready_replicas(revision_deployment(observed, revision)),
             diagnosis is not None and diagnosis.reason == "Unschedulable", previous)
     facts = _Facts(pool, previous, revision, serving, governed, rollout, blocker, diagnosis,
-                   rollover, autoscaling)
+                   rollover, memory, autoscaling)
     # (artifact is None implies a blocker; the explicit checks narrow the types.)
     children = _Children()
     if blocker is None and artifact is not None and revision is not None and plan is not None:
@@ -331,7 +342,8 @@ def reconcile(
     delete, scale, events = _retire(facts, observed, children)
     status, warnings = _status(facts, observed, children, plan, capacity, now)
     return Plan(apply=tuple(children.apply), delete=tuple(delete), status=status,
-                events=(*children.events, *events, *warnings), scale=tuple(scale))
+                events=(*memory.events, *children.events, *events, *warnings),
+                scale=tuple(scale))
 
 
 def _children(facts: _Facts, desired_objects: list[dict[str, Any]],
@@ -376,23 +388,33 @@ def _children(facts: _Facts, desired_objects: list[dict[str, Any]],
 def _retire(facts: _Facts, observed: Observed, children: _Children
             ) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], int]], list[Event]]:
     """Old revisions shrink as the new one grows (`_rollover`) and go once it serves every
-    replica; a governed pool keeps only the serving revision and the Rollout's canary."""
+    replica; a governed pool keeps only the serving revision and the Rollout's canary; a
+    refused revision keeps nothing, whoever made its Deployment (a Rollout deleted mid-way)."""
     delete: list[dict[str, Any]] = []
     events: list[Event] = []
     target, revision = children.target, facts.revision
+    keep = {facts.serving}
     if facts.governed:
         assert facts.rollout is not None
-        keep = {facts.serving, revision if facts.rollout.canary_replicas is not None else None}
-        for old in observed.deployments:
-            if _revision_of(old) not in keep:
-                delete.append(old)
-                events.append(Event("Normal", "CanaryRemoved",
-                                    f"Deployment {old['metadata']['name']} deleted: the rollout "
-                                    "no longer runs its revision"))
-    elif target is not None and deployment_ready(target) and not children.apply and \
+        keep.add(revision if facts.rollout.canary_replicas is not None else None)
+    for old in observed.deployments:
+        old_revision = _revision_of(old)
+        if old_revision in keep:
+            continue
+        if facts.memory.of(old_revision) is not None:
+            delete.append(old)
+            events.append(Event("Normal", "RefusedRemoved", f"Deployment "
+                                f"{old['metadata']['name']} deleted: its revision is refused"))
+        elif facts.governed:
+            delete.append(old)
+            events.append(Event("Normal", "CanaryRemoved",
+                                f"Deployment {old['metadata']['name']} deleted: the rollout "
+                                "no longer runs its revision"))
+    if not facts.governed and target is not None and deployment_ready(target) and \
+            not children.apply and \
             int(target.get("spec", {}).get("replicas", 0)) == facts.pool.spec.replicas:
         for old in observed.deployments:
-            if _revision_of(old) != revision:
+            if _revision_of(old) != revision and old not in delete:
                 delete.append(old)
                 events.append(Event(
                     "Normal", "RevisionRetired",
@@ -447,8 +469,10 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     available, progressing, degraded = _conditions(facts, ready, serving_now, serving,
                                                    num_ready, children.replacing_in_place)
     allocation = _allocation(plan, observed, serving, num_ready)
+    refused = refusals.condition(facts.memory, revision)
     decided = [available, progressing, *([capacity] if capacity is not None else []),
-               *([allocation] if allocation is not None else []), degraded,
+               *([allocation] if allocation is not None else []),
+               *([refused] if refused is not None else []), degraded,
                Cond("Ready", available.status, available.reason, available.message),
                *_autoscaling_conditions(facts.autoscaling)]
     previous_conditions = [c for c in facts.previous.get("conditions", [])
@@ -478,6 +502,7 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
             status["servingArtifact"] = serving_artifact
     if facts.governed and facts.rollout is not None and facts.rollout.traffic:
         status["traffic"] = [t.to_wire() for t in facts.rollout.traffic]
+    status.update(facts.memory.to_wire())
     if generation is not None:
         status["observedGeneration"] = generation
     return status, warnings
