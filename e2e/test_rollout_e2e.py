@@ -467,6 +467,23 @@ def test_silence_pauses_and_a_new_artifact_restarts_from_stable(
 
 
 
+def _condition(obj: JsonObj, kind: str) -> JsonObj:
+    return next((c for c in (obj.get("status") or {}).get("conditions", [])
+                 if c["type"] == kind), {})
+
+
+def _stays_out(kube: KubeClient, ns: str, revision: str, seconds: float,
+               rollout_phase: str | None) -> None:
+    """No pod of `revision` for `seconds`; the Rollout (if any) in `rollout_phase`."""
+    watch_until = time.monotonic() + seconds
+    while time.monotonic() < watch_until:
+        assert not _pods(kube, ns, revision)
+        if rollout_phase is not None:
+            rollout = _get(kube, "Rollout", ns, POOL)
+            assert (rollout.get("status") or {}).get("phase") == rollout_phase, rollout
+        time.sleep(2)
+
+
 def _patch_analysis(kube: KubeClient, ns: str, **analysis: Any) -> None:
     kube.merge_patch("Rollout", POOL, {"spec": {"analysis": analysis}}, ns)
 
@@ -484,8 +501,9 @@ def test_errors_inside_a_200_are_stopped_stay_out_and_a_broken_query_is_bounded(
 ) -> None:
     """a) A canary whose engines end 20 % of their streams with an error frame under HTTP 200
     is rolled back at its first analysed step; only its own streams failed.
-    d) A threshold edit after the rollback: the bad revision gets no request and no pod for
-    the next two minutes.
+    d) A threshold edit after the rollback, then the Rollout deleted, then created anew: the
+    bad revision gets no request and no pod for the next two minutes, and the pool's
+    RevisionRefused condition says why.
     e) A custom query that returns two series: the next canary's weight is back at 0 within
     the bound, Degraded says why."""
     with _only_the_local_l4_node(kube, kubectl):
@@ -513,15 +531,27 @@ def test_errors_inside_a_200_are_stopped_stay_out_and_a_broken_query_is_bounded(
             assert failures, "the fault never fired: the test proves nothing"
             assert all(f" from {bad}:" in f for f in failures), failures[:5]
 
-            # d) An edit of the policy is not a new rollout of the known-bad revision.
+            # d) An edit of the policy is not a new rollout of the known-bad revision; nor is
+            # deleting the Rollout (a policy file removed from Git), nor applying it anew:
+            # the pool itself refuses the revision, and says so.
             _patch_analysis(kube, namespace, byPromptLength={
                 "maxRatio": 5.0, "minSamples": 12, "minDifferenceSeconds": 2.0})
-            watch_until = time.monotonic() + 120
-            while time.monotonic() < watch_until:
-                assert not _pods(kube, namespace, hashes["smol-v2"])
-                rollout = _get(kube, "Rollout", namespace, POOL)
-                assert rollout["status"]["phase"] == "RolledBack", rollout["status"]
-                time.sleep(2)
+            _stays_out(kube, namespace, hashes["smol-v2"], 40, rollout_phase="RolledBack")
+            policy = _get(kube, "Rollout", namespace, POOL)
+            kube.delete("Rollout", POOL, namespace)
+            refused = _wait_pool(kube, operator, namespace, POOL, lambda p: _condition(
+                p, "RevisionRefused").get("status") == "True", "RevisionRefused", 30)
+            assert _condition(refused, "RevisionRefused")["reason"] == "RolledBack"
+            assert [r["revision"] for r in refused["status"]["refusedRevisions"]] == [
+                hashes["smol-v2"]]
+            _stays_out(kube, namespace, hashes["smol-v2"], 40, rollout_phase=None)
+            kube.create({"apiVersion": policy["apiVersion"], "kind": "Rollout",
+                         "metadata": {"name": POOL, "namespace": namespace},
+                         "spec": policy["spec"]})
+            rollout = _wait_rollout(kube, operator, namespace, _phase("Idle"),
+                                    "the new Rollout Idle", 30)
+            assert "RevisionRefused" in rollout["status"]["message"], rollout["status"]
+            _stays_out(kube, namespace, hashes["smol-v2"], 40, rollout_phase="Idle")
             with traffic.lock:
                 assert traffic.revisions[bad] == served_by_bad, traffic.revisions
 

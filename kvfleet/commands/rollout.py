@@ -5,7 +5,9 @@ rollout. Also a kubectl plugin: `kubectl kvfleet rollout status POOL` (the packa
 Requests are written into the pool's Rollout as the `kvfleet.io/rollout-request` annotation
 (JSON with a fresh id; a promote names the step it was made for), never into its spec: Git
 keeps owning the spec, and the operator acts on each id once, so a repeated command or a
-second click never skips two steps.
+second click never skips two steps. With no Rollout, `retry` writes the pool's
+`kvfleet.io/retry-revision` annotation instead: the revision its artifactRef names, refused
+since a Rollout rolled it back, may roll out again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import uuid
 from typing import Any
 
 from kvfleet.api.rollout import REQUEST_ANNOTATION, RequestAction, RolloutRequest
+from kvfleet.api.servingpool import RETRY_ANNOTATION
 
 ACTIONS = ("status", "promote", "abort", "retry", "pause", "resume")
 
@@ -75,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
 async def _act(api: Any, args: argparse.Namespace, namespace: str) -> int:
     rollouts = [r for r in await api.list("Rollout", namespace)
                 if (r.get("spec", {}).get("poolRef") or {}).get("name") == args.pool]
+    if not rollouts and args.action == "retry":
+        return await _retry_ungoverned(api, args.pool, namespace)
     if not rollouts:
         print(f"kvfleet rollout: no Rollout in namespace {namespace!r} names pool "
               f"{args.pool!r} (spec.poolRef.name)", file=sys.stderr)
@@ -101,6 +106,36 @@ async def _act(api: Any, args: argparse.Namespace, namespace: str) -> int:
     where = f" of step {step}" if step is not None else ""
     print(f"rollout/{name}: {action.value}{where} requested (id {request.id}); "
           f"`kvfleet rollout status {args.pool}` shows when it is applied")
+    return 0
+
+
+async def _retry_ungoverned(api: Any, pool: str, namespace: str) -> int:
+    """With no Rollout, a retry is the pool's kvfleet.io/retry-revision annotation naming the
+    refused revision its artifactRef names (the operator acts on each value once)."""
+    from kvfleet.api import ModelArtifact, manifest_hash
+
+    obj = await api.get("ServingPool", namespace, pool)
+    if obj is None:
+        print(f"kvfleet rollout: no ServingPool {pool!r} and no Rollout for it in namespace "
+              f"{namespace!r}", file=sys.stderr)
+        return 1
+    ref = obj["spec"]["artifactRef"]["name"]
+    artifact = await api.get("ModelArtifact", namespace, ref)
+    if artifact is None:
+        print(f"kvfleet rollout: pool {pool!r} names ModelArtifact {ref!r}, which does not "
+              "exist: nothing to retry", file=sys.stderr)
+        return 1
+    revision = manifest_hash(ModelArtifact.model_validate(artifact).spec)
+    refused = [r["revision"] for r in (obj.get("status") or {}).get("refusedRevisions", [])]
+    if revision not in refused:
+        print(f"kvfleet rollout: pool {pool!r} does not refuse revision {revision[:12]} "
+              f"(artifact {ref}); nothing to retry", file=sys.stderr)
+        return 1
+    value = f"{revision}@{uuid.uuid4().hex[:12]}"
+    await api.patch("ServingPool", namespace, pool,
+                    {"metadata": {"annotations": {RETRY_ANNOTATION: value}}})
+    print(f"servingpool/{pool}: retry of revision {revision[:12]} ({ref}) requested; with no "
+          "Rollout it rolls over ungoverned")
     return 0
 
 

@@ -140,6 +140,9 @@ async def admit(
     elif isinstance(new, Rollout):
         pool = await _get(fetch, ServingPool, namespace, new.spec.pool_ref.name)
         found = validate_rollout(new, old, pool=pool)
+        if list_objects is not None and old is None:
+            found += _second_rollout(new, _parsed(Rollout, await list_objects(
+                "Rollout", namespace)))
     else:
         raise TypeError(f"no admission rules for {type(new).__name__}")
     return Decision(
@@ -177,6 +180,19 @@ def _rollouts_judging(pool: ServingPool, rollouts: list[Rollout]) -> list[FieldE
                                         f"judge its {error.message}; give that Rollout "
                                         "spec.analysis.metrics first"))
     return found
+
+
+def _second_rollout(new: Rollout, rollouts: list[Rollout]) -> list[FieldError]:
+    """One Rollout per pool: the operator follows the oldest, so a second one would sit
+    unread beside it, and a renamed copy would look like a fresh policy with no history."""
+    for other in rollouts:
+        if other.spec.pool_ref.name == new.spec.pool_ref.name and \
+                other.metadata.name != new.metadata.name:
+            return [FieldError("spec.poolRef.name", "uniqueness",
+                               f"pool {new.spec.pool_ref.name!r} already has Rollout "
+                               f"{other.metadata.name!r}; edit that one, or delete it first "
+                               "(the pool keeps its refused revisions either way)")]
+    return []
 
 
 def _tenant_owned_elsewhere(new: TenantQuota, quotas: list[TenantQuota]) -> list[FieldError]:

@@ -23,7 +23,8 @@ class FieldError:
     """One reason to reject (or warn about) an object."""
 
     field: str  # Kubernetes field path, e.g. spec.gpu.product
-    rule: str  # immutable, compatibility, capacity, reference, schema, consistency
+    rule: str  # immutable, compatibility, capacity, reference, schema, consistency, ownership,
+    # uniqueness
     message: str
     severity: Literal["error", "warning"] = "error"
 

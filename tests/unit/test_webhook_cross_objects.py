@@ -69,3 +69,25 @@ def test_removing_the_slos_a_rollout_judges_by_is_refused_naming_the_rollout() -
     other = copy.deepcopy(rollout)
     other["spec"]["poolRef"]["name"] = "another-pool"
     assert _decide(bare, pool, [other]).allowed
+
+
+def test_a_second_rollout_for_a_pool_is_refused_naming_the_first() -> None:
+    """The operator follows one Rollout per pool; a renamed copy would start a fresh history."""
+    rollout = _example("03-rollout.yaml", "a", "Rollout")
+    second = copy.deepcopy(rollout)
+    second["metadata"]["name"] = "renamed"
+
+    def uniqueness(doc: dict[str, Any], old: dict[str, Any] | None,
+                   stored: list[dict[str, Any]]) -> list[str]:
+        # (The pool itself is not stored here: its own reference error is beside the point.)
+        return [f"{e.field}: {e.message}" for e in _decide(doc, old, stored).errors
+                if e.rule == "uniqueness"]
+
+    [error] = uniqueness(second, None, [rollout])
+    assert error.startswith("spec.poolRef.name: ")
+    assert f"already has Rollout {rollout['metadata']['name']!r}" in error
+    assert not uniqueness(rollout, None, [rollout])  # itself (a re-apply)
+    assert not uniqueness(rollout, rollout, [rollout, second])  # an edit is never refused
+    other = copy.deepcopy(second)
+    other["spec"]["poolRef"]["name"] = "another-pool"
+    assert not uniqueness(other, None, [rollout])
