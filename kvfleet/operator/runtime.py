@@ -412,6 +412,11 @@ class Runtime:
         artifact = _parse(ModelArtifact, raw_artifact) if raw_artifact else None
         observed = await self._observe(pool, artifact)
         raw_rollout = self.rollout_of(ns, name)
+        serving_artifact = None
+        serving_name = pool.status.serving_artifact if pool.status is not None else None
+        if raw_rollout is not None and serving_name:
+            raw_serving = self.cache.get("ModelArtifact", ns, serving_name)
+            serving_artifact = _parse(ModelArtifact, raw_serving) if raw_serving else None
         decision = None
         if raw_rollout is not None:
             decision = await self._rollout(raw_rollout, pool, artifact, observed)
@@ -419,6 +424,7 @@ class Runtime:
             pool, artifact, observed, matrix=self.matrix, now=_now(), options=self.options,
             new_router_token=secrets.token_hex(24), rollout=decision,
             rollout_name=raw_rollout["metadata"]["name"] if raw_rollout is not None else "",
+            serving_artifact=serving_artifact,
             autoscaling=self.autoscaler.report(key),
         )
         # Every write is independent of the others (a pod waits for its ConfigMap by itself;

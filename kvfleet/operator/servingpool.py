@@ -293,18 +293,26 @@ def reconcile(
     new_engine_certificate: Callable[[str], EngineCertificate] = issue_engine_certificate,
     rollout: RolloutDecision | None = None,
     rollout_name: str = "",
+    serving_artifact: ModelArtifact | None = None,
     autoscaling: AutoscaleReport | None = None,
 ) -> Plan:
     """`new_router_token`: the pool's router token if it has none yet (random, from the
     caller: this function stays pure); an existing token is kept. `new_engine_certificate`:
     issues one (engine TLS), called only when the pool has none or it is due for renewal.
     `rollout`: the decision of the Rollout (`rollout_name`) that governs the pool, if one does.
+    `serving_artifact`: the artifact of status.servingArtifact, to recreate the stable
+    Deployment of a governed pool if someone deleted it.
     `autoscaling`: the autoscaler's last decision for the pool, if it made one."""
     previous = pool.status.to_wire() if pool.status is not None else {}
     plan, capacity = (None, None) if artifact is None else _capacity(pool, artifact, matrix)
     blocker = _blocker(pool, artifact, matrix, capacity)
     revision = manifest_hash(artifact.spec) if artifact is not None else None
     serving = previous.get("servingRevision")
+    if serving is None and rollout is not None and revision_deployment(
+            observed, rollout.status.stable_revision) is not None:
+        # The pool's status was lost (a restore): the Rollout still knows what is stable, and
+        # the canary must not roll over ungoverned.
+        serving = rollout.status.stable_revision
     if rollout is not None and rollout.promote and rollout.status.canary_revision == revision:
         serving = revision  # promoted: from now on the canary is the revision that serves
     governed = rollout is not None and serving is not None and revision != serving
@@ -339,11 +347,30 @@ def reconcile(
                 new_engine_certificate)
         children = _children(
             facts, _desired(pool, artifact, revision, plan, options, token, tls), observed)
+    if governed:
+        _restore_stable(facts, serving_artifact, observed, children, matrix, options)
     delete, scale, events = _retire(facts, observed, children)
     status, warnings = _status(facts, observed, children, plan, capacity, now)
     return Plan(apply=tuple(children.apply), delete=tuple(delete), status=status,
                 events=(*memory.events, *children.events, *events, *warnings),
                 scale=tuple(scale))
+
+
+def _restore_stable(facts: _Facts, serving_artifact: ModelArtifact | None, observed: Observed,
+                    children: _Children, matrix: Matrix, options: builders.EngineOptions) -> None:
+    """A governed pool whose stable Deployment is gone (deleted by hand, lost in a restore)
+    gets it back: a missing stable must never turn the canary into the pool's only revision,
+    unanalysed. Without its artifact it stays missing, and servingRevision stays put."""
+    serving = facts.serving
+    if serving is None or revision_deployment(observed, serving) is not None or \
+            serving_artifact is None or manifest_hash(serving_artifact.spec) != serving:
+        return
+    plan = _capacity(facts.pool, serving_artifact, matrix)[0]
+    stable = builders.build_deployment(facts.pool, serving_artifact, serving, plan, options)
+    children.apply.append(stable)
+    children.events.append(Event(
+        "Normal", "Restored", f"Deployment {stable['metadata']['name']} of the stable revision "
+        f"{naming.short_revision(serving)} was missing mid-rollout; recreated"))
 
 
 def _children(facts: _Facts, desired_objects: list[dict[str, Any]],
@@ -454,8 +481,9 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     )
     if ready and target is not None:
         serving = revision
-    elif serving is not None and not any(_revision_of(d) == serving for d in observed.deployments):
-        serving = None
+    elif serving is not None and not facts.governed and \
+            not any(_revision_of(d) == serving for d in observed.deployments):
+        serving = None  # (governed, a missing stable is recreated: it stays the one serving)
     num_replicas = sum(int((d.get("status") or {}).get("replicas", 0))
                        for d in observed.deployments)
     num_ready = sum(int((d.get("status") or {}).get("readyReplicas", 0))

@@ -480,3 +480,38 @@ def test_the_autoscalers_decision_shows_in_status_and_goes_with_its_spec() -> No
     assert "autoscaling" not in gone.status
     assert not {c["type"] for c in gone.status["conditions"]} & {"AutoscalingActive",
                                                                  "ScalingLimited"}
+
+
+def test_a_stable_deployment_deleted_mid_rollout_is_recreated_not_replaced_by_the_canary() -> None:
+    p, old, new = pool(), artifact(), _new_artifact()
+    converged = _converged(p, old)
+    p = _with_status(p, _run(p, old, converged))
+    stable = converged.deployments[0]
+    decision = _decision(old, new, phase=Phase.PROGRESSING, weight=50, canary=1)
+    [canary] = [o for o in _run(p, new, converged, rollout=decision).apply
+                if o["kind"] == "Deployment"]
+    # Someone deletes the stable Deployment while the canary runs at 50 %.
+    gone = replace(converged, deployments=(as_observed(canary),))
+    plan = _run(p, new, gone, rollout=decision, serving_artifact=old)
+    assert [o["metadata"]["name"] for o in plan.apply if o["kind"] == "Deployment"] == [
+        stable["metadata"]["name"]]
+    assert plan.status["servingRevision"] == manifest_hash(old.spec)
+    assert plan.delete == () and "Restored" in [e.reason for e in plan.events]
+    # Without the stable artifact it cannot be rebuilt, but the canary still does not take over.
+    blind = _run(p, new, gone, rollout=decision)
+    assert blind.status["servingRevision"] == manifest_hash(old.spec) and blind.delete == ()
+    assert not [o for o in blind.apply if o["kind"] == "Deployment"
+                and o["metadata"]["name"] == stable["metadata"]["name"]]
+
+
+def test_a_status_lost_mid_rollout_takes_the_stable_revision_from_the_rollout() -> None:
+    p, old, new = pool(), artifact(), _new_artifact()
+    converged = _converged(p, old)
+    decision = _decision(old, new, phase=Phase.PROGRESSING, weight=50, canary=1)
+    [canary] = [o for o in _run(_with_status(p, _run(p, old, converged)), new, converged,
+                                rollout=decision).apply if o["kind"] == "Deployment"]
+    both = replace(converged, deployments=(converged.deployments[0], as_observed(canary)))
+    restored = _run(p, new, both, rollout=decision)  # `p` has no status at all
+    assert restored.status["servingRevision"] == manifest_hash(old.spec)
+    assert restored.delete == () and restored.scale == ()
+    assert restored.status["traffic"] == [t.to_wire() for t in decision.traffic]
