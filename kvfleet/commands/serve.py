@@ -18,6 +18,7 @@ from typing import Any
 from kvfleet.engine.admission import AdmissionLimits
 from kvfleet.engine.config import MIB, SchedulingPolicy
 from kvfleet.engine.faults import FAULTS_ENV, faults_for
+from kvfleet.engine.protocol import SAMPLING_DEFAULTS_ENV, SamplingDefaults
 from kvfleet.engine.request_log import configure_json_logging
 from kvfleet.engine.router_token import MIN_LENGTH, RouterTokens
 from kvfleet.engine.runtime import RuntimeOptions, run_server
@@ -189,6 +190,12 @@ def register(subparsers: Any) -> None:
     http.add_argument("--max-body-bytes", type=_positive_int, default=4 * MIB)
     http.add_argument("--default-max-tokens", type=_positive_int, default=1024,
                       help="chat requests without max_tokens (capped by the context)")
+    http.add_argument("--sampling-defaults", metavar="JSON",
+                      default=os.environ.get(SAMPLING_DEFAULTS_ENV) or None,
+                      help="the model's sampling defaults for fields a request leaves unset, "
+                           'e.g. \'{"temperature": 0.7, "topK": 20, "maxTokens": 512}\' (a '
+                           "ModelArtifact's spec.samplingDefaults, which the operator passes "
+                           f"as ${SAMPLING_DEFAULTS_ENV})")
     http.add_argument("--drain-grace-seconds", type=float, default=30.0,
                       help="on SIGTERM, time in-flight requests get before being cancelled")
     http.add_argument("--stall-seconds", type=float, default=60.0,
@@ -238,8 +245,15 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kvfleet.serve").warning(
             "revision %s runs with injected faults from $%s: %s", args.revision, FAULTS_ENV,
             faults)
+    try:
+        defaults = None if not args.sampling_defaults else \
+            SamplingDefaults.model_validate_json(args.sampling_defaults)
+    except ValueError as exc:
+        print(f"kvfleet serve: --sampling-defaults (or ${SAMPLING_DEFAULTS_ENV}): {exc}",
+              file=sys.stderr)
+        return 2
     settings = ServerSettings(
-        faults=faults,
+        faults=faults, sampling_defaults=defaults,
         router_token=router_token,
         tenant_header=args.tenant_header.lower(), default_tenant=args.default_tenant,
         shared_prefix_tenants=args.shared_prefix_tenants, max_body_bytes=args.max_body_bytes,

@@ -19,9 +19,10 @@ Responses add two things to OpenAI's shape:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
 
 FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
 
@@ -29,6 +30,8 @@ FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
 # KV pool) are checked against the loaded model at admission.
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_SEQUENCES = 16
+# The model's sampling defaults as JSON (`kvfleet serve --sampling-defaults`).
+SAMPLING_DEFAULTS_ENV = "KVFLEET_SAMPLING_DEFAULTS"
 
 
 class _Strict(BaseModel):
@@ -87,6 +90,33 @@ class SamplingFields(_Strict):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+SamplingFieldsT = TypeVar("SamplingFieldsT", bound=SamplingFields)
+
+
+class SamplingDefaults(BaseModel):
+    """The model's own sampling defaults (a ModelArtifact's `spec.samplingDefaults`, which the
+    operator passes as `$KVFLEET_SAMPLING_DEFAULTS`): used for every field a request leaves
+    unset, as vLLM applies a model's generation_config. Spelled as in the artifact
+    (`topK`, `maxTokens`) or as in a request (`top_k`, `max_tokens`)."""
+
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True)
+
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+
+    def apply(self, body: SamplingFieldsT) -> SamplingFieldsT:
+        """`body` with each field it did not set taken from these defaults."""
+        unset = {"temperature", "top_p", "top_k"} - body.model_fields_set
+        update: dict[str, object] = {k: getattr(self, k) for k in unset
+                                     if getattr(self, k) is not None}
+        if self.max_tokens is not None and not {"max_tokens", "max_completion_tokens"} & \
+                body.model_fields_set:
+            update["max_tokens"] = self.max_tokens
+        return body.model_copy(update=update) if update else body
 
 
 class CompletionRequest(SamplingFields):

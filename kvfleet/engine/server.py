@@ -50,6 +50,7 @@ from kvfleet.engine.protocol import (
     ModelCard,
     ModelList,
     ReadyResponse,
+    SamplingDefaults,
     SamplingFields,
     Usage,
 )
@@ -99,6 +100,9 @@ class ServerSettings:
     shared_prefix_scope: str = "kvfleet-shared"
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 1024  # chat requests without max_tokens (capped by context)
+    # The model's sampling defaults, for the fields a request leaves unset (the artifact's
+    # spec.samplingDefaults); None: the OpenAI defaults.
+    sampling_defaults: SamplingDefaults | None = None
     # A test's injected faults (see `faults`); the token delay is the engine loop's.
     faults: Faults = field(default_factory=Faults)
 
@@ -403,6 +407,8 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
                           headers: Annotated[RequestHeaders, Depends(request_headers)]
                           ) -> Response:
         engine = gate.check_ready()
+        if gate.cfg.sampling_defaults is not None:
+            body = gate.cfg.sampling_defaults.apply(body)
         model = engine.model
         gate.check_model(body)
         _check_supported(body)
@@ -440,6 +446,8 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
                                headers: Annotated[RequestHeaders, Depends(request_headers)]
                                ) -> Response:
         engine = gate.check_ready()
+        if gate.cfg.sampling_defaults is not None:
+            body = gate.cfg.sampling_defaults.apply(body)
         model = engine.model
         gate.check_model(body)
         _check_supported(body)

@@ -53,6 +53,9 @@ EXPECTED_TEMPLATE_ENV = "KVFLEET_EXPECTED_CHAT_TEMPLATE_SHA256"
 # the pool sets no CPU limit: without a CFS quota the engine would size itself to the node's
 # every core, and engines packed on a node would all wait on each other's threads.
 CPU_THREADS_ENV = "KVFLEET_CPU_THREADS"
+# The artifact's spec.samplingDefaults, as JSON: the engine applies them to requests that leave
+# those fields unset (kvfleet.engine.protocol.SamplingDefaults).
+SAMPLING_DEFAULTS_ENV = "KVFLEET_SAMPLING_DEFAULTS"
 # The model's files and the cache they are fetched into (kvfleet.engine.fetch reads these; a
 # unit test holds the names equal): the pod's init container fetches and verifies every file,
 # the engine then finds them there.
@@ -260,6 +263,10 @@ def _container(
         },
     ]
     env.append({"name": ROUTER_TOKEN_FILE_ENV, "value": f"{ROUTER_TOKEN_DIR}/{ROUTER_TOKEN_KEY}"})
+    defaults = artifact.spec.sampling_defaults
+    if defaults is not None and defaults.to_wire():
+        env.append({"name": SAMPLING_DEFAULTS_ENV,
+                    "value": json.dumps(defaults.to_wire(), sort_keys=True)})
     if options.tls:
         env += [{"name": "KVFLEET_TLS_CERT_FILE", "value": f"{ROUTER_TOKEN_DIR}/{ENGINE_CERT_KEY}"},
                 {"name": "KVFLEET_TLS_KEY_FILE", "value": f"{ROUTER_TOKEN_DIR}/{ENGINE_KEY_KEY}"}]

@@ -197,3 +197,26 @@ def test_prefix_cache_is_scoped_per_tenant_unless_shared(server: EngineServer) -
     assert cached("globex") == 0  # another tenant never hits acme's blocks
     assert cached("team-a") == 0
     assert cached("team-b") > 0  # named tenants share one scope (--shared-prefix-tenants)
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset(
+        server: EngineServer) -> None:
+    """Two revisions that differ only in the artifact's samplingDefaults answer differently:
+    one whose defaults are greedy and 6 tokens answers a bare request as an explicit greedy
+    6-token request does; the shared server (OpenAI defaults: temperature 1) does not."""
+    chat = {"messages": [{"role": "user", "content": "Name three colours."}], "seed": 7}
+
+    def ask(base_url: str, **fields: Any) -> tuple[str, int]:
+        body = httpx.post(base_url + "/v1/chat/completions", json={**chat, **fields},
+                          timeout=120).json()
+        return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+
+    defaults = json.dumps({"temperature": 0.0, "topK": 0, "maxTokens": 6})
+    with running_server("--num-kv-blocks", "64", "--sampling-defaults", defaults) as greedy:
+        bare = ask(greedy.base_url)
+        assert bare == ask(greedy.base_url, temperature=0, max_tokens=6)
+        assert bare[1] == 6
+        # What the request sets wins over the model's defaults.
+        assert ask(greedy.base_url, max_tokens=3)[1] == 3
+        assert ask(greedy.base_url, temperature=2.0) != bare
+    assert ask(server.base_url, max_tokens=6) != bare  # temperature 1 by default, seeded
