@@ -97,7 +97,8 @@ def refused_for_rollout(pool: ServingPool, revision: str | None, status: Rollout
     a retry request on it is pending (so that it can start the revision again; `remember`
     forgets the refusal once the retry took effect)."""
     entry = refusal(pool.status.refused_revisions if pool.status else [], revision)
-    if entry is None or status.canary_revision == entry.revision:
+    if entry is None or (status.canary_revision == entry.revision and status.phase in (
+            Phase.ROLLING_BACK, Phase.ROLLED_BACK, Phase.ABORTED)):
         return None
     pending = (request is not None and request.action == RequestAction.RETRY
                and status.last_request_id != request.id)

@@ -195,4 +195,7 @@ def test_a_rollout_sees_a_refused_target_as_blocked_until_a_retry_is_asked() -> 
     # The Rollout that rolled it back keeps it out itself (and must finish draining it).
     own = RolloutStatus(phase=Phase.ROLLING_BACK, canary_revision=BAD_REV)
     assert refusals.refused_for_rollout(p, BAD_REV, own, None) is None
+    # Released by a revert (Idle, still naming it), then named again: refused.
+    released = RolloutStatus(phase=Phase.IDLE, canary_revision=BAD_REV)
+    assert refusals.refused_for_rollout(p, BAD_REV, released, None) is not None
     assert refusals.refused_for_rollout(p, GOOD_REV, promoted, None) is None
