@@ -127,6 +127,9 @@ def build_crd(resource: type[Any]) -> dict[str, Any]:
         subresources["scale"] = {
             "specReplicasPath": ".spec.replicas",
             "statusReplicasPath": ".status.replicas",
+            # The HorizontalPodAutoscaler controller refuses a target whose /scale has no
+            # selector ("selector is required"): it finds the pods' metrics through it.
+            "labelSelectorPath": ".status.selector",
         }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

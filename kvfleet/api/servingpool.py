@@ -382,6 +382,10 @@ class ServingPoolStatus(KubeModel):
 
     replicas: int = Field(default=0, ge=0, description="Replicas created.")
     ready_replicas: int = Field(default=0, ge=0, description="Replicas passing readiness.")
+    selector: str | None = Field(
+        default=None, max_length=1024,
+        description="Label selector of the pool's engine pods, every revision's (the /scale "
+        "subresource's, which a HorizontalPodAutoscaler reads).")
     capacity: PoolCapacity | None = Field(default=None, description="Planned capacity.")
     serving_revision: str | None = Field(
         default=None,

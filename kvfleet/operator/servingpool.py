@@ -514,6 +514,8 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     status: dict[str, Any] = {
         "replicas": num_replicas,
         "readyReplicas": num_ready,
+        "selector": ",".join(f"{k}={v}" for k, v in
+                             sorted(naming.pool_selector(pool.metadata.name).items())),
         "conditions": merge_conditions(previous_conditions, decided, generation, now),
     }
     if pool.spec.autoscaling is not None:

@@ -515,3 +515,18 @@ def test_a_status_lost_mid_rollout_takes_the_stable_revision_from_the_rollout() 
     assert restored.status["servingRevision"] == manifest_hash(old.spec)
     assert restored.delete == () and restored.scale == ()
     assert restored.status["traffic"] == [t.to_wire() for t in decision.traffic]
+
+
+def test_the_scale_subresource_has_a_selector_of_every_revisions_pods() -> None:
+    """A HorizontalPodAutoscaler refuses a /scale without a selector."""
+    from kvfleet.api.crdgen import build_crd
+
+    scale = build_crd(ServingPool)["spec"]["versions"][0]["subresources"]["scale"]
+    assert scale["labelSelectorPath"] == ".status.selector"
+    p, old, new = pool(), artifact(), _new_artifact()
+    plan = _run(p, old, _converged(p, old))
+    wanted = dict(kv.split("=", 1) for kv in plan.status["selector"].split(","))
+    for a in (old, new):
+        [deployment] = [o for o in _run(p, a, Observed()).apply if o["kind"] == "Deployment"]
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert wanted.items() <= labels.items(), (wanted, labels)
