@@ -472,6 +472,29 @@ def test_kubectl_scale_sets_the_pools_count_and_the_operator_keeps_it(
     assert kube.get("Deployment", deployment, namespace)["spec"]["replicas"] == 2
     _wait_pool(kube, operator, namespace, "chat",
                lambda p: p.get("status", {}).get("readyReplicas") == 2 or None, "2 ready", 60)
+    # The /scale selector finds the pool's pods, and the control plane's own HPA controller
+    # accepts the pool as a target (without one it says InvalidSelector and never scales).
+    selector = kube.request("GET", path_of("ServingPool", namespace, "chat") + "/scale")[
+        "status"]["selector"]
+    assert len(kube.list("Pod", namespace, label_selector=selector)) == 2, selector
+    kube.create({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                 "metadata": {"name": "chat", "namespace": namespace},
+                 "spec": {"scaleTargetRef": {"apiVersion": "kvfleet.io/v1alpha1",
+                                             "kind": "ServingPool", "name": "chat"},
+                          "minReplicas": 2, "maxReplicas": 2,
+                          "metrics": [{"type": "Resource", "resource": {
+                              "name": "cpu", "target": {"type": "Utilization",
+                                                        "averageUtilization": 80}}}]}})
+
+    def hpa_read_the_scale() -> dict[str, JsonObj] | None:
+        status = kube.get("HorizontalPodAutoscaler", "chat", namespace).get("status") or {}
+        conditions = {c["type"]: c for c in status.get("conditions", [])}
+        return conditions if "ScalingActive" in conditions else None
+
+    conditions = kube.wait_for("the HPA's first sync", hpa_read_the_scale, 60)
+    assert conditions["AbleToScale"]["status"] == "True", conditions
+    # (No metrics server here: the metric fails, but not the selector.)
+    assert conditions["ScalingActive"]["reason"] != "InvalidSelector", conditions
 
 
 def test_drift_is_restored_and_deleted_service_recreated(

@@ -33,6 +33,7 @@ RESOURCES: dict[str, Resource] = {
     "PersistentVolumeClaim": Resource("/api/v1", "persistentvolumeclaims"),
     "Lease": Resource("/apis/coordination.k8s.io/v1", "leases"),
     "PodDisruptionBudget": Resource("/apis/policy/v1", "poddisruptionbudgets"),
+    "HorizontalPodAutoscaler": Resource("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     "EndpointSlice": Resource("/apis/discovery.k8s.io/v1", "endpointslices"),
     "NetworkPolicy": Resource("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Role": Resource("/apis/rbac.authorization.k8s.io/v1", "roles"),
