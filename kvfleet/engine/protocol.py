@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from pydantic.alias_generators import to_camel
 
 FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
@@ -51,7 +51,7 @@ class SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = Field(default=None, description="Served model name; optional.")
-    stream: bool = False
+    stream: StrictBool = False  # ("false", a string, is a 400: the router reads it so too)
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0

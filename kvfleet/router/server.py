@@ -491,6 +491,10 @@ class Router:
                 DEFAULT_MAX_TOKENS[path]
             if not isinstance(max_tokens, int) or max_tokens < 1:
                 raise BadRequest("max_tokens: must be a positive integer", "max_tokens")
+            if not isinstance(body.get("stream", False), bool):
+                # ("false" is truthy here and false to a lenient parser: one answer shape
+                # for the router, another for the engine, and an answer billed as neither.)
+                raise BadRequest("stream: must be true or false (a JSON boolean)", "stream")
             request_id = request.headers.get("x-request-id") or f"rtr-{uuid.uuid4().hex[:16]}"
             session = str(body.get("user") or request.headers.get(SESSION_HEADER) or
                           conversation_key(body) or request_id)
@@ -666,8 +670,11 @@ class Router:
                 resp, endpoint = await self._connect(pool, revision, path, payload, headers,
                                                      text, tenant, streamed=True)
                 status = resp.status
-                if status != 200:  # a refusal: a JSON body, not a stream
+                if status != 200 or resp.content_type != "text/event-stream":
+                    # A refusal, or a whole answer where a stream was asked for: a JSON body,
+                    # billed by its usage (reading it for frames would bill 0 tokens).
                     status, data, content_type = await _read_whole(resp, endpoint)
+                    stream = False
         except ClientGone:
             now = time.monotonic()
             self._record(labels, Outcome.CLIENT_GONE, now - started, reservation.input_tokens)

@@ -402,6 +402,29 @@ async def test_a_stream_asks_the_engine_for_its_running_usage_on_every_chunk(
 
 
 @pytest.mark.asyncio
+async def test_a_stream_flag_that_is_not_a_boolean_is_refused_and_a_whole_answer_billed(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """`"stream": "false"` is truthy to the router and false to a lenient engine: the answer
+    was a JSON body, read for stream frames, billed 0 output tokens. Now a 400 names the field,
+    and a whole answer to a streamed request is billed by its usage all the same."""
+    address, seen = upstream
+    router = make_router(address)
+    try:
+        for flag in ("false", "true", 0, None):
+            resp = await post(router, "fine", stream=flag)
+            assert resp.status_code == 400, (flag, resp.text)
+            assert resp.json()["error"]["param"] == "stream"
+        assert not seen  # refused before any engine saw it
+        resp = await post(router, "plain", stream=True)  # the fake engine answers whole
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 1
+        assert sample(router, "kvfleet_router_tokens_total", revision=REVISION[:12],
+                      traffic="live", kind="generation") == 1
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_canary_whose_replicas_are_gone_leaves_its_clients_to_stable(
     upstream: tuple[str, list[dict[str, Any]]], stream: bool,
