@@ -37,7 +37,21 @@ def estimate(text: str) -> int:
 
 def texts_of(body: dict[str, Any]) -> tuple[list[str], int]:
     """(the texts of the prompt, how many chat messages carry them: 0 for a completion).
-    BadRequest for `messages` that is not a list of message objects."""
+    BadRequest for `messages` that is not a list of message objects, and for text that is not
+    Unicode (a lone surrogate, "\\ud800", is valid JSON that no tokenizer takes: a 500 at
+    the engine would count against the revision)."""
+    texts, count = _texts_of(body)
+    field = "messages" if "messages" in body else "prompt"
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(f"{field}: the text holds a lone surrogate (an unpaired \\ud800-"
+                             "\\udfff escape); send valid Unicode", field) from None
+    return texts, count
+
+
+def _texts_of(body: dict[str, Any]) -> tuple[list[str], int]:
     if "messages" in body:
         texts = []
         messages = body.get("messages")

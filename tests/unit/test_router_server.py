@@ -596,6 +596,29 @@ def test_no_body_a_client_can_send_makes_the_router_fail_with_a_5xx(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize(("raw", "says"), [
+    (b'{"model": "smol", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deeply"),
+    (b'{"model": "smol", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+     "messages: the text holds a lone surrogate"),
+    (b'{"model": "smol", "prompt": "\\udfff"}', "prompt: the text holds a lone surrogate"),
+])
+async def test_bodies_that_broke_the_parser_or_the_tokenizer_are_the_clients_400(
+    upstream: tuple[str, list[dict[str, Any]]], raw: bytes, says: str,
+) -> None:
+    address, seen = upstream
+    router = make_router(address)
+    try:
+        transport = httpx.ASGITransport(app=build_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            resp = await client.post("/v1/chat/completions", content=raw,
+                                     headers={"authorization": f"Bearer {KEY}"})
+        assert resp.status_code == 400 and says in resp.json()["error"]["message"], resp.text
+        assert not seen and router.ledger.usage("team-a")[2] == 0
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_stalled_engine_fails_the_request_in_time_and_frees_the_tenants_slot(
     upstream: tuple[str, list[dict[str, Any]]], stream: bool,
