@@ -326,6 +326,14 @@ class QuotaLedger:
                     borrowed[(resource, lender)], short = take, short - take
         return borrowed
 
+    def precheck(self, tenant: str, now: float) -> None:
+        """Raises what `admit` would raise for the smallest request (a slot, one request, one
+        token each way), taking nothing: a key whose quota is spent is refused before its body
+        is read or parsed (ten 4 MiB bodies of a spent key held 1 GB of parsed JSON)."""
+        state = self.state(tenant, now)
+        self._take_slot(state)
+        self._plan_tokens(state, {RPM: 1.0, INPUT_TPM: 1.0, OUTPUT_TPM: 1.0}, now)
+
     def admit(self, tenant: str, input_tokens: int, max_output_tokens: int, now: float
               ) -> Reservation:
         """Takes the request's allowance, or raises QuotaExceeded taking nothing; a tenant

@@ -596,6 +596,38 @@ def test_no_body_a_client_can_send_makes_the_router_fail_with_a_5xx(
 
 
 @pytest.mark.asyncio
+async def test_a_spent_key_is_refused_before_its_body_is_read(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """A key at its request limit sends a body that never ends: the 429 comes at once (the
+    router neither buffers nor parses what the quota would refuse anyway)."""
+    address, seen = upstream
+    router = Router(parse_config({
+        "namespace": NAMESPACE,
+        "pools": [{"name": "smol", "status": {"servingRevision": REVISION},
+                   "endpoints": {REVISION: [address]}}],
+        "tenants": [{"tenant": "team-a", "keys": [KEY],
+                     "quota": {"limits": {"requestsPerMinute": 1}}}]}))
+
+    async def endless() -> AsyncIterator[bytes]:
+        yield b'{"model": "smol", "messages": [' + b"{}, " * 100_000
+        await asyncio.sleep(3600)  # the rest never comes
+        yield b"]}"
+
+    try:
+        assert (await post(router, "fine")).status_code == 200
+        transport = httpx.ASGITransport(app=build_app(router))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            resp = await asyncio.wait_for(client.post(
+                "/v1/chat/completions", content=endless(),
+                headers={"authorization": f"Bearer {KEY}"}), 10)
+        assert resp.status_code == 429 and "requestsPerMinute" in resp.text, resp.text
+        assert len(seen) == 1 and router.ledger.usage("team-a")[2] == 0
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize(("raw", "says"), [
     (b'{"model": "smol", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deeply"),
     (b'{"model": "smol", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
