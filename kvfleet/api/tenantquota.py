@@ -21,6 +21,11 @@ from kvfleet.api.meta import (
     ready_column,
 )
 
+# Tenant names kvfleet uses itself: the router's greedy probes (`kvfleet.router.probes`), the
+# engine's shared prefix-cache scope and its tenant for requests without a tenant header. A
+# TenantQuota claiming one would read `cached_tokens` for prompts the probes copied there.
+RESERVED_TENANTS = ("kvfleet-probe", "kvfleet-shared", "default")
+
 
 class PriorityClass(StrEnum):
     """Scheduling priority; higher classes preempt lower ones when KV blocks run out."""
@@ -76,7 +81,12 @@ class TenantQuotaSpec(KubeModel):
         max_length=63,
         description="Tenant id (as authenticated by the router). Immutable.",
         json_schema_extra={
-            "x-kubernetes-validations": [cel("self == oldSelf", "tenant is immutable")]
+            "x-kubernetes-validations": [
+                cel("self == oldSelf", "tenant is immutable"),
+                cel(f"!(self in {list(RESERVED_TENANTS)!r})".replace("'", '"'),
+                    f"tenant names {', '.join(RESERVED_TENANTS)} are the router's and the "
+                    "engine's own; choose another"),
+            ]
         },
     )
     limits: Limits = Field(

@@ -224,3 +224,20 @@ def test_fetch_failure_propagates() -> None:
         assert "connection refused" in str(error)
     else:
         raise AssertionError("FetchError was swallowed")
+
+
+def test_the_names_kvfleet_uses_itself_are_no_tenants_name() -> None:
+    """The router's probes run as `kvfleet-probe`; the engine scopes shared prefix caching as
+    `kvfleet-shared` and serves header-less requests as `default`. A TenantQuota claiming one
+    would read `cached_tokens` for prompts the probes copied there."""
+    from kvfleet.api.tenantquota import RESERVED_TENANTS
+    from kvfleet.engine.server import ServerSettings
+    from kvfleet.router.probes import PROBE_TENANT
+
+    settings = ServerSettings()
+    assert {PROBE_TENANT, settings.shared_prefix_scope, settings.default_tenant} == set(
+        RESERVED_TENANTS)
+    for name in RESERVED_TENANTS:
+        [error] = validate_tenantquota(make_quota().set("spec.tenant", name).obj(), None)
+        assert (error.field, error.rule) == ("spec.tenant", "reserved"), error
+        assert "choose another tenant name" in error.message
