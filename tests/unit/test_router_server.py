@@ -160,6 +160,14 @@ async def post(router: Router, content: str, **extra: Any) -> httpx.Response:
             "model": "smol", "messages": [{"role": "user", "content": content}], **extra})
 
 
+async def post_raw(router: Router, content: Any) -> httpx.Response:
+    """`content` (bytes, or an async iterator of them) as the body, the key's bearer."""
+    transport = httpx.ASGITransport(app=build_app(router))
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        return await client.post("/v1/chat/completions", content=content,
+                                 headers={"authorization": f"Bearer {KEY}"})
+
+
 @pytest.mark.asyncio
 async def test_the_engine_gets_the_routers_tenant_token_and_at_most_the_quotas_priority(
     upstream: tuple[str, list[dict[str, Any]]],
@@ -347,10 +355,7 @@ async def test_a_body_that_is_not_json_is_refused_before_any_revision_is_charged
     address, seen = upstream
     router = make_router(address)
     try:
-        transport = httpx.ASGITransport(app=build_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            resp = await client.post("/v1/chat/completions", content=b"{not json",
-                                     headers={"authorization": f"Bearer {KEY}"})
+        resp = await post_raw(router, b"{not json")
         assert resp.status_code == 400 and not seen
         assert router.metrics.registry.get_sample_value(
             "kvfleet_router_rejections_total",
@@ -616,11 +621,7 @@ async def test_a_spent_key_is_refused_before_its_body_is_read(
 
     try:
         assert (await post(router, "fine")).status_code == 200
-        transport = httpx.ASGITransport(app=build_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            resp = await asyncio.wait_for(client.post(
-                "/v1/chat/completions", content=endless(),
-                headers={"authorization": f"Bearer {KEY}"}), 10)
+        resp = await asyncio.wait_for(post_raw(router, endless()), 10)
         assert resp.status_code == 429 and "requestsPerMinute" in resp.text, resp.text
         assert len(seen) == 1 and router.ledger.usage("team-a")[2] == 0
     finally:
@@ -640,10 +641,7 @@ async def test_bodies_that_broke_the_parser_or_the_tokenizer_are_the_clients_400
     address, seen = upstream
     router = make_router(address)
     try:
-        transport = httpx.ASGITransport(app=build_app(router))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            resp = await client.post("/v1/chat/completions", content=raw,
-                                     headers={"authorization": f"Bearer {KEY}"})
+        resp = await post_raw(router, raw)
         assert resp.status_code == 400 and says in resp.json()["error"]["message"], resp.text
         assert not seen and router.ledger.usage("team-a")[2] == 0
     finally:
