@@ -70,7 +70,7 @@ from kvfleet.router.probes import (
 from kvfleet.router.quota import QuotaLedger, Reservation, no_quota
 from kvfleet.router.state import PoolRoute, RouterState, carry_loads
 from kvfleet.router.tokens import TokenCounter, texts_of
-from kvfleet.router.traffic import RoutePlan, conversation_key
+from kvfleet.router.traffic import RoutePlan, session_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -500,9 +500,9 @@ class Router:
                 # for the router, another for the engine, and an answer billed as neither.)
                 raise BadRequest("stream: must be true or false (a JSON boolean)", "stream")
             request_id = request.headers.get("x-request-id") or f"rtr-{uuid.uuid4().hex[:16]}"
-            session = str(body.get("user") or request.headers.get(SESSION_HEADER) or
-                          conversation_key(body) or request_id)
-            plan = pool.table.route(pool.name, tenant, session, request_id)
+            sample_key = uuid.uuid4().hex
+            session = session_key(body, request.headers.get(SESSION_HEADER), sample_key)
+            plan = pool.table.route(pool.name, tenant, session, sample_key)
             stable = pool.table.stable
             texts, messages = texts_of(body)
             text = "\n".join(texts)

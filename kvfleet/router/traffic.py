@@ -33,10 +33,26 @@ def bucket(*parts: str) -> int:
 OPENING_MESSAGES = 2
 
 
+def session_key(body: dict[str, Any], session_header: str | None, sample_key: str) -> str:
+    """What a request's canary-or-stable draw is keyed by: the client's session header, else
+    its `user` with its conversation (so a backend that sends one constant `user` for all its
+    end users still spreads its conversations by the weight, while each conversation sticks),
+    else `sample_key`, the router's own random draw."""
+    if session_header:
+        return session_header
+    user, conversation = body.get("user"), conversation_key(body)
+    if not user and conversation is None:
+        return sample_key
+    return f"{user or ''}\x1f{conversation or ''}"
+
+
 def conversation_key(body: dict[str, Any]) -> str | None:
-    """A digest of a chat's opening messages (None for a completion or an odd body): the
-    same for every turn of one conversation, different between conversations."""
+    """A digest of a chat's opening messages, or of a completion's prompt (None for an odd
+    body): the same for every turn of one conversation, different between conversations."""
     messages = body.get("messages")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and "messages" not in body:
+        return "prompt-" + hashlib.sha256(prompt[:4096].encode(errors="replace")).hexdigest()[:32]
     if not isinstance(messages, list) or not messages:
         return None
     opening = []
@@ -96,16 +112,19 @@ class TrafficTable:
     def revisions(self) -> set[str]:
         return {r for r in (self.stable, self.canary, self.shadow, self.probe) if r is not None}
 
-    def route(self, pool: str, tenant: str, session: str, request_id: str) -> RoutePlan:
+    def route(self, pool: str, tenant: str, session: str, sample_key: str) -> RoutePlan:
+        """`sample_key`: the router's own random key for the request, never a client's
+        header: whoever sends x-request-id must not choose which requests are mirrored to the
+        shadow revision or probed (filling the probe slots with its own prompts)."""
         live = self.stable
         if self.canary is not None and bucket("canary", pool, tenant, session) < \
                 self.canary_weight:
             live = self.canary
         shadow = None
         if self.shadow is not None and self.shadow != live and \
-                bucket("shadow", pool, request_id) < self.shadow_percent:
+                bucket("shadow", pool, sample_key) < self.shadow_percent:
             shadow = self.shadow
         probe = None
-        if self.probe is not None and bucket("probe", pool, request_id) < self.probe_percent:
+        if self.probe is not None and bucket("probe", pool, sample_key) < self.probe_percent:
             probe = self.probe
         return RoutePlan(live, shadow, probe)

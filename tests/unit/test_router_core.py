@@ -21,7 +21,7 @@ from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad, pick
 from kvfleet.router.quota import QuotaLedger, share
 from kvfleet.router.state import ConfigError, parse_config
-from kvfleet.router.traffic import TrafficTable, conversation_key
+from kvfleet.router.traffic import TrafficTable, conversation_key, session_key
 
 STABLE, CANARY, SHADOW = "a" * 64, "b" * 64, "c" * 64
 KEY = "sk-team-a-0123456789abcdef"
@@ -271,8 +271,29 @@ def test_without_a_user_a_conversation_is_keyed_by_its_opening_and_stays_on_one_
         later = [*turns, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
         assert conversation_key({"messages": later}) == key  # every turn: the same revision
     assert abs(live[CANARY] / 400 - 0.5) <= 0.1  # spread within one tenant
-    for odd in ({"prompt": "x"}, {"messages": []}, {"messages": "x"}, {"messages": [1]}):
-        assert conversation_key(odd) is None  # the request id then
+    for odd in ({"prompt": ["x"]}, {"messages": []}, {"messages": "x"}, {"messages": [1]}):
+        assert conversation_key(odd) is None  # the router's random draw then
+
+
+def test_a_constant_user_still_spreads_by_the_weight_while_each_conversation_sticks() -> None:
+    """A backend that sends one `user` for all its end users put all of them on one side
+    (0 % or 100 % canary); the user is now keyed with the conversation."""
+    table = TrafficTable.from_status(status(canary=30))
+    assert table is not None
+    live = Counter()
+    for i in range(1000):
+        chat = {"user": "backend", "messages": [{"role": "user", "content": f"q{i}"}]}
+        key = session_key(chat, None, f"draw{i}")
+        assert key == session_key({**chat, "temperature": 0}, None, "another draw")
+        live[table.route("pool", "t", key, f"r{i}").live] += 1
+    assert abs(live[CANARY] / 1000 - 0.3) <= 0.05, live
+    # Completions: keyed by the prompt; a session header still pins a session as it says.
+    prompts = Counter(table.route("pool", "t", session_key(
+        {"user": "backend", "prompt": f"p{i}"}, None, "d"), "r").live for i in range(1000))
+    assert abs(prompts[CANARY] / 1000 - 0.3) <= 0.05, prompts
+    assert session_key({"user": "backend"}, "my-session", "d") == "my-session"
+    assert session_key({}, None, "d") == "d"
+
 
 
 def test_shadow_copies_a_share_of_requests_and_never_the_live_revision() -> None:

@@ -407,6 +407,31 @@ async def test_a_stream_asks_the_engine_for_its_running_usage_on_every_chunk(
 
 
 @pytest.mark.asyncio
+async def test_a_client_cannot_choose_which_requests_are_mirrored(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The shadow draw is the router's own: one x-request-id sent 40 times is mirrored about
+    half the time at a 50 % shadow, not always or never."""
+    address, seen = upstream
+    router = Router(parse_config({
+        "namespace": NAMESPACE,
+        "pools": [{"name": "smol", "status": {"servingRevision": REVISION, "traffic": [
+            {"revision": REVISION, "role": "stable", "weight": 100},
+            {"revision": "c" * 64, "role": "shadow", "shadowPercent": 50}]},
+            "endpoints": {REVISION: [address], "c" * 64: [address]}}],
+        "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}))
+    try:
+        for _ in range(40):
+            assert (await post(router, "fine", headers={"x-request-id": "same"})).status_code \
+                == 200
+        await asyncio.sleep(0.5)  # (the copies finish in the background)
+        mirrored = len(seen) - 40
+        assert 6 <= mirrored <= 34, mirrored
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
 async def test_a_stream_flag_that_is_not_a_boolean_is_refused_and_a_whole_answer_billed(
     upstream: tuple[str, list[dict[str, Any]]],
 ) -> None:
