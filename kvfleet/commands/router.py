@@ -205,6 +205,7 @@ async def _watch(path: Path, router: Any) -> None:
 async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None) -> int:
     import uvicorn
 
+    from kvfleet.router.connections import HeaderDeadlineProtocol
     from kvfleet.router.server import Router, RouterOptions, build_app
 
     router = Router(state, RouterOptions(
@@ -241,9 +242,10 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
     # Keep-alive longer than clients' and load balancers' idle timeouts (60 s is common; httpx
     # drops its own after 5 s): a server that closes first races a client reusing the
     # connection, and that request fails with "server disconnected" (uvicorn's default is 5 s).
+    # (HeaderDeadlineProtocol: a request's headers have a deadline, which uvicorn lacks.)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_config=None, access_log=False,
-                                           timeout_keep_alive=75))
+                                           timeout_keep_alive=75, http=HeaderDeadlineProtocol))
     # What is loaded by now lives as long as the router: out of the cyclic collector's reach,
     # whose full pass over it stalled every request in flight 43-63 ms (bench/README, router
     # overhead). Objects made later (reloaded state, requests) are still collected; garbage of
