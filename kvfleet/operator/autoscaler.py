@@ -134,10 +134,15 @@ class FleetSignals:
             missing=tuple(missing))
 
 
-def policy_of(spec: Autoscaling, slos: SLOs | None, reserve: int = 0) -> Policy:
+def policy_of(spec: Autoscaling, slos: SLOs | None, reserve: int = 0,
+              rolling_out: bool = False) -> Policy:
+    """`rolling_out`: a Rollout's traffic table is on the pool. It never goes to zero then:
+    an idle spell mid-rollout took it to 0, and the promotion then scaled the new revision to
+    0 and deleted stable, so every request waited through a cold start."""
     return Policy(
         reserve=reserve,
-        min_replicas=spec.min_replicas, max_replicas=spec.max_replicas,
+        min_replicas=max(spec.min_replicas, 1) if rolling_out else spec.min_replicas,
+        max_replicas=spec.max_replicas,
         target_load=spec.target_load, target_kv_usage=spec.target_kv_cache_usage,
         ttft_slo=slos.ttft_p95_seconds if slos is not None and spec.slo_scaling else None,
         tpot_slo=slos.tpot_p95_seconds if slos is not None and spec.slo_scaling else None,
@@ -145,7 +150,8 @@ def policy_of(spec: Autoscaling, slos: SLOs | None, reserve: int = 0) -> Policy:
         down_window=spec.scale_down_stabilization_seconds, max_step=spec.max_step,
         stale_after=spec.stale_after_seconds, pending_grace=spec.pending_grace_seconds,
         slo_window=SLO_WINDOW_SECONDS,
-        idle_seconds=spec.scale_to_zero.idle_seconds if spec.scale_to_zero else None)
+        idle_seconds=spec.scale_to_zero.idle_seconds
+        if spec.scale_to_zero is not None and not rolling_out else None)
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,7 @@ class PoolView:
     reserve: int = 0  # reserves.failover + reserves.burst (deployment is a rollout's surge)
     ready: int = 0
     reconciled: bool = False  # its status has an observedGeneration
+    rolling_out: bool = False  # a Rollout's traffic table is on it (status.traffic)
     # What its status shows now: (desiredReplicas, signal, AutoscalingActive, ScalingLimited)
     shown: tuple[object, ...] = ()
     last_scale_time: str | None = None
@@ -188,6 +195,7 @@ class PoolView:
             reserve=reserves.failover + reserves.burst,
             ready=int(status.get("readyReplicas", 0)),
             reconciled=status.get("observedGeneration") is not None,
+            rolling_out=bool(status.get("traffic")),
             shown=(shown_by.get("desiredReplicas"), shown_by.get("signal"),
                    conditions.get("AutoscalingActive"), conditions.get("ScalingLimited")),
             last_scale_time=shown_by.get("lastScaleTime"))
@@ -269,7 +277,8 @@ class Autoscaler:
         unplaced, since = self.unplaced(key)
         # (Engines are expected to report once Ready: a pool still starting is not "missing".)
         signals = fleet.of(pool.namespace, pool.name, ready)
-        decision = decide(policy_of(pool.autoscaling, pool.slos, pool.reserve), signals,
+        decision = decide(policy_of(pool.autoscaling, pool.slos, pool.reserve,
+                                    pool.rolling_out), signals,
                           Observed(current, ready, since, unplaced), state.history, now)
         metrics.AUTOSCALE_DESIRED.labels(*key).set(decision.desired)
         metrics.AUTOSCALE_ACTIVE.labels(*key).set(decision.active)

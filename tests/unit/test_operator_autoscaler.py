@@ -216,3 +216,20 @@ def test_a_large_fleet_is_decided_in_chunks_between_which_the_loop_runs_other_wo
     asyncio.run(run())
     assert len(decided) == len(pools)
     assert 0 < max(gaps) <= DECIDE_CHUNK
+
+
+def test_a_pool_mid_rollout_never_scales_to_zero() -> None:
+    """An idle spell mid-rollout took the pool to 0; the promotion then scaled the new revision
+    to 0 and deleted stable, and every request waited through a cold start."""
+    from kvfleet.operator.autoscale import History, Observed, Signals, decide
+
+    idle = {"minReplicas": 0, "scaleToZero": {"idleSeconds": 30}}
+    traffic = {"traffic": [{"revision": "a" * 64, "role": "stable", "weight": 50},
+                           {"revision": "b" * 64, "role": "canary", "weight": 50}]}
+    quiet = Signals(at=600, loads=(0.0,), last_request_at=0)
+    for status, desired in (({}, 0), (traffic, 1)):
+        view = _pool(1, 1, status=status, **idle)
+        assert view.rolling_out == bool(status)
+        policy = policy_of(view.autoscaling, view.slos, view.reserve, view.rolling_out)
+        decision = decide(policy, quiet, Observed(1, 1), History(), 600)
+        assert decision.desired == desired, (status, decision)
