@@ -354,6 +354,10 @@ class TrafficTarget(KubeModel):
 
 MAX_REFUSED = 10
 RETRY_ANNOTATION = "kvfleet.io/retry-revision"
+# "true": another autoscaler (KEDA, an HPA) may take the pool to 0 replicas and back, so the
+# routers hold its requests at zero (and export the held count it can scale on), as they do for
+# a pool whose own spec.autoscaling has minReplicas 0.
+WAKE_ANNOTATION = "kvfleet.io/wake-on-request"
 
 
 class RefusalReason(StrEnum):

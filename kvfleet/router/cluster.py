@@ -42,7 +42,7 @@ from kvfleet.api.labels import (
     engine_server_name,
     label_value,
 )
-from kvfleet.api.servingpool import ServingPoolStatus
+from kvfleet.api.servingpool import WAKE_ANNOTATION, ServingPoolStatus
 from kvfleet.api.tenantquota import TenantQuotaSpec
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.kube.informer import Informer
@@ -171,7 +171,9 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
         autoscaling = (raw.get("spec") or {}).get("autoscaling") or {}
         route = PoolRoute(name, TrafficTable.from_status(status), endpoints.get(ours, {}),
                           tokens.get(ours), namespace, slos,
-                          wakes=autoscaling.get("minReplicas") == 0)
+                          wakes=autoscaling.get("minReplicas") == 0 or (
+                              raw["metadata"].get("annotations") or {}).get(
+                              WAKE_ANNOTATION) == "true")
         if (cert := certs.get(ours)) is not None:
             _serve_https(route, cert)
         if cluster_wide:

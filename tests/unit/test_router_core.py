@@ -804,3 +804,18 @@ def test_only_pods_the_pools_deployments_own_are_routed_to(caplog: pytest.LogCap
         source.rebuild()  # type: ignore[attr-defined]
     assert caplog.text.count("llm/forged wears a pool's engine labels but no ServingPool's "
                              "Deployment owns it") == 1
+
+
+def test_a_pool_another_autoscaler_takes_to_zero_is_held_for_when_it_says_so() -> None:
+    """KEDA or an HPA driving /scale from 0: the annotation makes the routers hold its requests
+    (the held count is what such an autoscaler scales on) instead of answering 503."""
+    from kvfleet.api.servingpool import WAKE_ANNOTATION
+    from kvfleet.router.cluster import state_from_objects
+
+    plain, marked = pool_object("plain"), pool_object("marked")
+    marked["metadata"] = {**marked["metadata"],  # type: ignore[dict-item]
+                          "annotations": {WAKE_ANNOTATION: "true"}}
+    own = {**pool_object("own"), "spec": {"autoscaling": {"minReplicas": 0}}}
+    state = state_from_objects([plain, marked, own], [], [], [], [], cluster_wide=False)
+    assert {n: p.wakes for n, p in state.pools.items()} == {
+        "plain": False, "marked": True, "own": True}
