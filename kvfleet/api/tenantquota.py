@@ -25,6 +25,11 @@ from kvfleet.api.meta import (
 # engine's shared prefix-cache scope and its tenant for requests without a tenant header. A
 # TenantQuota claiming one would read `cached_tokens` for prompts the probes copied there.
 RESERVED_TENANTS = ("kvfleet-probe", "kvfleet-shared", "default")
+RESERVED_PREFIX = "kvfleet-"  # every name of this prefix is kept for kvfleet's own use
+
+
+def reserved_tenant(name: str) -> bool:
+    return name.startswith(RESERVED_PREFIX) or name in RESERVED_TENANTS
 
 
 class PriorityClass(StrEnum):
@@ -83,9 +88,9 @@ class TenantQuotaSpec(KubeModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self == oldSelf", "tenant is immutable"),
-                cel(f"!(self in {list(RESERVED_TENANTS)!r})".replace("'", '"'),
-                    f"tenant names {', '.join(RESERVED_TENANTS)} are the router's and the "
-                    "engine's own; choose another"),
+                cel(f'!self.startsWith("{RESERVED_PREFIX}") && self != "default"',
+                    f"tenant names starting {RESERVED_PREFIX}, and default, are the router's "
+                    "and the engine's own; choose another"),
             ]
         },
     )

@@ -43,7 +43,7 @@ from kvfleet.api.labels import (
     label_value,
 )
 from kvfleet.api.servingpool import WAKE_ANNOTATION, ServingPoolStatus
-from kvfleet.api.tenantquota import TenantQuotaSpec
+from kvfleet.api.tenantquota import TenantQuotaSpec, reserved_tenant
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.kube.informer import Informer
 from kvfleet.kube.tasks import exit_process, fatal_if_it_ends
@@ -193,6 +193,13 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
             spec = TenantQuotaSpec.model_validate(raw.get("spec") or {})
         except ValidationError as exc:
             _refuse_unreadable(state, raw, exc)
+            continue
+        if reserved_tenant(spec.tenant):
+            # (Past the webhook and the CRD's rule, e.g. created before they refused it.)
+            why = (f"TenantQuota {namespace}/{name} claims tenant {spec.tenant!r}, a name "
+                   "kvfleet keeps for itself; it is refused")
+            state.refused[spec.tenant] = state.unreadable[f"{namespace}/{name}"] = why
+            log.warning("%s", why)
             continue
         if spec.tenant in state.quotas:
             log.warning("TenantQuota %s/%s: tenant %r already has TenantQuota %s (the older "

@@ -14,7 +14,7 @@ from typing import Literal
 from kvfleet.api import ModelArtifact, Rollout, ServingPool, TenantQuota, manifest_hash
 from kvfleet.api.analysis import AnalysisConfigError, plans
 from kvfleet.api.quantity import GIB, format_bytes
-from kvfleet.api.tenantquota import RESERVED_TENANTS
+from kvfleet.api.tenantquota import RESERVED_PREFIX, RESERVED_TENANTS, reserved_tenant
 from kvfleet.capacity import MemoryPlan, plan_for_pool
 from kvfleet.compat import ENGINE_VERSION, Incompatibility, Matrix, check
 
@@ -166,12 +166,13 @@ def validate_tenantquota(new: TenantQuota, old: TenantQuota | None) -> list[Fiel
                 "TenantQuota",
             )
         )
-    if new.spec.tenant in RESERVED_TENANTS:
+    if reserved_tenant(new.spec.tenant):
         errors.append(FieldError(
             "spec.tenant", "reserved",
-            f"tenant {new.spec.tenant!r} is reserved (kvfleet uses "
-            f"{', '.join(RESERVED_TENANTS)} itself: the router's probes, the engine's shared "
-            "prefix cache and its header-less requests); choose another tenant name"))
+            f"tenant {new.spec.tenant!r} is reserved (kvfleet keeps names starting "
+            f"{RESERVED_PREFIX} and default for itself: the router's probes "
+            f"({', '.join(RESERVED_TENANTS)}), the engine's shared prefix cache and its "
+            "header-less requests); choose another tenant name"))
     borrowing = new.spec.borrowing
     if borrowing is not None:
         limits = new.spec.limits.model_dump(by_alias=True)

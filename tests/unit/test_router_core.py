@@ -819,3 +819,16 @@ def test_a_pool_another_autoscaler_takes_to_zero_is_held_for_when_it_says_so() -
     state = state_from_objects([plain, marked, own], [], [], [], [], cluster_wide=False)
     assert {n: p.wakes for n, p in state.pools.items()} == {
         "plain": False, "marked": True, "own": True}
+
+
+def test_a_tenantquota_claiming_a_reserved_name_is_refused_by_the_router_too() -> None:
+    """Past the webhook (an old object, a cluster without it): the probes' tenant stays the
+    router's own."""
+    from kvfleet.router.cluster import state_from_objects
+
+    claim = {"metadata": {"name": "sneaky", "namespace": "llm"},
+             "spec": {"tenant": "kvfleet-probe", "sharedPrefixCache": True}}
+    state = state_from_objects([pool_object("smol")], [], [secret("k", "kvfleet-probe", KEY)],
+                               [], [claim], cluster_wide=False)
+    assert "kvfleet-probe" not in state.quotas
+    assert "a name kvfleet keeps for itself" in state.refused["kvfleet-probe"]

@@ -237,7 +237,7 @@ def test_the_names_kvfleet_uses_itself_are_no_tenants_name() -> None:
     settings = ServerSettings()
     assert {PROBE_TENANT, settings.shared_prefix_scope, settings.default_tenant} == set(
         RESERVED_TENANTS)
-    for name in RESERVED_TENANTS:
+    for name in (*RESERVED_TENANTS, "kvfleet-anything"):
         [error] = validate_tenantquota(make_quota().set("spec.tenant", name).obj(), None)
         assert (error.field, error.rule) == ("spec.tenant", "reserved"), error
         assert "choose another tenant name" in error.message
