@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvfleet.engine.errors import InvalidRequestError, ModelLoadError
+from kvfleet.engine.errors import ChatTemplateRejected, InvalidRequestError, ModelLoadError
 
 _VALID_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -116,12 +116,12 @@ class ChatTemplate:
                 **extra,
             )
         except TemplateRaisedError as exc:
-            raise InvalidRequestError(
+            raise ChatTemplateRejected(
                 "messages",
                 f"rejected by the model's chat template: {exc}",
                 "Change the conversation to the shape the model expects",
             ) from exc
         except jinja2.TemplateError as exc:
-            raise InvalidRequestError(
+            raise ChatTemplateRejected(
                 "messages", f"the chat template failed on this conversation ({exc})"
             ) from exc

@@ -8,6 +8,7 @@ wrong, where (the file, or the request field), and what to do about it.
     │   ├── UnsupportedModelError      readable, but an architecture/tensor type we do not run
     │   └── ModelVerificationError     the weights' sha256 differs from the artifact manifest
     └── InvalidRequestError            a request field is invalid (`.field` names it)
+        └── ChatTemplateRejected       the model's chat template refuses the conversation
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class ModelVerificationError(ModelLoadError):
 class InvalidRequestError(KvfleetEngineError):
     """A request is invalid; `field` is the request field at fault (e.g. `sampling.top_p`)."""
 
+    code = "invalid_request_error"  # the error object's code in the HTTP answer
+
     def __init__(self, field: str, problem: str, remedy: str = "") -> None:
         self.field = field
         self.problem = problem
@@ -48,3 +51,12 @@ class InvalidRequestError(KvfleetEngineError):
         if remedy:
             message += f". {remedy}"
         super().__init__(message)
+
+
+class ChatTemplateRejected(InvalidRequestError):
+    """The model's chat template raised on a well-formed conversation (e.g. one that refuses
+    a `system` message). A 400 to the client, but the model's doing, not the request's: the
+    router counts it against the revision, so a canary whose template refuses what stable's
+    accepts is caught by its error rate."""
+
+    code = "chat_template_rejected"

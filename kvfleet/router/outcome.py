@@ -56,6 +56,8 @@ REVISION_CODES = frozenset({
     "context_length_exceeded", "kv_capacity_exceeded", "queue_full",
     "tenant_concurrency_exceeded", "router_proof_required", "not_ready", "model_not_found",
     "not_found", "method_not_allowed", "chat_template_missing",
+    # The model's template refusing a well-formed conversation: the revision's doing.
+    "chat_template_rejected",
 })
 CLIENT_CODES = frozenset({
     "invalid_request_error", "unsupported_parameter", "idempotency_key_reused",

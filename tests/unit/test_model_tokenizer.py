@@ -118,6 +118,13 @@ def test_chat_template_exposes_special_tokens_and_raise_exception() -> None:
     with pytest.raises(InvalidRequestError, match="first must be user") as info:
         template.render([{"role": "assistant", "content": "x"}])
     assert info.value.field == "messages"
+    # The template's refusal of a well-formed conversation is the model's, not the client's:
+    # its own code, which the router counts against the revision.
+    assert info.value.code == "chat_template_rejected"
+    from kvfleet.router.outcome import Outcome, classify
+
+    assert classify(400, info.value.code) is Outcome.REVISION_REFUSED
+    assert classify(400, "invalid_request_error") is Outcome.CLIENT_ERROR
 
 
 @pytest.mark.parametrize(
