@@ -255,8 +255,11 @@ async def _read_whole(resp: aiohttp.ClientResponse, endpoint: EndpointLoad
     try:
         return resp.status, await resp.read(), resp.headers.get("content-type")
     except (TimeoutError, aiohttp.ClientError) as exc:
-        raise UpstreamFailed(f"the replica {endpoint.address} failed while answering "
-                             f"({type(exc).__name__}); retry") from None
+        log.debug("replica %s failed while answering: %s", endpoint.address,
+                  type(exc).__name__)
+        # (The client is told what happened, never where: pod addresses stay in the log.)
+        raise UpstreamFailed(f"a replica failed while answering ({type(exc).__name__}); "
+                             "retry") from None
     finally:
         resp.release()
         endpoint.in_flight -= 1
@@ -608,7 +611,9 @@ class Router:
             except (TimeoutError, aiohttp.ClientError) as exc:
                 endpoint.in_flight -= 1
                 endpoint.failures += 1
-                last = f"{endpoint.address}: {type(exc).__name__}"
+                last = type(exc).__name__
+                log.debug("replica %s of %s/%s: %s", endpoint.address, pool.namespace,
+                          pool.name, last)
                 continue
             except BaseException:  # cancelled (a shadow or probe out of time): not in flight
                 endpoint.in_flight -= 1
@@ -616,8 +621,10 @@ class Router:
             if resp.status >= 500 or resp.status == 401:
                 # 401: the engine refused this router's token (a Secret re-minted and not yet
                 # seen by one side): the replica's fault, never the client's key.
-                last = f"{endpoint.address}: HTTP {resp.status}" + (
+                last = f"HTTP {resp.status}" + (
                     " (the engine refused the router's token)" if resp.status == 401 else "")
+                log.debug("replica %s of %s/%s: %s", endpoint.address, pool.namespace,
+                          pool.name, last)
                 if resp.status == 401:
                     endpoint.refused_at = time.monotonic()
                 resp.release()

@@ -198,7 +198,8 @@ async def test_a_replica_failing_mid_answer_gives_502_and_frees_the_tenants_slot
     try:
         resp = await post(router, "die")
         assert resp.status_code == 502, resp.text
-        assert json.loads(resp.text)["error"]["message"].startswith("the replica")
+        message = json.loads(resp.text)["error"]["message"]
+        assert message.startswith("a replica failed while answering"), message
         assert router.ledger.usage("team-a") == (1, 0, 0)  # nothing in flight, nothing charged
         await asyncio.sleep(0)
         assert all(e.in_flight == 0 for e in router.state.all_endpoints())
@@ -793,5 +794,16 @@ async def test_a_stream_whose_client_hangs_up_lets_go_of_the_replica_at_once(
         transport = httpx.ASGITransport(app=build_app(router))
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
             assert (await client.get("/v1/chat/completions")).status_code == 405
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+async def test_a_client_is_told_no_replica_answered_but_not_where_the_replicas_are() -> None:
+    router = make_router("127.0.0.1:9")  # a closed port
+    try:
+        resp = await post(router, "fine")
+        assert resp.status_code == 503 and "no replica answered" in resp.text
+        assert "127.0.0.1" not in resp.text, resp.text
     finally:
         await router.close()
