@@ -17,4 +17,7 @@ def test_the_fma_peak_is_not_beaten_by_a_matmul(monkeypatch: pytest.MonkeyPatch)
     # level's peak may be below MKL's, which takes its own best code; best of several turns
     # each, 10 % for the host's drift between them.)
     monkeypatch.delenv(native.TARGET_ENV, raising=False)
-    assert fma_peak.fma_peak_flops(seconds=0.05) >= 0.9 * fma_peak.mkl_matmul_flops(repeats=5)
+    # (Best of three 0.05 s turns, as the matmul is best of five: one turn that other work
+    # on the host shared read 0.6 of the matmul's rate.)
+    peak = max(fma_peak.fma_peak_flops(seconds=0.05) for _ in range(3))
+    assert peak >= 0.9 * fma_peak.mkl_matmul_flops(repeats=5)
