@@ -120,6 +120,10 @@ class SamplingDefaults(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    # (The example is also the fuzzer's first case: a request it knows to be served.)
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"prompt": "The capital of France is", "max_tokens": 4}]})
+
     prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[int]] = Field(
         description="One prompt: text or token ids (a one-element batch is accepted)."
     )
@@ -151,6 +155,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4}]})
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
