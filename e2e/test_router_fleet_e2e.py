@@ -259,7 +259,7 @@ def test_weights_stickiness_shadow_replica_loss_and_router_restart_on_a_real_fle
         assert abs(share - 50) <= 8, share
 
         # The canary steps, each on a person's promote. A conversation moves to the canary at
-        # most once, never back, and each weight is realised within 3 points.
+        # most once, never back, and each weight is realised within its binomial bound.
         seen: dict[str, str] = {s: stable for s in sessions}
         for step, weight in enumerate((10, 50, 100)):
             _request(kube, namespace, "promote", step - 1)
@@ -275,7 +275,13 @@ def test_weights_stickiness_shadow_replica_loss_and_router_restart_on_a_real_fle
             else:
                 answered = _revisions(clients.run(sessions, urls))
             share = Counter(answered.values())[canary] * 100 / SESSIONS
-            assert abs(share - weight) <= 3, (weight, share)
+            # Each conversation draws its side from a hash of its key: the share of 800 is a
+            # binomial draw, within 4 standard deviations of the weight (4.2 points at 10 %,
+            # 7.1 at 50 %). These keys gave 9.6 % and 46.6 %; the former keys (the user alone,
+            # which a backend sending one constant user turned into 0 % or 100 %) 11.0 % and
+            # 50.4 %.
+            bound = 4 * 100 * math.sqrt(weight / 100 * (1 - weight / 100) / SESSIONS)
+            assert abs(share - weight) <= bound, (weight, share, bound)
             back = [s for s in sessions if seen[s] == canary and answered[s] == stable]
             assert not back, f"{len(back)} conversations switched back, e.g. {back[:3]}"
             seen = answered
