@@ -10,6 +10,7 @@ Errors (see `kvfleet.engine.errors`):
     │   ├── UnsupportedModelError
     │   └── ModelVerificationError  weights differ from the artifact manifest's sha256
     └── InvalidRequestError        .field names the request field
+        └── ChatTemplateRejected   the model's chat template refuses the conversation
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from kvfleet.engine.config import CacheConfig, SchedulerConfig, SchedulingPolicy
     from kvfleet.engine.engine import EngineCore, build_engine_core
     from kvfleet.engine.errors import (
+        ChatTemplateRejected,
         InvalidRequestError,
         KvfleetEngineError,
         ModelLoadError,
@@ -74,12 +76,14 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedModelError": "errors",
     "ModelVerificationError": "errors",
     "InvalidRequestError": "errors",
+    "ChatTemplateRejected": "errors",
 }
 
 __all__ = [
     "LLM",
     "BlockPool",
     "CacheConfig",
+    "ChatTemplateRejected",
     "DeliveryState",
     "EngineCore",
     "FinishReason",
