@@ -33,6 +33,7 @@ tier() {
 }
 
 tier bootstrap scripts/bootstrap.sh
+[ "$failed" = 0 ] || exit 1  # (without .venv nothing below can run)
 export PATH="$PWD/.venv/bin:$PATH"
 
 echo "== redis-server (Argo CD's cache in the GitOps e2e test; the router's shared quota ledger), from Debian's packages"
