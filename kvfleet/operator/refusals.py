@@ -9,8 +9,8 @@ deleted Rollout, a restore of the pool's spec — and says so in the `RevisionRe
 until a person retries it:
 
 - `kvfleet rollout retry POOL`: a retry request on the Rollout. The Rollout sees the refused
-  revision while the request is pending (`retry_pending`), starts it again, and once its status
-  shows the request handled with that revision running, the pool forgets the refusal;
+  revision while the request is pending (`refused_for_rollout`), starts it again, and once
+  its status shows the request handled with that revision running, the pool forgets it;
 - with no Rollout: the `kvfleet.io/retry-revision` annotation on the pool naming the revision
   (`REVISION[@ID]`, a prefix of 12 or more hex digits), acted on once per value
   (`status.handledRetry`); the pool then rolls over to it as an ungoverned pool does.
@@ -37,19 +37,10 @@ from kvfleet.api.servingpool import (
 )
 from kvfleet.operator.conditions import Cond
 from kvfleet.operator.events import Event
+from kvfleet.operator.rollout import Decision
 
 MIN_PREFIX = 12  # hex digits of a revision an annotation must give (short_revision's length)
 RUNNING = (Phase.SHADOW, Phase.PROGRESSING, Phase.PAUSED, Phase.PROMOTED)
-
-
-@dataclass(frozen=True)
-class Governing:
-    """The Rollout that governs the pool in this reconcile, after its decision."""
-
-    name: str
-    status: RolloutStatus
-    # The request in its annotation is a retry that its status shows handled.
-    retried: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,9 +97,10 @@ def refused_for_rollout(pool: ServingPool, revision: str | None, status: Rollout
 
 
 def remember(pool: ServingPool, *, revision: str | None, serving: str | None,
-             governing: Governing | None, now: datetime) -> Memory:
+             rollout: Decision | None, rollout_name: str, now: datetime) -> Memory:
     """The pool's refused revisions after this reconcile. `revision`: the manifest hash of
-    the artifactRef; `serving`: the revision that serves (before this reconcile)."""
+    the artifactRef; `serving`: the revision that serves (before this reconcile); `rollout`:
+    this reconcile's decision of the Rollout (`rollout_name`) governing the pool, if any."""
     previous = pool.status
     refused = list(previous.refused_revisions) if previous is not None else []
     handled = previous.handled_retry if previous is not None else None
@@ -134,18 +126,18 @@ def remember(pool: ServingPool, *, revision: str | None, serving: str | None,
         prefix = annotation.split("@", 1)[0].strip().lower()
         if len(prefix) >= MIN_PREFIX:
             forget(prefix, f"{RETRY_ANNOTATION} {annotation}")
-    if governing is not None:
-        status = governing.status
+    if rollout is not None:
+        status = rollout.status
         canary = status.canary_revision
-        if canary is not None and governing.retried and status.phase in RUNNING:
-            forget(canary, f"retried on request through Rollout {governing.name}")
+        if canary is not None and rollout.retried and status.phase in RUNNING:
+            forget(canary, f"retried on request through Rollout {rollout_name}")
         judged = status.phase in (Phase.ROLLING_BACK, Phase.ROLLED_BACK) or (
             status.phase == Phase.ABORTED and canary == revision)
         if canary is not None and judged:
             reason = RefusalReason.ABORTED if status.phase == Phase.ABORTED \
                 else RefusalReason.ROLLED_BACK
             add(RefusedRevision(revision=canary, artifact=status.canary_artifact or "",
-                                reason=reason, rollout=governing.name,
+                                reason=reason, rollout=rollout_name,
                                 message=status.message[:512], at=status.finished_at or now))
     elif previous is not None and revision is not None and revision != serving:
         # No Rollout, and the last status shows one trying this revision: it was deleted

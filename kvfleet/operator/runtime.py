@@ -245,13 +245,13 @@ class Runtime:
             except ValueError as exc:
                 request_error = str(exc)
         problem = target_problem(pool, artifact, self.matrix)
-        if problem is None and artifact is not None:
-            refused = refusals.refused_for_rollout(pool, manifest_hash(artifact.spec),
+        wanted = manifest_hash(artifact.spec) if artifact is not None else None
+        if problem is None and wanted is not None:
+            refused = refusals.refused_for_rollout(pool, wanted,
                                                    rollout.status or RolloutStatus(), request)
             if refused is not None:
                 problem = f"RevisionRefused: {refusals.describe(refused)}"
-        target = manifest_hash(artifact.spec) if artifact is not None and problem is None \
-            else None
+        target = wanted if problem is None else None
         pods = revision_pods(observed, target)
         diagnosis = diagnose(pool.spec, pods) if pods else None
         view = View(

@@ -316,10 +316,8 @@ def reconcile(
     if rollout is not None and rollout.promote and rollout.status.canary_revision == revision:
         serving = revision  # promoted: from now on the canary is the revision that serves
     governed = rollout is not None and serving is not None and revision != serving
-    memory = refusals.remember(
-        pool, revision=revision, serving=serving, now=now,
-        governing=None if rollout is None else refusals.Governing(
-            rollout_name, rollout.status, rollout.retried))
+    memory = refusals.remember(pool, revision=revision, serving=serving, rollout=rollout,
+                               rollout_name=rollout_name, now=now)
     refused = memory.of(revision)
     if blocker is None and refused is not None and revision != serving and not governed:
         # (Governed, the Rollout holds it back itself: its own RolledBack, or a target the
