@@ -34,7 +34,6 @@ from e2e.test_operator_e2e import (  # noqa: F401 (crds is a fixture)
     operator_kubeconfig,
 )
 from e2e.test_rollout_e2e import faults  # noqa: F401 (a fixture)
-from kvfleet.api import manifest_hash
 from kvfleet.api.labels import ENGINE_PORT, ROUTER_APP
 from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
 from kvfleet.devcluster.demo import (
@@ -50,6 +49,7 @@ from kvfleet.devcluster.demo import (
 from kvfleet.devcluster.kube import KubeClient
 from kvfleet.devcluster.prometheus import PrometheusClient
 from kvfleet.engine.faults import FAULTS_ENV
+from kvfleet.operator.revisions import revision_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -108,7 +108,7 @@ def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
     with _only_the_local_l4_node(kube, kubectl):
         # Sized for one running stream per replica: three streams want three replicas. The
         # scale-down waits 20 s of quiet (300 s by default).
-        artifact = _autoscaled_pool(kube, namespace, {
+        _autoscaled_pool(kube, namespace, {
             "minReplicas": 1, "maxReplicas": 3, "targetLoad": 1.0,
             "scaleDownStabilizationSeconds": 20, "staleAfterSeconds": 30, "sloScaling": False})
         _wait_pool(kube, operator, namespace, POOL, _available, "the first replica Ready", 300)
@@ -131,7 +131,7 @@ def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
             _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p) == (3, 3),
                        "3 replicas Ready", 240)
             _decided(started, "3 Ready")
-            revision = manifest_hash(artifact["spec"])[:12]
+            revision = _revision(kube, namespace)
 
             def all_served() -> bool:
                 served = _served_by(prometheus, namespace)
@@ -177,15 +177,19 @@ def test_a_load_ramp_scales_out_and_back_and_lost_signals_hold_the_count(
         assert len(warned) == len(warnings_before) + 1, warned  # once, not every interval
 
 
-def _autoscaled_pool(kube: KubeClient, namespace: str, autoscaling: dict) -> dict:
-    """The demo's SmolLM2 revision, tenant and local pool, with `autoscaling`; the artifact."""
+def _autoscaled_pool(kube: KubeClient, namespace: str, autoscaling: dict) -> None:
+    """The demo's SmolLM2 revision, tenant and local pool, with `autoscaling`."""
     artifact = smollm2_revision("smol", 40, namespace)
     kube.create(artifact)
     tenant(kube, namespace)
     pool = local_pool(POOL, "smol", namespace)
     pool["spec"]["autoscaling"] = autoscaling
     kube.create(pool)
-    return artifact
+
+
+def _revision(kube: KubeClient, namespace: str) -> str:
+    """The short revision the operator says the pool's spec asks for."""
+    return str(kube.get("ServingPool", POOL, namespace)["status"]["revision"])[:12]
 
 
 def _first_token(url: str) -> tuple[int, float, str]:
@@ -212,7 +216,7 @@ def test_an_idle_pool_sleeps_at_zero_and_its_next_request_wakes_it(
     a replica is up (its time to first token is the cold start, printed); a burst right after
     fails nothing."""
     with _only_the_local_l4_node(kube, kubectl):
-        artifact = _autoscaled_pool(kube, namespace, {
+        _autoscaled_pool(kube, namespace, {
             "minReplicas": 0, "maxReplicas": 2, "targetLoad": 4.0,
             "scaleToZero": {"idleSeconds": 30}, "scaleDownStabilizationSeconds": 20})
         _wait_pool(kube, operator, namespace, POOL, _available, "the first replica Ready", 300)
@@ -223,7 +227,7 @@ def test_an_idle_pool_sleeps_at_zero_and_its_next_request_wakes_it(
         _decided(started, "1 -> 0 after 30 s idle")
         _wait_pool(kube, operator, namespace, POOL, lambda p: _scaled_by(p) == "idle",
                    "the status saying idle decided", 30)
-        revision = manifest_hash(artifact["spec"])[:12]
+        revision = _revision(kube, namespace)
         kube.wait_for("the engine pod gone", lambda: not kube.list(
             "Pod", namespace, label_selector=f"kvfleet.io/revision={revision}") or None, 120)
         pool_now = _wait_pool(kube, operator, namespace, POOL, _available, "Available at 0", 60)
@@ -363,12 +367,13 @@ def test_a_replica_removed_under_long_streams_finishes_them_past_the_default_dra
     removed replica's too, though they outlast the 30 s a default drain would have given them.
     The removed pod goes when its streams are done, not before."""
     artifact = smollm2_revision("smol", 40, namespace)
-    os.environ[FAULTS_ENV] = f"{manifest_hash(artifact['spec'])[:12]}:token_delay={TOKEN_DELAY_S}"
     kube.create(artifact)
     tenant(kube, namespace)
     pool = local_pool(POOL, "smol", namespace)
     pool["spec"]["replicas"] = 2
     pool["spec"]["engine"]["drainSeconds"] = 120
+    revision = revision_for(pool, artifact)[:12]
+    os.environ[FAULTS_ENV] = f"{revision}:token_delay={TOKEN_DELAY_S}"
     with _only_the_local_l4_node(kube, kubectl):
         kube.create(pool)
         _wait_pool(kube, operator, namespace, POOL, lambda p: _replicas(p) == (2, 2),

@@ -37,7 +37,6 @@ from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixture
     operator,
 )
 from e2e.test_rollout_e2e import _pods, faults, shared_cores  # noqa: F401 (fixtures)
-from kvfleet.api import manifest_hash
 from kvfleet.devcluster import toolchain
 from kvfleet.devcluster.argocd import AppState, ArgoCD, render_cm_patch
 from kvfleet.devcluster.cluster import DevCluster, ExistingCluster
@@ -55,6 +54,7 @@ from kvfleet.devcluster.demo import (
 from kvfleet.devcluster.errors import ToolsMissingError
 from kvfleet.devcluster.kube import KubeClient
 from kvfleet.engine.faults import FAULTS_ENV
+from kvfleet.operator.revisions import revision_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -166,7 +166,8 @@ def test_argo_cd_syncs_the_fleet_and_shows_each_rollout_healthy_or_degraded(
     argocd: ArgoCD, tmp_path: Path,
 ) -> None:
     revisions = [smollm2_revision(f"smol-v{i}", 40 + i, namespace) for i in (1, 2, 3)]
-    hashes = {a["metadata"]["name"]: manifest_hash(a["spec"]) for a in revisions}
+    hashes = {a["metadata"]["name"]: revision_for(local_pool(POOL, "smol-v1", namespace), a)
+              for a in revisions}
     tenant_key(kube, namespace)
 
     def fleet(artifact: str) -> dict[str, list[dict[str, Any]]]:

@@ -312,7 +312,7 @@ def test_examples_become_available_on_matching_gpu_nodes(
     for p in pods:
         assert p["status"]["phase"] == "Running"
         assert p["spec"]["nodeName"] in node_names  # the eu-west-1 L4s, not dev-region ones
-    for kind, obj_name in [("Service", name), ("ConfigMap", f"{name}-engine")]:
+    for kind, obj_name in [("Service", name)]:
         owner = kube.get(kind, obj_name, namespace)["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"]) == ("ServingPool", name)
 
@@ -650,7 +650,7 @@ def test_real_engine_pod_serves_the_artifact_on_the_local_node(
     local_node: str, fake_nodes: list[str],
 ) -> None:  # fmt: skip
     """One pool whose pod really runs `kvfleet serve` (the harness's local L4 node): the args,
-    ConfigMap settings and readiness the operator builds are those the real engine accepts."""
+    settings and readiness the operator builds are those the real engine accepts."""
     kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "01-modelartifact-smollm2.yaml"))
     with _only_the_local_l4_node(kube, kubectl):
         _create(kube, _local_engine_pool("smol", "smollm2-135m-instruct", namespace))
@@ -751,13 +751,15 @@ def test_engine_refusing_weights_whose_sha256_differs_degrades_the_pool_with_its
     assert "the manifest says" in last["message"].rstrip().splitlines()[-1]
 
 
-def test_engine_settings_and_replicas_roll_the_deployment(
+def test_an_engine_settings_change_is_a_new_revision_rolled_over(
     kube: KubeClient, operator: OperatorProcess, namespace: str
 ) -> None:
+    """An ungoverned pool: a settings change is a new revision (its own Deployment, named in
+    status.revision), which replaces the old one; replicas alone would not have been."""
     _artifact_and_pool(kube, namespace, "chat")
     pool = _wait_pool(kube, operator, namespace, "chat", _available, "Available")
-    name = naming.deployment_name("chat", pool["status"]["servingRevision"])
-    before = kube.get("Deployment", name, namespace)["spec"]["template"]["metadata"]["annotations"]
+    old = pool["status"]["servingRevision"]
+    assert pool["status"]["revision"] == old
     kube.request(
         "PATCH",
         path_of("ServingPool", namespace, "chat"),
@@ -772,15 +774,19 @@ def test_engine_settings_and_replicas_roll_the_deployment(
         and _cond(p, "Progressing").get("reason") == "Complete",
         "2 ready replicas with the new settings, rollout complete",
     )  # fmt: skip
-    deployment = kube.get("Deployment", name, namespace)
-    after = deployment["spec"]["template"]["metadata"]["annotations"]
-    key = naming.ENGINE_CONFIG_HASH_ANNOTATION
-    assert after[key] != before[key]  # a settings change restarts the engines
+    new = pool["status"]["servingRevision"]
+    assert new == pool["status"]["revision"] != old
+    deployment = kube.get("Deployment", naming.deployment_name("chat", new), namespace)
     assert deployment["spec"]["replicas"] == 2
-    assert kube.get("ConfigMap", "chat-engine", namespace)["data"]["KVFLEET_MAX_NUM_SEQS"] == "32"
+    env = {e["name"]: e.get("value") for e in
+           deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KVFLEET_MAX_NUM_SEQS"] == "32"
+    kube.wait_for("the old revision's Deployment retired", lambda: not kube.list(
+        "Deployment", namespace, label_selector=f"{naming.REVISION_LABEL}={old[:12]}") or None,
+        60)
     pods = kube.list("Pod", namespace, label_selector=f"{naming.POOL_LABEL}=chat")
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    assert {p["metadata"]["annotations"][key] for p in live} == {after[key]}
+    assert {p["metadata"]["labels"][naming.REVISION_LABEL] for p in live} == {new[:12]}
 
 
 # -- least privilege, measured: the last test of this module ---------------------------------
@@ -791,7 +797,7 @@ def test_engine_settings_and_replicas_roll_the_deployment(
 # resolve `--namespace` globs (the tests run cluster-wide).
 NEEDED_UNSEEN = {
     **{(group, resource, "create"): "server-side apply creating an object"
-       for group, resource in (("apps", "deployments"), ("", "services"), ("", "configmaps"),
+       for group, resource in (("apps", "deployments"), ("", "services"),
                                ("", "secrets"), ("networking.k8s.io", "networkpolicies"),
                                ("policy", "poddisruptionbudgets"))},
     ("apps", "deployments", "delete"): "a retired revision",

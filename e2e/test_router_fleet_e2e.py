@@ -40,7 +40,6 @@ from e2e.test_operator_e2e import (  # noqa: F401 (crds and operator are fixture
     crds,
     operator,
 )
-from kvfleet.api import manifest_hash
 from kvfleet.api.labels import ROUTER_APP
 from kvfleet.api.rollout import REQUEST_ANNOTATION
 from kvfleet.devcluster.demo import (
@@ -54,6 +53,7 @@ from kvfleet.devcluster.demo import (
 )
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.operator import naming
+from kvfleet.operator.revisions import revision_for
 from kvfleet.router.manifests import PORT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -189,7 +189,8 @@ def test_weights_stickiness_shadow_replica_loss_and_router_restart_on_a_real_fle
     revisions = [smollm2_revision(f"smol-v{i}", 40 + i, namespace) for i in (1, 2)]
     for artifact in revisions:
         kube.create(artifact)
-    stable, canary = (manifest_hash(a["spec"])[:12] for a in revisions)
+    stable, canary = (revision_for(local_pool(POOL, "smol-v1", namespace), a)[:12]
+                      for a in revisions)
     tenant(kube, namespace)
     _team_b(kube, namespace)
     # Cordoned before the pool exists: no replica lands on a KWOK node, whose pods log nothing.

@@ -1,7 +1,8 @@
 """Rollout: the standing rollout policy of one ServingPool (like Flagger's Canary).
 
-A rollout starts when the pool's `spec.artifactRef` names an artifact whose manifest hash is
-not the one serving: one line changed in Git. The Rollout says how the new revision is tried
+A rollout starts when the pool's spec asks for a revision that is not the one serving: another
+`spec.artifactRef`, engine image or engine setting (kvfleet.operator.revisions), one line
+changed in Git, or an operator whose default engine image changed. The Rollout says how the new revision is tried
 (an optional shadow phase, canary steps by weight) and judged (analysis metrics read from
 Prometheus, by default the pool's SLOs), and the operator records every step, window and
 evaluation in `status`, so an operator restart resumes exactly where it stopped.
@@ -413,7 +414,7 @@ class Evaluation(KubeModel):
     """One evaluation, keyed by (revision, step, index): recomputed after a restart it covers
     the same window and is never counted twice."""
 
-    revision: str = Field(pattern=SHA256_PATTERN, description="Canary manifest hash.")
+    revision: str = Field(pattern=SHA256_PATTERN, description="The canary revision.")
     step: int = Field(ge=-1, description="Step index; -1 is the shadow phase.")
     index: int = Field(ge=1, description="Evaluation number in the step (window slot).")
     window_start: datetime = Field(description="Start of the queried window.")
@@ -439,10 +440,15 @@ class RolloutStatus(KubeModel):
     phase: Phase = Field(default=Phase.IDLE, description="Where the rollout stands.")
     message: str = Field(default="", max_length=1024, description="Where and why, in words.")
     stable_revision: str | None = Field(
-        default=None, pattern=SHA256_PATTERN, description="Manifest hash serving stable traffic.")
+        default=None, pattern=SHA256_PATTERN, description="The revision serving stable traffic.")
     canary_revision: str | None = Field(
-        default=None, pattern=SHA256_PATTERN, description="Manifest hash being rolled out.")
+        default=None, pattern=SHA256_PATTERN,
+        description="The revision being rolled out (the pool's status.revision).")
     canary_artifact: str | None = Field(default=None, description="Its ModelArtifact.")
+    canary_change: str | None = Field(
+        default=None, max_length=2048,
+        description="What the canary changes against stable: its artifact, engine image, "
+        "engine settings (e.g. \"settings KVFLEET_KV_CACHE_DTYPE auto -> fp8\").")
     rollout_hash: str | None = Field(
         default=None, description="Digest of the policy the rollout runs. An edit applies "
         "from the current step of a running rollout and never restarts a finished one: a "

@@ -337,7 +337,7 @@ class TrafficRole(StrEnum):
 class TrafficTarget(KubeModel):
     """One revision of the pool in the router's traffic table."""
 
-    revision: str = Field(pattern=SHA256_PATTERN, description="Artifact manifest hash.")
+    revision: str = Field(pattern=SHA256_PATTERN, description="A revision (status.revision).")
     role: TrafficRole = Field(description="stable, canary or shadow.")
     weight: int = Field(
         default=0, ge=0, le=100,
@@ -373,7 +373,7 @@ class RefusedRevision(KubeModel):
     """A revision the pool will not serve again until a person retries it: whatever Git, a
     deleted or new Rollout, or a restore of the pool does."""
 
-    revision: str = Field(pattern=SHA256_PATTERN, description="Artifact manifest hash.")
+    revision: str = Field(pattern=SHA256_PATTERN, description="A revision (status.revision).")
     artifact: str = Field(default="", max_length=253, description="Its ModelArtifact, then.")
     reason: RefusalReason = Field(description="RolledBack, Aborted or RolloutDeleted.")
     rollout: str = Field(default="", max_length=253, description="The Rollout that decided.")
@@ -391,10 +391,14 @@ class ServingPoolStatus(KubeModel):
         description="Label selector of the pool's engine pods, every revision's (the /scale "
         "subresource's, which a HorizontalPodAutoscaler reads).")
     capacity: PoolCapacity | None = Field(default=None, description="Planned capacity.")
+    revision: str | None = Field(
+        default=None, pattern=SHA256_PATTERN,
+        description="The revision the spec asks for: a hash of the artifact's manifest, the "
+        "engine image and the engine settings (a change of any of them is a new revision).")
     serving_revision: str | None = Field(
         default=None,
         pattern=SHA256_PATTERN,
-        description="Manifest hash of the artifact the replicas serve.",
+        description="The revision the replicas serve (see revision).",
     )
     serving_artifact: str | None = Field(
         default=None, max_length=253,

@@ -111,21 +111,20 @@ async def _act(api: Any, args: argparse.Namespace, namespace: str) -> int:
 
 async def _retry_ungoverned(api: Any, pool: str, namespace: str) -> int:
     """With no Rollout, a retry is the pool's kvfleet.io/retry-revision annotation naming the
-    refused revision its artifactRef names (the operator acts on each value once)."""
-    from kvfleet.api import ModelArtifact, manifest_hash
-
+    refused revision its spec asks for, status.revision (the operator acts on each value
+    once)."""
     obj = await api.get("ServingPool", namespace, pool)
     if obj is None:
         print(f"kvfleet rollout: no ServingPool {pool!r} and no Rollout for it in namespace "
               f"{namespace!r}", file=sys.stderr)
         return 1
     ref = obj["spec"]["artifactRef"]["name"]
-    artifact = await api.get("ModelArtifact", namespace, ref)
-    if artifact is None:
-        print(f"kvfleet rollout: pool {pool!r} names ModelArtifact {ref!r}, which does not "
-              "exist: nothing to retry", file=sys.stderr)
+    revision = (obj.get("status") or {}).get("revision")
+    if not revision:
+        print(f"kvfleet rollout: pool {pool!r} has no status.revision yet (its artifact "
+              f"{ref!r} missing, or the operator has not reconciled it): nothing to retry",
+              file=sys.stderr)
         return 1
-    revision = manifest_hash(ModelArtifact.model_validate(artifact).spec)
     refused = [r["revision"] for r in (obj.get("status") or {}).get("refusedRevisions", [])]
     if revision not in refused:
         print(f"kvfleet rollout: pool {pool!r} does not refuse revision {revision[:12]} "
@@ -151,6 +150,7 @@ def describe(name: str, spec: dict[str, Any], status: dict[str, Any]) -> str:
         f"Stable:    {(status.get('stableRevision') or '-')[:12]}",
         f"Canary:    {(status.get('canaryRevision') or '-')[:12]} "
         f"({status.get('canaryArtifact', '-')})",
+        *([f"Changes:   {status['canaryChange']}"] if status.get("canaryChange") else []),
         "Step:      " + ("shadow" if step == -1 else f"{step + 1}/{len(steps)}"
                          if isinstance(step, int) else "-")
         + f", weight {status.get('currentWeight', 0)}%"

@@ -317,8 +317,8 @@ def run_demo(kube: KubeClient, kubeconfig: Path, prometheus_url: str | None, nod
              operator_start: Callable[[], Any], say: Callable[[str], None] = print,
              namespace: str = "demo") -> None:
     """The story, start to end (the caller owns the cluster and stops what it started)."""
-    from kvfleet.api import manifest_hash
     from kvfleet.engine.faults import FAULTS_ENV
+    from kvfleet.operator.revisions import revision_for
 
     install_crds(kube)
     operator_start()
@@ -327,7 +327,8 @@ def run_demo(kube: KubeClient, kubeconfig: Path, prometheus_url: str | None, nod
     for artifact in revisions:
         kube.create(artifact)
     tenant(kube, namespace)
-    kube.create(local_pool(POOL, "smol-v1", namespace))
+    pool = local_pool(POOL, "smol-v1", namespace)
+    kube.create(pool)
     kube.create(rollout_policy(POOL, namespace, shadow=True))
     say(f"""
 Watch it in another shell:
@@ -346,11 +347,11 @@ Watch it in another shell:
     try:
         say("\n1. artifactRef: smol-v1 -> smol-v2 (a good revision)")
         set_artifact(kube, namespace, POOL, "smol-v2")
-        target = manifest_hash(revisions[1]["spec"])
+        target = revision_for(pool, revisions[1])
         watch_rollout(kube, namespace, POOL, lambda r: (r.get("status") or {}).get(
             "canaryRevision") == target and r["status"].get("phase") in (
             "Promoted", "RolledBack", "Paused"), 300, say)
-        slow = manifest_hash(revisions[2]["spec"])
+        slow = revision_for(pool, revisions[2])
         os.environ[FAULTS_ENV] = slow_fault(slow)  # read by the local runner
         say("\n2. artifactRef: smol-v2 -> smol-v3 (its engines take 1 s per token)")
         set_artifact(kube, namespace, POOL, "smol-v3")

@@ -3,7 +3,7 @@
 Pure core (no I/O):
   servingpool.reconcile(pool, artifact, observed) -> Plan    what to apply/delete, the status
   modelartifact.reconcile_artifact(artifact) -> status       manifest hash, Verified, Compatible
-  builders.build_deployment/_config_map/_service/_pdb        the manifests
+  builders.build_deployment/_service/_pdb                    the manifests
   placement                                                  node selection, scheduling reasons
   podwatch                                                   which pod events concern a pool
   changes.Changes                                            which pool events need a reconcile

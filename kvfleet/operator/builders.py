@@ -1,24 +1,24 @@
 """Manifest builders: pure functions from a ServingPool (+ its ModelArtifact) to the objects
 that serve it. No I/O; the reconciler decides which of them to apply.
 
-Engine settings live in a ConfigMap and reach `kvfleet serve` as `$(VAR)` arguments through
-`configMapKeyRef` env entries, so the pod template carries the ConfigMap's digest and a
-settings change rolls the Deployment (a ConfigMap edit alone would not restart anything).
+Engine settings reach `kvfleet serve` as env entries of the revision's own Deployment, read as
+`$(VAR)` arguments: they are part of the revision (kvfleet.operator.revisions), so the stable
+and canary Deployments of a rollout each keep their own, and nothing shared between them can
+change one revision's pods under the other.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvfleet.api import API_VERSION, ModelArtifact, ServingPool, labels
-from kvfleet.api.quantity import parse_bytes, whole_cpus
+from kvfleet.api import API_VERSION, ModelArtifact, ServingPool, labels, manifest_hash
+from kvfleet.api.quantity import parse_bytes
 from kvfleet.api.servingpool import EngineSettings
 from kvfleet.capacity import MemoryPlan
-from kvfleet.operator import naming
+from kvfleet.operator import naming, revisions
 from kvfleet.operator.placement import (
     GPU_RESOURCE,
     MIB,
@@ -26,6 +26,7 @@ from kvfleet.operator.placement import (
     node_selector,
     tolerations,
 )
+from kvfleet.operator.revisions import CPU_THREADS_ENV, RevisionParts, cpu_threads
 
 ENGINE_PORT = labels.ENGINE_PORT
 # The engine reads its pool's router token from the Secret mounted as a volume, not from an env
@@ -49,10 +50,6 @@ EXPECTED_SHA256_ENV = "KVFLEET_EXPECTED_SHA256"
 MANIFEST_HASH_ENV = "KVFLEET_MANIFEST_HASH"
 EXPECTED_TOKENIZER_ENV = "KVFLEET_EXPECTED_TOKENIZER_SHA256"
 EXPECTED_TEMPLATE_ENV = "KVFLEET_EXPECTED_CHAT_TEMPLATE_SHA256"
-# Threads of the engine's CPU work (`kvfleet serve --cpu-threads`), set from requests.cpu when
-# the pool sets no CPU limit: without a CFS quota the engine would size itself to the node's
-# every core, and engines packed on a node would all wait on each other's threads.
-CPU_THREADS_ENV = "KVFLEET_CPU_THREADS"
 # The artifact's spec.samplingDefaults, as JSON: the engine applies them to requests that leave
 # those fields unset (kvfleet.engine.protocol.SamplingDefaults).
 SAMPLING_DEFAULTS_ENV = "KVFLEET_SAMPLING_DEFAULTS"
@@ -70,7 +67,7 @@ MODEL_CACHE_PATH = "/var/cache/kvfleet/models"
 class EngineOptions:
     """Operator-wide settings of the pods it creates."""
 
-    image: str = "ghcr.io/kvfleet/kvfleet:0.1.0"
+    image: str = revisions.DEFAULT_ENGINE_IMAGE
     image_pull_policy: str = "IfNotPresent"
     # Where the pods that may reach engines run: the router's namespace (None: the pool's
     # own) and Prometheus' (None: any namespace, by its pods' name label alone).
@@ -95,49 +92,6 @@ def _meta(name: str, pool: ServingPool, labels: dict[str, str]) -> dict[str, Any
 
 def termination_grace_seconds(engine: EngineSettings) -> int:
     return PRE_STOP_SECONDS + engine.drain_seconds + EXIT_SECONDS
-
-
-def engine_settings(pool: ServingPool) -> dict[str, str]:
-    """The ConfigMap data: one key per `kvfleet serve` setting of the pool (values are
-    strings); what depends on the artifact is the revision's, in its Deployment."""
-    engine = pool.spec.engine
-    data = {
-        "KVFLEET_BLOCK_SIZE": str(engine.block_size),
-        "KVFLEET_MAX_NUM_BATCHED_TOKENS": str(engine.max_batched_tokens),
-        "KVFLEET_MAX_NUM_SEQS": str(engine.max_running_requests),
-        "KVFLEET_LONG_PREFILL_TOKEN_THRESHOLD": str(
-            engine.chunked_prefill_size or engine.max_batched_tokens
-        ),
-        "KVFLEET_PREFIX_CACHING": "--enable-prefix-caching"
-        if engine.prefix_cache.enabled
-        else "--no-enable-prefix-caching",
-        "KVFLEET_PREFIX_CACHE_SCOPE": engine.prefix_cache.scope.value,
-        "KVFLEET_KV_CACHE_DTYPE": engine.kv_cache_dtype.value,
-        # Read by `kvfleet serve` as the defaults of --int8-activations,
-        # --int16-activations and --max-prefill-tokens-per-step.
-        "KVFLEET_INT8_ACTIVATIONS": "1" if engine.int8_activations else "0",
-        "KVFLEET_INT16_ACTIVATIONS": "1" if engine.int16_activations else "0",
-        "KVFLEET_MAX_PREFILL_TOKENS_PER_STEP": "auto" if engine.prefill_tokens_per_step is None
-        else str(engine.prefill_tokens_per_step),
-        "KVFLEET_DRAIN_GRACE_SECONDS": str(engine.drain_seconds),
-    }
-    if engine.max_model_length is not None:
-        data["KVFLEET_MAX_MODEL_LEN"] = str(engine.max_model_length)
-    return data
-
-
-def config_digest(data: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def build_config_map(pool: ServingPool) -> dict[str, Any]:
-    name = naming.config_map_name(pool.metadata.name)
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _meta(name, pool, naming.pool_labels(pool.metadata.name)),
-        "data": engine_settings(pool),
-    }
 
 
 def model_cache_bytes(artifact: ModelArtifact) -> int:
@@ -230,26 +184,15 @@ def _resources(pool: ServingPool, plan: MemoryPlan | None) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def _cpu_threads(pool: ServingPool) -> int | None:
-    """The whole CPUs of requests.cpu when there is no limits.cpu (a limit is a CFS quota,
-    which the engine reads itself), else None: the engine decides."""
-    settings = pool.spec.pod.resources
-    if settings is None or settings.requests is None or not settings.requests.cpu:
-        return None
-    if settings.limits is not None and settings.limits.cpu:
-        return None
-    return whole_cpus(settings.requests.cpu)
-
-
 def _container(
     pool: ServingPool,
     artifact: ModelArtifact,
-    manifest_hash: str,
+    parts: RevisionParts,
     settings: dict[str, str],
     plan: MemoryPlan | None,
     options: EngineOptions,
 ) -> dict[str, Any]:
-    cm = naming.config_map_name(pool.metadata.name)
+    manifest_hash = parts.artifact
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": MANIFEST_HASH_ENV, "value": manifest_hash},
@@ -270,15 +213,12 @@ def _container(
     if options.tls:
         env += [{"name": "KVFLEET_TLS_CERT_FILE", "value": f"{ROUTER_TOKEN_DIR}/{ENGINE_CERT_KEY}"},
                 {"name": "KVFLEET_TLS_KEY_FILE", "value": f"{ROUTER_TOKEN_DIR}/{ENGINE_KEY_KEY}"}]
-    env += [
-        {"name": key, "valueFrom": {"configMapKeyRef": {"name": cm, "key": key}}}
-        for key in sorted(settings)
-    ]
+    env += [{"name": key, "value": settings[key]} for key in sorted(settings)]
     args = [
         "--host=$(POD_IP)",
         f"--port={ENGINE_PORT}",
         f"--served-model-name={artifact.metadata.name}",
-        f"--revision={naming.short_revision(manifest_hash)}",
+        f"--revision={naming.short_revision(parts.revision)}",
         "--block-size=$(KVFLEET_BLOCK_SIZE)",
         "--max-num-batched-tokens=$(KVFLEET_MAX_NUM_BATCHED_TOKENS)",
         "--max-num-seqs=$(KVFLEET_MAX_NUM_SEQS)",
@@ -290,10 +230,8 @@ def _container(
     if "KVFLEET_MAX_MODEL_LEN" in settings:
         args.append("--max-model-len=$(KVFLEET_MAX_MODEL_LEN)")
     if plan is not None and plan.kv_blocks_per_rank is not None:
-        # The KV plan depends on the artifact, so it is the revision's own (the ConfigMap is
-        # the pool's, shared by the stable and canary revisions of a rollout).
         args.append(f"--num-kv-blocks={plan.kv_blocks_per_rank}")
-    threads = _cpu_threads(pool)
+    threads = cpu_threads(pool)
     if threads is not None:
         env.append({"name": CPU_THREADS_ENV, "value": str(threads)})
     env += _pool_env(pool)
@@ -331,20 +269,25 @@ def _container(
 def build_deployment(
     pool: ServingPool,
     artifact: ModelArtifact,
-    manifest_hash: str,
     plan: MemoryPlan | None,
     options: EngineOptions = EngineOptions(),
 ) -> dict[str, Any]:
-    """The Deployment serving one revision (artifact manifest hash) of the pool."""
+    """The Deployment serving the revision of the pool's spec with `artifact`: named and
+    labelled by the revision, annotated with its parts (kvfleet.operator.revisions)."""
     name = pool.metadata.name
-    settings = engine_settings(pool)
-    labels = naming.revision_labels(name, artifact.metadata.name, manifest_hash)
-    selector = naming.revision_selector(name, manifest_hash)
-    meta = _meta(naming.deployment_name(name, manifest_hash), pool, labels)
-    meta["annotations"] = {naming.MANIFEST_HASH_ANNOTATION: manifest_hash}
+    parts = revisions.parts_of(pool, manifest_hash(artifact.spec), options.image)
+    revision = parts.revision
+    settings = revisions.engine_settings(pool)
+    labels = naming.revision_labels(name, artifact.metadata.name, revision)
+    selector = naming.revision_selector(name, revision)
+    meta = _meta(naming.deployment_name(name, revision), pool, labels)
+    identity = {naming.REVISION_ANNOTATION: revision,
+                naming.MANIFEST_HASH_ANNOTATION: parts.artifact,
+                revisions.SETTINGS_ANNOTATION: parts.settings_annotation()}
+    meta["annotations"] = identity
     pod_spec: dict[str, Any] = {
         "initContainers": [_fetch_container(pool, artifact, options)],
-        "containers": [_container(pool, artifact, manifest_hash, settings, plan, options)],
+        "containers": [_container(pool, artifact, parts, settings, plan, options)],
         "volumes": [_cache_volume(pool, artifact), {
             "name": ROUTER_TOKEN_VOLUME,
             "secret": {"secretName": naming.router_secret_name(name), "defaultMode": 0o400,
@@ -385,8 +328,8 @@ def build_deployment(
                     "labels": {**pod.labels, **labels},
                     "annotations": {
                         **pod.annotations,
-                        naming.MANIFEST_HASH_ANNOTATION: manifest_hash,
-                        naming.ENGINE_CONFIG_HASH_ANNOTATION: config_digest(settings),
+                        naming.REVISION_ANNOTATION: revision,
+                        naming.MANIFEST_HASH_ANNOTATION: parts.artifact,
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(ENGINE_PORT),
                         "prometheus.io/path": "/metrics",

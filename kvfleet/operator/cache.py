@@ -2,7 +2,7 @@
 
 Watches already stream each kind a ServingPool reconcile reads: kopf streams the ServingPools
 and ModelArtifacts (a kopf index handler each, in `handlers.py`), and `informer.Informer`s,
-through server-side label selectors, the operator's own Deployments, Services, ConfigMaps,
+through server-side label selectors, the operator's own Deployments, Services,
 PodDisruptionBudgets and engine pods. Each keeps the latest body of every object (values from
 `slim`/`slim_pod`; the informers' compressed, `informer.Packed`, each read a fresh copy), so
 a reconcile reads memory instead of sending GETs — controller-runtime's informer cache. Pool
@@ -50,14 +50,13 @@ INDEX_IDS: dict[str, str] = {
     "Rollout": "rollout_index",
     "Deployment": "deployment_index",
     "Service": "service_index",
-    "ConfigMap": "config_map_index",
     "PodDisruptionBudget": "pdb_index",
     "Secret": "secret_index",
     "NetworkPolicy": "network_policy_index",
     "Pod": "pod_index",
 }
 TOP_LEVEL = frozenset({"ServingPool", "ModelArtifact", "Rollout"})
-CHILD_KINDS = frozenset({"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "Secret",
+CHILD_KINDS = frozenset({"Deployment", "Service", "PodDisruptionBudget", "Secret",
                          "NetworkPolicy"})
 # An index as kopf exposes it: key -> the values of every object filed under that key.
 IndexView = Mapping[Any, Iterable[JsonObj]]

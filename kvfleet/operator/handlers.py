@@ -3,7 +3,7 @@ decisions live in the pure reconcilers and the I/O in kvfleet.operator.runtime.
 
 Triggers of a ServingPool reconcile: the pool's create/update/resume (kopf progress and
 diff-base kept in `kvfleet.io/` annotations, never in status), any event on a Deployment,
-Service, ConfigMap or PodDisruptionBudget the operator manages (so a deleted Service or a
+Service or PodDisruptionBudget the operator manages (so a deleted Service or a
 Deployment that became ready is acted on at once), one of its engine pods showing, changing or
 clearing a problem (unschedulable, crash-looping: see `podwatch`), its artifact appearing or
 going away, and a drift loop that re-reads everything (level-based: it closes any gap left).
@@ -49,7 +49,6 @@ RETRY_DELAY_SECONDS = 5.0
 CHILD_KINDS = {
     ("apps", "v1", "deployments"): "Deployment",
     ("", "v1", "services"): "Service",
-    ("", "v1", "configmaps"): "ConfigMap",
     ("policy", "v1", "poddisruptionbudgets"): "PodDisruptionBudget",
     ("", "v1", "secrets"): "Secret",
     ("networking.k8s.io", "v1", "networkpolicies"): "NetworkPolicy",

@@ -45,17 +45,15 @@ from kvfleet.api.meta import GROUP
 
 MODEL_LABEL = f"{GROUP}/model"
 MANIFEST_HASH_ANNOTATION = f"{GROUP}/manifest-hash"
-ENGINE_CONFIG_HASH_ANNOTATION = f"{GROUP}/engine-config-hash"
+# The revision's id (kvfleet.operator.revisions); a Deployment without it is an older
+# operator's, whose revision was its manifest hash.
+REVISION_ANNOTATION = f"{GROUP}/revision"
 MANAGED_BY = "kvfleet-operator"
 FIELD_MANAGER = "kvfleet-operator"
 
 
-def deployment_name(pool: str, manifest_hash: str) -> str:
-    return bounded_name(pool, short_revision(manifest_hash))
-
-
-def config_map_name(pool: str) -> str:
-    return bounded_name(pool, "engine")
+def deployment_name(pool: str, revision: str) -> str:
+    return bounded_name(pool, short_revision(revision))
 
 
 def service_name(pool: str) -> str:
@@ -89,16 +87,16 @@ def pool_selector(pool: str) -> dict[str, str]:
     return {POOL_LABEL: label_value(pool), "app.kubernetes.io/component": ENGINE_COMPONENT}
 
 
-def revision_labels(pool: str, artifact: str, manifest_hash: str) -> dict[str, str]:
+def revision_labels(pool: str, artifact: str, revision: str) -> dict[str, str]:
     return {
         **pool_labels(pool),
         MODEL_LABEL: label_value(artifact),
-        REVISION_LABEL: short_revision(manifest_hash),
+        REVISION_LABEL: short_revision(revision),
     }
 
 
-def revision_selector(pool: str, manifest_hash: str) -> dict[str, str]:
-    return {**pool_selector(pool), REVISION_LABEL: short_revision(manifest_hash)}
+def revision_selector(pool: str, revision: str) -> dict[str, str]:
+    return {**pool_selector(pool), REVISION_LABEL: short_revision(revision)}
 
 
 def selector_string(labels: dict[str, str]) -> str:

@@ -41,7 +41,7 @@ def cluster_role_rules() -> list[dict[str, Any]]:
         },
         {
             "apiGroups": [""],
-            "resources": ["services", "configmaps"],
+            "resources": ["services"],
             "verbs": [*WATCH, "create", "patch"],
         },
         # Each pool's router token (the operator writes it once; engines mount it).

@@ -98,8 +98,8 @@ def refused_for_rollout(pool: ServingPool, revision: str | None, status: Rollout
 
 def remember(pool: ServingPool, *, revision: str | None, serving: str | None,
              rollout: Decision | None, rollout_name: str, now: datetime) -> Memory:
-    """The pool's refused revisions after this reconcile. `revision`: the manifest hash of
-    the artifactRef; `serving`: the revision that serves (before this reconcile); `rollout`:
+    """The pool's refused revisions after this reconcile. `revision`: the revision the
+    pool's spec asks for; `serving`: the revision that serves (before this reconcile); `rollout`:
     this reconcile's decision of the Rollout (`rollout_name`) governing the pool, if any."""
     previous = pool.status
     refused = list(previous.refused_revisions) if previous is not None else []

@@ -68,8 +68,10 @@ class View:
     pool_replicas: int
     slos: SLOs | None
     stable: str | None  # the pool's servingRevision
-    target: str | None  # manifest hash of the pool's artifactRef; None: missing or blocked
+    target: str | None  # the revision the pool's spec asks for; None: missing or blocked
     target_artifact: str
+    # What the target changes against stable (kvfleet.operator.revisions.describe_change).
+    target_change: str = ""
     blocked: str | None = None  # why the target cannot be deployed
     canary_ready: int = 0  # ready replicas of the target revision's Deployment
     canary_problem: str | None = None  # why canary pods do not run (e.g. unschedulable)
@@ -226,6 +228,7 @@ class _Run:
         s.phase = Phase.SHADOW if self.spec.shadow else Phase.PROGRESSING
         s.stable_revision, s.canary_revision = view.stable, view.target
         s.canary_artifact = view.target_artifact
+        s.canary_change = view.target_change or None
         s.rollout_hash = policy_hash(self.spec)
         s.started_at, s.finished_at, s.drain_started_at = self.now, None, None
         s.current_step = SHADOW_STEP if self.spec.shadow else 0
@@ -534,8 +537,9 @@ def decide(view: View, window: Window | None, results: list[MetricEvaluation] | 
         assert view.target is not None
         if s.canary_revision != view.target or s.phase == Phase.IDLE:
             changed = s.phase in ACTIVE and s.canary_revision is not None
-            run.start("artifact changed during a rollout; restarted from stable" if changed
-                      else f"artifactRef is now {view.target_artifact}")
+            change = view.target_change or f"artifactRef is now {view.target_artifact}"
+            run.start(f"the revision changed during a rollout ({change}); restarted from "
+                      "stable" if changed else change)
         elif s.rollout_hash != policy_hash(view.spec):
             run.adopt_policy()
         if view.request is not None:

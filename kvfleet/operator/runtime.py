@@ -2,7 +2,7 @@
 plan. kopf handlers (kvfleet.operator.handlers) only decide *when* these run.
 
 Reads come from `cache.Cache` (what kopf's watches delivered), not from the apiserver: the
-pool, its artifact, its Rollout, its Deployments, ConfigMap, Service, PDB and engine pods.
+pool, its artifact, its Rollout, its Deployments, Service, PDB and engine pods.
 Writes go out together, in one round trip of latency: the applies of what is missing or
 drifted, deletes of retired revisions, the status if it changed, and the events. A reconcile
 where nothing drifted and nothing changed sends no request at all.
@@ -31,7 +31,7 @@ from kvfleet.api.analysis import overall
 from kvfleet.api.rollout import REQUEST_ANNOTATION, Phase, RolloutRequest, RolloutStatus
 from kvfleet.compat import Matrix
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
-from kvfleet.operator import metrics, naming, refusals
+from kvfleet.operator import metrics, naming, refusals, revisions
 from kvfleet.operator.autoscaler import (
     DEFAULT_INTERVAL_SECONDS,
     Autoscaler,
@@ -245,7 +245,9 @@ class Runtime:
             except ValueError as exc:
                 request_error = str(exc)
         problem = target_problem(pool, artifact, self.matrix)
-        wanted = manifest_hash(artifact.spec) if artifact is not None else None
+        parts = None if artifact is None else revisions.parts_of(
+            pool, manifest_hash(artifact.spec), self.options.image)
+        wanted = parts.revision if parts is not None else None
         if problem is None and wanted is not None:
             refused = refusals.refused_for_rollout(pool, wanted,
                                                    rollout.status or RolloutStatus(), request)
@@ -260,6 +262,7 @@ class Runtime:
             pool_replicas=pool.spec.replicas, slos=pool.spec.slos,
             stable=pool.status.serving_revision if pool.status else None,
             target=target, target_artifact=pool.spec.artifact_ref.name, blocked=problem,
+            target_change=_change(observed, pool, parts),
             canary_ready=ready_replicas(revision_deployment(observed, target)),
             canary_problem=diagnosis.message if diagnosis is not None else None)
         now = _now()
@@ -308,7 +311,6 @@ class Runtime:
             kv_blocks=None if allocated is None else allocated.get(
                 (ns, naming.label_value(name)), {}),
             deployments=tuple(deployments),
-            config_map=self._owned_named("ConfigMap", ns, uid, naming.config_map_name(name)),
             service=self._owned_named("Service", ns, uid, naming.service_name(name)),
             pdb=self._owned_named("PodDisruptionBudget", ns, uid, naming.pdb_name(name)),
             router_secret=self._owned_named("Secret", ns, uid, naming.router_secret_name(name)),
@@ -427,7 +429,7 @@ class Runtime:
             serving_artifact=serving_artifact,
             autoscaling=self.autoscaler.report(key),
         )
-        # Every write is independent of the others (a pod waits for its ConfigMap by itself;
+        # Every write is independent of the others (a pod waits for its Secret by itself;
         # the status describes what was decided, and is corrected below if an apply fails),
         # so they go out together: one round trip of latency instead of one per object.
         applies = [self._apply(obj) for obj in plan.apply]
@@ -566,6 +568,17 @@ class Runtime:
                 "count": 1,
             }
         )
+
+
+def _change(observed: Observed, pool: ServingPool,
+            target: revisions.RevisionParts | None) -> str:
+    """What the target revision changes against the serving one, read from the serving
+    Deployment's parts (empty without a target)."""
+    if target is None:
+        return ""
+    serving = revision_deployment(observed, pool.status.serving_revision if pool.status else None)
+    old = revisions.parts_of_deployment(serving) if serving is not None else None
+    return revisions.describe_change(old, target, pool.spec.artifact_ref.name)
 
 
 def _now() -> datetime:

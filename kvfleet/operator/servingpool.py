@@ -26,7 +26,7 @@ from kvfleet.api import ModelArtifact, ServingPool, manifest_hash
 from kvfleet.api.labels import engine_server_name
 from kvfleet.capacity import MemoryPlan, plan_for_pool
 from kvfleet.compat import Matrix, check
-from kvfleet.operator import builders, naming, refusals
+from kvfleet.operator import builders, naming, refusals, revisions
 from kvfleet.operator.autoscaler import Report as AutoscaleReport
 from kvfleet.operator.builders import EngineCertificate
 from kvfleet.operator.conditions import Cond, merge_conditions
@@ -43,7 +43,6 @@ class Observed:
     """What exists in the pool's namespace that belongs to the pool."""
 
     deployments: tuple[dict[str, Any], ...] = ()
-    config_map: dict[str, Any] | None = None
     service: dict[str, Any] | None = None
     pdb: dict[str, Any] | None = None
     router_secret: dict[str, Any] | None = None
@@ -74,7 +73,8 @@ class _Blocker:
 
 def _revision_of(deployment: dict[str, Any]) -> str | None:
     annotations = deployment.get("metadata", {}).get("annotations") or {}
-    value = annotations.get(naming.MANIFEST_HASH_ANNOTATION)
+    value = annotations.get(naming.REVISION_ANNOTATION,
+                            annotations.get(naming.MANIFEST_HASH_ANNOTATION))
     return value if isinstance(value, str) else None
 
 
@@ -160,16 +160,14 @@ def target_problem(pool: ServingPool, artifact: ModelArtifact | None, matrix: Ma
 def _desired(
     pool: ServingPool,
     artifact: ModelArtifact,
-    revision: str,
     plan: MemoryPlan,
     options: builders.EngineOptions,
     router_token: str,
     tls: EngineCertificate | None = None,
 ) -> list[dict[str, Any]]:
     return [
-        builders.build_config_map(pool),
         builders.build_router_secret(pool, router_token, tls),
-        builders.build_deployment(pool, artifact, revision, plan, options),
+        builders.build_deployment(pool, artifact, plan, options),
         builders.build_service(pool),
         builders.build_pdb(pool),
         builders.build_network_policy(pool, options),
@@ -181,7 +179,6 @@ def _observed_for(obj: dict[str, Any], observed: Observed) -> dict[str, Any] | N
     if kind == "Deployment":
         return next((d for d in observed.deployments if d["metadata"]["name"] == name), None)
     return {
-        "ConfigMap": observed.config_map,
         "Service": observed.service,
         "PodDisruptionBudget": observed.pdb,
         "Secret": observed.router_secret,
@@ -306,7 +303,8 @@ def reconcile(
     previous = pool.status.to_wire() if pool.status is not None else {}
     plan, capacity = (None, None) if artifact is None else _capacity(pool, artifact, matrix)
     blocker = _blocker(pool, artifact, matrix, capacity)
-    revision = manifest_hash(artifact.spec) if artifact is not None else None
+    revision = None if artifact is None else revisions.parts_of(
+        pool, manifest_hash(artifact.spec), options.image).revision
     serving = previous.get("servingRevision")
     if serving is None and rollout is not None and revision_deployment(
             observed, rollout.status.stable_revision) is not None:
@@ -344,7 +342,7 @@ def reconcile(
                 engine_server_name(pool.metadata.name, pool.metadata.namespace or ""), now,
                 new_engine_certificate)
         children = _children(
-            facts, _desired(pool, artifact, revision, plan, options, token, tls), observed)
+            facts, _desired(pool, artifact, plan, options, token, tls), observed)
     if governed:
         _restore_stable(facts, serving_artifact, observed, children, matrix, options)
     delete, scale, events = _retire(facts, observed, children)
@@ -358,13 +356,17 @@ def _restore_stable(facts: _Facts, serving_artifact: ModelArtifact | None, obser
                     children: _Children, matrix: Matrix, options: builders.EngineOptions) -> None:
     """A governed pool whose stable Deployment is gone (deleted by hand, lost in a restore)
     gets it back: a missing stable must never turn the canary into the pool's only revision,
-    unanalysed. Without its artifact it stays missing, and servingRevision stays put."""
+    unanalysed. It is rebuilt from the spec with its artifact, so only when the rollout changes
+    the artifact alone (the spec no longer holds the stable's image or settings otherwise);
+    else, or without its artifact, it stays missing and servingRevision stays put."""
     serving = facts.serving
     if serving is None or revision_deployment(observed, serving) is not None or \
-            serving_artifact is None or manifest_hash(serving_artifact.spec) != serving:
+            serving_artifact is None or revisions.parts_of(
+                facts.pool, manifest_hash(serving_artifact.spec), options.image).revision \
+            != serving:
         return
     plan = _capacity(facts.pool, serving_artifact, matrix)[0]
-    stable = builders.build_deployment(facts.pool, serving_artifact, serving, plan, options)
+    stable = builders.build_deployment(facts.pool, serving_artifact, plan, options)
     children.apply.append(stable)
     children.events.append(Event(
         "Normal", "Restored", f"Deployment {stable['metadata']['name']} of the stable revision "
@@ -387,7 +389,8 @@ def _children(facts: _Facts, desired_objects: list[dict[str, Any]],
             desired["spec"]["replicas"] = facts.rollover.new_replicas
         elif desired["kind"] == "Deployment" and _replace_in_place(
                 pool, facts.diagnosis, facts.previous, _observed_for(desired, observed)):
-            # A settings change rolls within the revision: with no GPU for a surge pod and
+            # A change that is no new revision (resources, drain time, pod labels) rolls within
+            # the revision's Deployment: with no GPU for a surge pod and
             # no reserve, the Deployment gives up replicas within the disruption budget.
             desired["spec"]["strategy"]["rollingUpdate"] = {
                 "maxSurge": 0, "maxUnavailable": max(1, pool.spec.reserves.failover)}
@@ -522,6 +525,8 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
             status["autoscaling"] = shown
     if plan is not None:
         status["capacity"] = plan.to_status().to_wire()
+    if revision is not None:
+        status["revision"] = revision
     if serving is not None:
         status["servingRevision"] = serving
         serving_artifact = pool.spec.artifact_ref.name if serving == revision else \

@@ -68,7 +68,7 @@ def conversation_key(body: dict[str, Any]) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
-    live: str  # revision (manifest hash) that answers the client
+    live: str  # revision that answers the client
     shadow: str | None  # revision that gets a discarded copy, if any
     probe: str | None = None  # revision whose greedy answer is compared with stable's
 

@@ -77,3 +77,12 @@ def pod(
             }
         ]
     return {"metadata": {"name": name, "labels": labels}, "status": status}
+
+
+def revision(a: ModelArtifact, p: ServingPool | None = None) -> str:
+    """The revision `p` (default: `pool()`) serving `a` has under the default engine image."""
+    from kvfleet.api import manifest_hash
+    from kvfleet.operator.builders import EngineOptions
+    from kvfleet.operator.revisions import parts_of
+
+    return parts_of(p or pool(), manifest_hash(a.spec), EngineOptions().image).revision

@@ -8,12 +8,12 @@ import re
 from typing import Any
 
 import pytest
-from operator_fakes import artifact, as_observed, pool
+from operator_fakes import artifact, as_observed, pool, revision
 
 from kvfleet.api import manifest_hash
 from kvfleet.capacity import plan_for_pool
 from kvfleet.compat import default_matrix
-from kvfleet.operator import builders, naming
+from kvfleet.operator import builders, naming, revisions
 from kvfleet.operator.drift import has_drifted
 
 
@@ -21,7 +21,7 @@ def _deployment(**sets: Any) -> dict[str, Any]:
     p, a = pool(**sets), artifact()
     product = default_matrix().gpu_products.get(p.spec.gpu.product)
     plan = plan_for_pool(a.spec, p.spec, product.memory_bytes if product else None)
-    return builders.build_deployment(p, a, manifest_hash(a.spec), plan)
+    return builders.build_deployment(p, a, plan)
 
 
 def _container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def test_a_pool_with_long_generations_drains_longer_and_the_kubelet_waits_for_it
     period, which must outlast the preStop pause plus the drain, or the kubelet cuts the
     streams the drain was waiting for."""
     p = pool(spec__engine__drainSeconds=600)
-    assert builders.engine_settings(p)["KVFLEET_DRAIN_GRACE_SECONDS"] == "600"
+    assert revisions.engine_settings(p)["KVFLEET_DRAIN_GRACE_SECONDS"] == "600"
     grace = _deployment(spec__engine__drainSeconds=600)["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"]
     assert grace == builders.PRE_STOP_SECONDS + 600 + builders.EXIT_SECONDS
@@ -84,12 +84,16 @@ def test_labels_owner_and_expected_sha256() -> None:
     a = artifact()
     digest = manifest_hash(a.spec)
     d = _deployment()
+    rev = revision(a)
     labels = d["spec"]["template"]["metadata"]["labels"]
     assert labels[naming.POOL_LABEL] == "chat"
     assert labels[naming.MODEL_LABEL] == "qwen3-8b"
-    assert labels[naming.REVISION_LABEL] == digest[:12]
+    assert labels[naming.REVISION_LABEL] == rev[:12]
     assert d["metadata"]["annotations"][naming.MANIFEST_HASH_ANNOTATION] == digest
-    assert d["metadata"]["name"] == f"chat-{digest[:12]}"
+    assert d["metadata"]["annotations"][naming.REVISION_ANNOTATION] == rev
+    assert d["metadata"]["name"] == f"chat-{rev[:12]}"
+    assert revisions.parts_of_deployment(d) == revisions.parts_of(
+        pool(), digest, builders.EngineOptions().image)
     owner = d["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
         "ServingPool",
@@ -105,35 +109,33 @@ def test_labels_owner_and_expected_sha256() -> None:
     assert env[builders.EXPECTED_TEMPLATE_ENV] == a.spec.chat_template.sha256
 
 
-def test_every_args_variable_comes_from_the_config_map() -> None:
-    d = _deployment()
-    c = _container(d)
-    from_cm = {
-        e["name"]: e["valueFrom"]["configMapKeyRef"]
-        for e in c["env"]
-        if "configMapKeyRef" in e.get("valueFrom", {})
-    }
-    defined = set(from_cm) | {e["name"] for e in c["env"]}
+def test_every_args_variable_is_the_revisions_own_env() -> None:
+    """The settings are literal env entries of the revision's Deployment: nothing shared
+    between a rollout's stable and canary (a ConfigMap once was) can change one under the
+    other."""
+    c = _container(_deployment())
+    assert not [e for e in c["env"] if "configMapKeyRef" in e.get("valueFrom", {})]
+    defined = {e["name"] for e in c["env"]}
     used = {m for arg in c["args"] for m in re.findall(r"\$\(([A-Z0-9_]+)\)", arg)}
     assert used <= defined
-    assert {ref["name"] for ref in from_cm.values()} == {"chat-engine"}
 
 
-def test_engine_setting_change_rolls_the_pods() -> None:
-    before = _deployment()["spec"]["template"]["metadata"]["annotations"]
-    after = _deployment(spec__engine__maxBatchedTokens=4096)["spec"]["template"]["metadata"][
-        "annotations"
-    ]
-    key = naming.ENGINE_CONFIG_HASH_ANNOTATION
-    assert before[key] != after[key]
+def test_an_engine_setting_change_is_a_new_revision() -> None:
+    before, after = _deployment(), _deployment(spec__engine__maxBatchedTokens=4096)
+    revision = naming.REVISION_ANNOTATION
+    assert before["metadata"]["annotations"][revision] != \
+        after["metadata"]["annotations"][revision]
+    assert before["metadata"]["name"] != after["metadata"]["name"]
+    assert f"--revision={after['metadata']['annotations'][revision][:12]}" in \
+        _container(after)["args"]
 
 
 def test_args_parse_with_the_engine_command_line() -> None:
     serve = pytest.importorskip("kvfleet.commands.serve")
     p, a = pool(), artifact()
     plan = plan_for_pool(a.spec, p.spec, default_matrix().gpu_products["NVIDIA-L4"].memory_bytes)
-    settings = builders.build_config_map(p)["data"]
-    args = _container(builders.build_deployment(p, a, manifest_hash(a.spec), plan))["args"]
+    settings = revisions.engine_settings(p)
+    args = _container(builders.build_deployment(p, a, plan))["args"]
     values = {**settings, "POD_IP": "10.1.2.3"}
     expanded = [re.sub(r"\$\(([A-Z0-9_]+)\)", lambda m: values[m.group(1)], x) for x in args]
     parser = argparse.ArgumentParser()
@@ -152,34 +154,32 @@ def test_args_parse_with_the_engine_command_line() -> None:
     ("int8Activations", "KVFLEET_INT8_ACTIVATIONS", "int8_activations"),
     ("int16Activations", "KVFLEET_INT16_ACTIVATIONS", "int16_activations"),
 ])
-def test_activation_rounding_reaches_the_engine_through_the_config_map(
+def test_activation_rounding_reaches_the_engine_through_its_env(
     enabled: bool, field: str, variable: str, option: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     serve = pytest.importorskip("kvfleet.commands.serve")
-    settings = builders.build_config_map(pool(**{f"spec__engine__{field}": enabled}))["data"]
+    settings = revisions.engine_settings(pool(**{f"spec__engine__{field}": enabled}))
     assert settings[variable] == ("1" if enabled else "0")
-    # The pod gets every ConfigMap key as an environment variable; serve reads this one as
-    # the default of its option.
+    # The pod gets every setting as an environment variable; serve reads this one as the
+    # default of its option.
     monkeypatch.setenv(variable, settings[variable])
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())
     assert getattr(parser.parse_args(["serve"]), option) is enabled
-    before = _deployment()["spec"]["template"]["metadata"]["annotations"]
-    after = _deployment(**{f"spec__engine__{field}": True})["spec"]["template"]["metadata"][
-        "annotations"]
-    key = naming.ENGINE_CONFIG_HASH_ANNOTATION
-    assert before[key] != after[key]  # switching it restarts the engines
+    before = _deployment()["metadata"]["name"]
+    after = _deployment(**{f"spec__engine__{field}": True})["metadata"]["name"]
+    assert before != after  # switching it is a new revision
 
 
 @pytest.mark.parametrize(("tokens", "value", "parsed"),
                          [(None, "auto", None), (0, "0", 0), (256, "256", 256)])
-def test_the_prefill_cap_reaches_the_engine_through_the_config_map(
+def test_the_prefill_cap_reaches_the_engine_through_its_env(
     tokens: int | None, value: str, parsed: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     serve = pytest.importorskip("kvfleet.commands.serve")
     overrides: dict[str, Any] = ({} if tokens is None
                                  else {"spec__engine__prefillTokensPerStep": tokens})
-    settings = builders.build_config_map(pool(**overrides))["data"]
+    settings = revisions.engine_settings(pool(**overrides))
     assert settings["KVFLEET_MAX_PREFILL_TOKENS_PER_STEP"] == value
     monkeypatch.setenv("KVFLEET_MAX_PREFILL_TOKENS_PER_STEP", value)
     parser = argparse.ArgumentParser()
@@ -224,12 +224,10 @@ def test_drift_ignores_server_defaults_but_not_owned_fields() -> None:
 
 
 def test_each_revision_carries_its_own_kv_plan() -> None:
-    """The ConfigMap is the pool's, shared by a rollout's stable and canary revisions; the KV
-    block count depends on the artifact, so it is in each revision's Deployment."""
+    """The KV block count depends on the artifact, so it is in each revision's Deployment."""
     p, a = pool(), artifact()
     plan = plan_for_pool(a.spec, p.spec, default_matrix().gpu_products["NVIDIA-L4"].memory_bytes)
-    assert "KVFLEET_NUM_KV_BLOCKS" not in builders.build_config_map(p)["data"]
-    args = _container(builders.build_deployment(p, a, manifest_hash(a.spec), plan))["args"]
+    args = _container(builders.build_deployment(p, a, plan))["args"]
     assert f"--num-kv-blocks={plan.kv_blocks_per_rank}" in args
 
 

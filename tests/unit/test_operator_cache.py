@@ -198,7 +198,6 @@ async def test_a_new_pool_is_written_in_one_round_trip_without_reads(cluster: Fa
     await runtime.reconcile_pool((NS, "chat"))
     requests = cluster.take()
     assert sorted(_writes(requests)) == [
-        ("PATCH", "ConfigMap chat-engine"),
         ("PATCH", f"Deployment {_deployment_name(cluster)}"),
         ("PATCH", "NetworkPolicy chat"),
         ("PATCH", "PodDisruptionBudget chat"),

@@ -72,7 +72,7 @@ def test_engines_serve_https_with_the_pools_certificate_issued_once() -> None:
     assert annotations["prometheus.io/scheme"] == "https"
     # Converged: the Secret read back keeps its certificate; nothing new is issued.
     objs = {o["kind"]: as_observed(o) for o in first.apply}
-    observed = Observed(deployments=(objs["Deployment"],), config_map=objs["ConfigMap"],
+    observed = Observed(deployments=(objs["Deployment"],),
                         service=objs["Service"], pdb=objs["PodDisruptionBudget"],
                         router_secret=objs["Secret"], network_policy=objs["NetworkPolicy"])
     again = _run(observed, issuer)

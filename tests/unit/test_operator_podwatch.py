@@ -157,11 +157,11 @@ def test_the_watch_selects_only_the_operators_engine_pods() -> None:
 
 
 def test_the_operator_watches_pods_and_children_through_label_selectors() -> None:
-    """Server-side filters: the cluster's other pods, ConfigMaps, ... never reach the operator
+    """Server-side filters: the cluster's other pods, Services, ... never reach the operator
     (the informers send these selectors with every list and watch: test_operator_informer)."""
     assert handlers.INFORMED["Pod"] == podwatch.POD_SELECTOR
     managed = f"app.kubernetes.io/managed-by={naming.MANAGED_BY}"
-    children = ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "Secret",
+    children = ("Deployment", "Service", "PodDisruptionBudget", "Secret",
                 "NetworkPolicy")
     for kind in children:
         assert handlers.INFORMED[kind] == managed

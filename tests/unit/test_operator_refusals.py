@@ -7,9 +7,9 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from operator_fakes import NOW, artifact, as_observed, pool
+from operator_fakes import NOW, artifact, as_observed, pool, revision
 
-from kvfleet.api import ModelArtifact, ServingPool, manifest_hash
+from kvfleet.api import ModelArtifact, ServingPool
 from kvfleet.api.builders import make_artifact
 from kvfleet.api.rollout import Phase, RequestAction, RolloutRequest, RolloutStatus
 from kvfleet.api.servingpool import (
@@ -28,7 +28,7 @@ from kvfleet.operator.servingpool import Observed, Plan, reconcile
 MATRIX = default_matrix()
 GOOD, BAD = artifact(), make_artifact("qwen3-8b").set("metadata.uid", "uid-2").set(
     "spec.engineVersions.min", "0.1.0").obj()
-GOOD_REV, BAD_REV = manifest_hash(GOOD.spec), manifest_hash(BAD.spec)
+GOOD_REV, BAD_REV = revision(GOOD), revision(BAD)
 
 
 def _run(p: ServingPool, a: ModelArtifact, observed: Observed, **kw: Any) -> Plan:
@@ -54,7 +54,7 @@ def _serving_good() -> tuple[ServingPool, Observed]:
     p = pool()
     first = _run(p, GOOD, Observed())
     objs = {o["kind"]: as_observed(o) for o in first.apply}
-    observed = Observed(deployments=(objs["Deployment"],), config_map=objs["ConfigMap"],
+    observed = Observed(deployments=(objs["Deployment"],),
                         service=objs["Service"], pdb=objs["PodDisruptionBudget"],
                         router_secret=objs["Secret"], network_policy=objs["NetworkPolicy"])
     return _next(p, _run(p, GOOD, observed)), observed

@@ -73,6 +73,7 @@ class _Sim:
     status: RolloutStatus = field(default_factory=RolloutStatus)
     stable: str = STABLE
     target: str | None = CANARY
+    change: str = ""  # what the target changes against stable
     ready: int = 0
     ready_revision: str | None = None  # whose Deployment `ready` counts
     request: RolloutRequest | None = None
@@ -86,7 +87,7 @@ class _Sim:
     def view(self) -> View:
         return View(spec=self.spec, status=self.status, generation=1, request=self.request,
                     pool_replicas=self.replicas, slos=self.slos, stable=self.stable,
-                    target=self.target, target_artifact="qwen3-8b-v2",
+                    target=self.target, target_artifact="qwen3-8b-v2", target_change=self.change,
                     canary_ready=self.ready if self.ready_revision == self.target else 0,
                     canary_problem=self.no_gpu)
 
@@ -349,7 +350,20 @@ def test_a_second_artifact_change_restarts_from_stable() -> None:
     restarted = sim.tick(1)
     assert restarted.status.canary_revision == OTHER and restarted.status.current_step == 0
     assert _table(restarted) == {"stable": 100}
-    assert "artifact changed during a rollout" in restarted.events[0].message
+    assert "the revision changed during a rollout" in restarted.events[0].message
+
+
+def test_a_settings_change_starts_a_rollout_that_names_it() -> None:
+    sim = _Sim(_spec(), change="settings KVFLEET_MAX_MODEL_LEN (unset) -> 4096")
+    started = sim.tick()
+    assert started.status.canary_revision == CANARY
+    assert started.status.canary_change == sim.change
+    assert started.events[0].reason == "RolloutStarted"
+    assert started.events[0].message.startswith(sim.change + ": aaaaaaaaaaaa -> bbbbbbbbbbbb")
+    sim.run(15)
+    sim.target, sim.change = OTHER, "image a -> b"
+    restarted = sim.tick(1)
+    assert "the revision changed during a rollout (image a -> b)" in restarted.events[0].message
 
 
 def test_a_policy_edit_goes_on_from_the_current_step_never_above_its_weight() -> None:

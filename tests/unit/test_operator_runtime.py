@@ -133,7 +133,6 @@ def test_rbac_allows_what_the_operator_writes() -> None:
     for group, resource in [
         ("apps", "deployments"),
         ("", "services"),
-        ("", "configmaps"),
         ("policy", "poddisruptionbudgets"),
     ]:
         assert allowed(group, resource, "patch") and allowed(group, resource, "create")

@@ -7,9 +7,9 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from operator_fakes import NOW, artifact, as_observed, pod, pool
+from operator_fakes import NOW, artifact, as_observed, pod, pool, revision
 
-from kvfleet.api import ModelArtifact, ServingPool, manifest_hash
+from kvfleet.api import ModelArtifact, ServingPool
 from kvfleet.api.builders import make_artifact
 from kvfleet.api.rollout import Phase, RolloutStatus
 from kvfleet.api.servingpool import TrafficRole, TrafficTarget
@@ -45,7 +45,6 @@ def _converged(p: ServingPool, a: ModelArtifact, ready: int | None = None) -> Ob
     objs = {o["kind"]: as_observed(o, ready=ready) for o in first.apply}
     return Observed(
         deployments=(objs["Deployment"],),
-        config_map=objs["ConfigMap"],
         service=objs["Service"],
         pdb=objs["PodDisruptionBudget"],
         router_secret=objs["Secret"],
@@ -56,7 +55,6 @@ def _converged(p: ServingPool, a: ModelArtifact, ready: int | None = None) -> Ob
 def test_new_pool_creates_its_objects_and_is_progressing() -> None:
     plan = _run(pool(), artifact(), Observed())
     assert sorted(o["kind"] for o in plan.apply) == [
-        "ConfigMap",
         "Deployment",
         "NetworkPolicy",
         "PodDisruptionBudget",
@@ -83,7 +81,7 @@ def test_converged_pool_is_available_and_applies_nothing() -> None:
     assert _cond(plan, "Ready")["status"] == "True"
     assert _cond(plan, "Progressing")["reason"] == "Complete"
     assert _cond(plan, "Degraded")["status"] == "False"
-    assert plan.status["servingRevision"] == manifest_hash(a.spec)
+    assert plan.status["servingRevision"] == revision(a)
     assert (plan.status["replicas"], plan.status["readyReplicas"]) == (1, 1)
     assert all(c["observedGeneration"] == 1 for c in plan.status["conditions"])
 
@@ -202,13 +200,13 @@ def _new_artifact() -> ModelArtifact:
 
 def test_artifact_change_switches_revision_only_when_the_new_one_is_ready() -> None:
     p, old, new = pool(), artifact(), _new_artifact()
-    assert manifest_hash(old.spec) != manifest_hash(new.spec)
+    assert revision(old) != revision(new)
     converged = _converged(p, old)
     p = _with_status(p, _run(p, old, converged))
     switching = _run(p, new, converged)
     assert [o["kind"] for o in switching.apply] == ["Deployment"]
     assert switching.delete == ()
-    assert switching.status["servingRevision"] == manifest_hash(old.spec)
+    assert switching.status["servingRevision"] == revision(old)
     new_deployment = next(o for o in switching.apply if o["kind"] == "Deployment")
     both = replace(converged, deployments=(converged.deployments[0],
                                            as_observed(new_deployment)))
@@ -216,18 +214,18 @@ def test_artifact_change_switches_revision_only_when_the_new_one_is_ready() -> N
     assert [d["metadata"]["name"] for d in done.delete] == [
         converged.deployments[0]["metadata"]["name"]
     ]
-    assert done.status["servingRevision"] == manifest_hash(new.spec)
+    assert done.status["servingRevision"] == revision(new)
 
 
 def _decision(old: ModelArtifact, new: ModelArtifact, *, phase: Phase, weight: int,
               canary: int | None, promote: bool = False) -> RolloutDecision:
-    status = RolloutStatus(phase=phase, stable_revision=manifest_hash(old.spec),
-                           canary_revision=manifest_hash(new.spec), current_weight=weight,
+    status = RolloutStatus(phase=phase, stable_revision=revision(old),
+                           canary_revision=revision(new), current_weight=weight,
                            message=f"step 1/3 weight {weight}%")
-    traffic = [TrafficTarget(revision=manifest_hash(old.spec), role=TrafficRole.STABLE,
+    traffic = [TrafficTarget(revision=revision(old), role=TrafficRole.STABLE,
                              weight=100 - weight)]
     if weight:
-        traffic.append(TrafficTarget(revision=manifest_hash(new.spec), role=TrafficRole.CANARY,
+        traffic.append(TrafficTarget(revision=revision(new), role=TrafficRole.CANARY,
                                      weight=weight))
     return RolloutDecision(status=status, traffic=traffic if canary else [],
                            canary_replicas=canary, promote=promote)
@@ -247,7 +245,7 @@ def test_a_rollout_runs_the_canary_beside_an_untouched_stable() -> None:
     [canary] = [o for o in plan.apply if o["kind"] == "Deployment"]
     assert canary["metadata"]["name"] != stable_name and canary["spec"]["replicas"] == 1
     assert plan.delete == ()
-    assert plan.status["servingRevision"] == manifest_hash(old.spec)
+    assert plan.status["servingRevision"] == revision(old)
     assert plan.status["traffic"] == [t.to_wire() for t in decision.traffic]
     assert (_cond(plan, "Progressing")["status"], _cond(plan, "Progressing")["reason"]) == (
         "True", "RolloutProgressing")
@@ -268,7 +266,7 @@ def test_a_rollout_runs_the_canary_beside_an_untouched_stable() -> None:
     both = replace(converged, deployments=(converged.deployments[0], as_observed(full)))
     done = _run(p, new, both, rollout=_decision(old, new, phase=Phase.PROMOTED, weight=100,
                                                  canary=None, promote=True))
-    assert done.status["servingRevision"] == manifest_hash(new.spec)
+    assert done.status["servingRevision"] == revision(new)
     assert [d["metadata"]["name"] for d in done.delete] == [stable_name]
     assert done.apply == ()
 
@@ -276,7 +274,7 @@ def test_a_rollout_runs_the_canary_beside_an_untouched_stable() -> None:
 def test_revision_label_matches_the_manifest_hash() -> None:
     p, a = pool(), artifact()
     deployment = next(o for o in _run(p, a, Observed()).apply if o["kind"] == "Deployment")
-    assert deployment["metadata"]["labels"][naming.REVISION_LABEL] == manifest_hash(a.spec)[:12]
+    assert deployment["metadata"]["labels"][naming.REVISION_LABEL] == revision(a)[:12]
 
 
 def test_a_refused_object_shows_as_degraded_apply_failed() -> None:
@@ -305,7 +303,7 @@ def test_artifact_deleted_while_serving_keeps_the_replicas() -> None:
     assert plan.apply == () and plan.delete == ()
     assert _cond(plan, "Degraded")["reason"] == "ArtifactNotFound"
     assert _cond(plan, "Available")["status"] == "True"  # the running revision still serves
-    assert plan.status["servingRevision"] == manifest_hash(a.spec)
+    assert plan.status["servingRevision"] == revision(a)
 
 
 def test_the_router_token_is_made_once_and_given_to_every_engine_pod() -> None:
@@ -388,7 +386,7 @@ def test_without_a_free_gpu_or_reserve_old_replicas_make_room_step_by_step() -> 
     [applied] = [o for o in step.apply if o["kind"] == "Deployment"]
     assert applied["spec"]["replicas"] == 2
     assert [size for _, size in step.scale] == [1]
-    assert step.status["servingRevision"] == manifest_hash(artifact().spec)
+    assert step.status["servingRevision"] == revision(artifact())
 
 
 def test_a_deployment_reserve_surges_beside_the_old_revision() -> None:
@@ -402,11 +400,48 @@ def test_a_deployment_reserve_surges_beside_the_old_revision() -> None:
     assert full["spec"]["replicas"] == 3  # the reserve covers a whole second revision
 
 
-def test_a_settings_change_without_a_free_gpu_rolls_within_the_disruption_budget() -> None:
+def test_an_engine_settings_change_is_a_new_revision_that_rolls_over() -> None:
+    """Settings change what a pod answers or how fast: a new revision, its own Deployment
+    beside the serving one (ungoverned: the rollover an artifact change makes)."""
     p, a = pool(spec__replicas=2), artifact()
     converged = _converged(p, a)
     p = _with_status(p, _run(p, a, converged))
-    changed = pool(spec__replicas=2, spec__engine__maxBatchedTokens=4096)
+    changed = _with_status(pool(spec__replicas=2, spec__engine__kvCacheDtype="float16"),
+                           _run(p, a, converged))
+    plan = _run(changed, a, converged)
+    [new] = [o for o in plan.apply if o["kind"] == "Deployment"]
+    assert new["metadata"]["name"] != converged.deployments[0]["metadata"]["name"]
+    f16 = revision(a, pool(spec__replicas=2, spec__engine__kvCacheDtype="float16"))
+    assert new["metadata"]["annotations"][naming.REVISION_ANNOTATION] == f16 != revision(a)
+    assert plan.status["revision"] == f16
+    assert plan.status["servingRevision"] == revision(a)  # until the new one is ready
+    env = {e["name"]: e.get("value") for e in new["spec"]["template"]["spec"]["containers"][0][
+        "env"]}
+    assert env["KVFLEET_KV_CACHE_DTYPE"] == "float16"
+
+
+def test_what_is_not_a_new_revision_rolls_in_place() -> None:
+    """Replicas, memory, labels and the drain time change neither answers nor speed: the
+    serving revision's own Deployment is updated."""
+    a = artifact()
+    base = revision(a)
+    for path, value in [("spec__replicas", 3), ("spec__engine__drainSeconds", 90),
+                        ("spec__pod__labels", {"team": "search"}),
+                        ("spec__pod__resources", {"limits": {"memory": "8Gi"}})]:
+        assert revision(a, pool(**{path: value})) == base, path
+    for path, value in [("spec__pod__image", "registry.example/kvfleet@sha256:" + "1" * 64),
+                        ("spec__engine__maxModelLength", 4096),
+                        ("spec__pod__resources", {"requests": {"cpu": "4"}}),
+                        ("spec__pod__env", [{"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}]),
+                        ("spec__gpu__count", 2)]:
+        assert revision(a, pool(**{path: value})) != base, path
+
+
+def test_a_change_that_is_no_new_revision_without_a_free_gpu_rolls_within_the_budget() -> None:
+    p, a = pool(spec__replicas=2), artifact()
+    converged = _converged(p, a)
+    p = _with_status(p, _run(p, a, converged))
+    changed = pool(spec__replicas=2, spec__engine__drainSeconds=90)
     changed = _with_status(changed, _run(p, a, converged))
     rolling = json.loads(json.dumps(converged.deployments[0]))
     rolling["status"].update(updatedReplicas=1, readyReplicas=2, replicas=3)
@@ -426,7 +461,7 @@ def test_engines_with_fewer_kv_blocks_than_planned_are_reported() -> None:
     plan: below it, the pool says by how much; without Prometheus, no condition at all."""
     p, a = pool(), artifact()
     observed = _converged(p, a)
-    revision = naming.short_revision(manifest_hash(a.spec))
+    short = naming.short_revision(revision(a))
     planned = 44400 // 16  # the plan's 44,400 KV tokens per replica in blocks of 16
 
     def allocation(blocks: dict[str, int] | None) -> dict[str, Any] | None:
@@ -437,10 +472,10 @@ def test_engines_with_fewer_kv_blocks_than_planned_are_reported() -> None:
     assert allocation(None) is None
     no_data = allocation({})
     assert no_data is not None and (no_data["status"], no_data["reason"]) == ("Unknown", "NoData")
-    low = allocation({revision: planned - 100})
+    low = allocation({short: planned - 100})
     assert low is not None and (low["status"], low["reason"]) == ("False", "BelowPlan")
     assert f"allocated {planned - 100} KV blocks, the plan is {planned}" in low["message"]
-    ok = allocation({revision: planned, "0123456789ab": 1})  # another revision's: not ours
+    ok = allocation({short: planned, "0123456789ab": 1})  # another revision's: not ours
     assert ok is not None and (ok["status"], ok["reason"]) == ("True", "AsPlanned")
 
 
@@ -495,11 +530,11 @@ def test_a_stable_deployment_deleted_mid_rollout_is_recreated_not_replaced_by_th
     plan = _run(p, new, gone, rollout=decision, serving_artifact=old)
     assert [o["metadata"]["name"] for o in plan.apply if o["kind"] == "Deployment"] == [
         stable["metadata"]["name"]]
-    assert plan.status["servingRevision"] == manifest_hash(old.spec)
+    assert plan.status["servingRevision"] == revision(old)
     assert plan.delete == () and "Restored" in [e.reason for e in plan.events]
     # Without the stable artifact it cannot be rebuilt, but the canary still does not take over.
     blind = _run(p, new, gone, rollout=decision)
-    assert blind.status["servingRevision"] == manifest_hash(old.spec) and blind.delete == ()
+    assert blind.status["servingRevision"] == revision(old) and blind.delete == ()
     assert not [o for o in blind.apply if o["kind"] == "Deployment"
                 and o["metadata"]["name"] == stable["metadata"]["name"]]
 
@@ -512,7 +547,7 @@ def test_a_status_lost_mid_rollout_takes_the_stable_revision_from_the_rollout() 
                                 rollout=decision).apply if o["kind"] == "Deployment"]
     both = replace(converged, deployments=(converged.deployments[0], as_observed(canary)))
     restored = _run(p, new, both, rollout=decision)  # `p` has no status at all
-    assert restored.status["servingRevision"] == manifest_hash(old.spec)
+    assert restored.status["servingRevision"] == revision(old)
     assert restored.delete == () and restored.scale == ()
     assert restored.status["traffic"] == [t.to_wire() for t in decision.traffic]
 

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from operator_fakes import artifact, pool
 
-from kvfleet.api import manifest_hash
 from kvfleet.api.builders import make_pool
 from kvfleet.capacity import plan_for_pool
 from kvfleet.compat import default_matrix
@@ -21,7 +20,7 @@ TEAM_NODES = {"kvfleet.test/partition": "team-a"}
 def _pod_spec(**pod: Any) -> dict[str, Any]:
     p, a = pool(spec__pod=pod), artifact()
     plan = plan_for_pool(a.spec, p.spec, default_matrix().gpu_products["NVIDIA-L4"].memory_bytes)
-    deployment = builders.build_deployment(p, a, manifest_hash(a.spec), plan)
+    deployment = builders.build_deployment(p, a, plan)
     spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
     spec["metadata"] = deployment["spec"]["template"]["metadata"]
     return spec

@@ -1,5 +1,5 @@
 """`kvfleet rollout retry POOL` with no Rollout: the pool's retry annotation names the refused
-revision its artifactRef names, and a pool that refuses nothing is told so."""
+revision its spec asks for (status.revision), and a pool that refuses nothing is told so."""
 
 from __future__ import annotations
 
@@ -7,21 +7,17 @@ import argparse
 import asyncio
 from typing import Any
 
-from kvfleet.api import manifest_hash
-from kvfleet.api.builders import make_artifact
 from kvfleet.api.servingpool import RETRY_ANNOTATION
 from kvfleet.commands.rollout import _act
 
-ARTIFACT = make_artifact("qwen3-8b").set("metadata.namespace", "ns").obj().to_wire()
-REVISION = manifest_hash(ARTIFACT["spec"])
+REVISION = "5a00c624143f" + "0" * 52
 
 
 class FakeApi:
     def __init__(self, refused: list[str]) -> None:
         self.objects: dict[tuple[str, str], dict[str, Any]] = {
-            ("ModelArtifact", "qwen3-8b"): ARTIFACT,
             ("ServingPool", "chat"): {"spec": {"artifactRef": {"name": "qwen3-8b"}}, "status": {
-                "refusedRevisions": [{"revision": r} for r in refused]}}}
+                "revision": REVISION, "refusedRevisions": [{"revision": r} for r in refused]}}}
         self.patches: list[tuple[str, str, dict[str, Any]]] = []
 
     async def list(self, kind: str, namespace: str) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ import pytest
 from operator_fakes import pool
 from pydantic import ValidationError
 
-from kvfleet.api import manifest_hash
 from kvfleet.api.builders import make_artifact
 from kvfleet.engine import protocol
 from kvfleet.engine.protocol import ChatCompletionRequest, CompletionRequest, SamplingDefaults
@@ -41,11 +40,11 @@ def test_the_operator_passes_the_artifacts_defaults_to_its_engines() -> None:
     assert builders.SAMPLING_DEFAULTS_ENV == protocol.SAMPLING_DEFAULTS_ENV
     a = make_artifact("qwen3-8b").set("spec.samplingDefaults", {"temperature": 0.7,
                                                                 "topK": 20}).obj()
-    d = builders.build_deployment(pool(), a, manifest_hash(a.spec), None)
+    d = builders.build_deployment(pool(), a, None)
     env = {e["name"]: e.get("value") for e in
            d["spec"]["template"]["spec"]["containers"][0]["env"]}
     sent = SamplingDefaults.model_validate_json(env[builders.SAMPLING_DEFAULTS_ENV])
     assert (sent.temperature, sent.top_k) == (0.7, 20)
     plain = make_artifact("qwen3-8b").obj()
-    d = builders.build_deployment(pool(), plain, manifest_hash(plain.spec), None)
+    d = builders.build_deployment(pool(), plain, None)
     assert builders.SAMPLING_DEFAULTS_ENV not in json.dumps(d)
