@@ -2,10 +2,11 @@
 
 A rollout starts when the pool's spec asks for a revision that is not the one serving: another
 `spec.artifactRef`, engine image or engine setting (kvfleet.operator.revisions), one line
-changed in Git, or an operator whose default engine image changed. The Rollout says how the new revision is tried
-(an optional shadow phase, canary steps by weight) and judged (analysis metrics read from
-Prometheus, by default the pool's SLOs), and the operator records every step, window and
-evaluation in `status`, so an operator restart resumes exactly where it stopped.
+changed in Git, or an operator whose default engine image changed. The Rollout says how the
+new revision is tried (an optional shadow phase, canary steps by weight) and judged (analysis
+metrics read from Prometheus, by default the pool's SLOs), and the operator records every
+step, window and evaluation in `status`, so an operator restart resumes exactly where it
+stopped.
 
 Nothing here is a one-shot command: people steer a running rollout with requests in the
 `kvfleet.io/rollout-request` annotation (see `RolloutRequest`), which carry an id and, for a

@@ -46,8 +46,8 @@ A series keeps the buckets it was created with (an SLO edit applies to new revis
 `namespace` is the ServingPool's (pools of one name in two namespaces are two series under a
 cluster-wide router); scrape the router with honor_labels so a scraper's own `namespace`
 target label (the router pod's) does not replace it. `traffic` is "live" or "shadow";
-`revision` is the 12-digit short revision (kvfleet.operator.revisions). Tenants are not labels (unbounded); per-tenant
-usage goes to each TenantQuota's status instead.
+`revision` is the 12-digit short revision (kvfleet.operator.revisions). Tenants are not
+labels (unbounded); per-tenant usage goes to each TenantQuota's status instead.
 """
 
 from __future__ import annotations
