@@ -450,6 +450,10 @@ class RolloutStatus(KubeModel):
         default=None, max_length=2048,
         description="What the canary changes against stable: its artifact, engine image, "
         "engine settings (e.g. \"settings KVFLEET_KV_CACHE_DTYPE auto -> fp8\").")
+    wave: str | None = Field(
+        default=None, max_length=512,
+        description="The operator's engine image, when this rollout is part of the fleet "
+        "wave that brings it (at most --max-concurrent-rollouts pools at a time).")
     rollout_hash: str | None = Field(
         default=None, description="Digest of the policy the rollout runs. An edit applies "
         "from the current step of a running rollout and never restarts a finished one: a "

@@ -96,6 +96,14 @@ def register(subparsers: Any) -> None:
         help="reconciles running at once; a burst of changes queues beyond that",
     )
     p.add_argument(
+        "--max-concurrent-rollouts",
+        type=int,
+        default=2,
+        metavar="N",
+        help="pools rolling to a new --engine-image at once (the fleet wave an operator "
+        "upgrade starts); the first rollback stops the wave",
+    )
+    p.add_argument(
         "--engine-image",
         default=f"ghcr.io/kvfleet/kvfleet:{__version__}",
         help="image of the engine containers",
@@ -159,10 +167,10 @@ def run(args: argparse.Namespace) -> int:
         yaml.safe_dump_all(install_rbac(args.rbac_namespace), sys.stdout, sort_keys=False)
         return 0
     if args.drift_interval <= 0 or args.autoscale_interval <= 0 or \
-            args.max_concurrent_reconciles < 1:
+            args.max_concurrent_reconciles < 1 or args.max_concurrent_rollouts < 1:
         print(
             "kvfleet operator: --drift-interval and --autoscale-interval must be > 0 seconds "
-            "and --max-concurrent-reconciles >= 1",
+            "and --max-concurrent-reconciles and --max-concurrent-rollouts >= 1",
             file=sys.stderr,
         )
         return 2
@@ -185,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         drift_interval_seconds=args.drift_interval,
         autoscale_interval_seconds=args.autoscale_interval,
         max_concurrent_reconciles=args.max_concurrent_reconciles,
+        max_concurrent_rollouts=args.max_concurrent_rollouts,
         prometheus_url=args.prometheus_url,
     )
     gcsettings.tune()

@@ -36,7 +36,7 @@ from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.kube.credentials import Credentials, CredentialsError
 from kvfleet.kube.informer import Informer
 from kvfleet.kube.tasks import exit_process, fatal_if_it_ends
-from kvfleet.operator import cache, changes, metrics, naming, podwatch
+from kvfleet.operator import cache, changes, metrics, naming, podwatch, waves
 from kvfleet.operator.autoscaler import DEFAULT_INTERVAL_SECONDS
 from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.promquery import PromQuery
@@ -74,6 +74,7 @@ class OperatorConfig:
     options: EngineOptions = field(default_factory=EngineOptions)
     drift_interval_seconds: float = 30.0
     max_concurrent_reconciles: int = 4
+    max_concurrent_rollouts: int = waves.DEFAULT_MAX_CONCURRENT  # pools in one fleet wave
     prometheus_url: str | None = None  # what Rollout analysis and autoscaling query
     autoscale_interval_seconds: float = DEFAULT_INTERVAL_SECONDS
     # What a background loop's end does (tests record it instead of exiting).
@@ -278,6 +279,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 matrix=config.matrix,
                 options=config.options,
                 max_concurrent=config.max_concurrent_reconciles,
+                max_concurrent_rollouts=config.max_concurrent_rollouts,
                 prometheus=PromQuery(config.prometheus_url),
                 autoscale_interval=config.autoscale_interval_seconds,
             )

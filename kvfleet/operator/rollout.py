@@ -55,6 +55,8 @@ RUNNING = (Phase.SHADOW, Phase.PROGRESSING)
 ACTIVE = (Phase.SHADOW, Phase.PROGRESSING, Phase.PAUSED, Phase.ROLLING_BACK)
 # Paused for a query error: evaluation goes on and the rollout resumes by itself.
 ANALYSIS_ERROR = "AnalysisError"
+# How soon a pool its fleet wave holds looks again for a free place (kvfleet.operator.waves).
+WAVE_RECHECK_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class View:
     target_artifact: str
     # What the target changes against stable (kvfleet.operator.revisions.describe_change).
     target_change: str = ""
+    wave: str | None = None  # the fleet wave the target belongs to (kvfleet.operator.waves)
+    held: str | None = None  # why the wave does not admit the target yet
     blocked: str | None = None  # why the target cannot be deployed
     canary_ready: int = 0  # ready replicas of the target revision's Deployment
     canary_problem: str | None = None  # why canary pods do not run (e.g. unschedulable)
@@ -229,6 +233,7 @@ class _Run:
         s.stable_revision, s.canary_revision = view.stable, view.target
         s.canary_artifact = view.target_artifact
         s.canary_change = view.target_change or None
+        s.wave = view.wave
         s.rollout_hash = policy_hash(self.spec)
         s.started_at, s.finished_at, s.drain_started_at = self.now, None, None
         s.current_step = SHADOW_STEP if self.spec.shadow else 0
@@ -531,8 +536,12 @@ def decide(view: View, window: Window | None, results: list[MetricEvaluation] | 
     run = _Run(view, now)
     s = run.status
     nothing_to_do = view.target is None or view.stable is None or view.target == view.stable
+    held = not nothing_to_do and view.held is not None and (
+        s.canary_revision != view.target or s.phase not in ACTIVE)
     if nothing_to_do:
         _settle(run)
+    elif held:
+        _hold(run)
     else:
         assert view.target is not None
         if s.canary_revision != view.target or s.phase == Phase.IDLE:
@@ -550,7 +559,7 @@ def decide(view: View, window: Window | None, results: list[MetricEvaluation] | 
                         promote=run.promote,
                         retried=request is not None and request.action == RequestAction.RETRY
                         and s.last_request_id == request.id)
-    if not nothing_to_do:
+    if not nothing_to_do and not held:
         _actions(run, decision)
     s.observed_generation = view.generation
     s.message = _clip(s.message, MESSAGE_MAX)
@@ -585,6 +594,18 @@ def _settle(run: _Run) -> None:
         s.phase = Phase.IDLE
         s.message = f"serving {view.target_artifact}" if view.target else \
             f"artifactRef {view.target_artifact}: {view.blocked or 'not found'}"
+
+
+def _hold(run: _Run) -> None:
+    """A target its fleet wave does not admit yet: nothing starts, stable serves on, and the
+    wave is looked at again soon (a place frees when another pool's rollout ends)."""
+    s = run.status
+    if s.phase not in (Phase.ABORTED, Phase.ROLLED_BACK):
+        s.phase = Phase.IDLE
+    if s.message != run.view.held:
+        run.event("Normal", "WaitingForWave", run.view.held or "")
+    s.message = run.view.held or ""
+    run.wake_in(WAVE_RECHECK_SECONDS)
 
 
 def _progress(run: _Run, window: Window | None, results: list[MetricEvaluation] | None) -> None:

@@ -31,7 +31,7 @@ from kvfleet.api.analysis import overall
 from kvfleet.api.rollout import REQUEST_ANNOTATION, Phase, RolloutRequest, RolloutStatus
 from kvfleet.compat import Matrix
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
-from kvfleet.operator import metrics, naming, refusals, revisions
+from kvfleet.operator import metrics, naming, refusals, revisions, waves
 from kvfleet.operator.autoscaler import (
     DEFAULT_INTERVAL_SECONDS,
     Autoscaler,
@@ -97,6 +97,7 @@ class Runtime:
     artifacts: Coalescer[Key] = field(init=False)
 
     max_concurrent: int = 10
+    max_concurrent_rollouts: int = waves.DEFAULT_MAX_CONCURRENT
     autoscale_interval: float = DEFAULT_INTERVAL_SECONDS
     autoscaler: Autoscaler = field(init=False)
     _slots: Slots = field(init=False)
@@ -113,6 +114,7 @@ class Runtime:
         self._failures: dict[Key, int] = {}  # pools failing: how many times in a row
         self._enqueued: set[Key] = set()  # runs asked for whose task has not started yet
         self._invalid: dict[Key, str] = {}  # pools the models reject: what was announced
+        self._wave_admitted: dict[Key, str] = {}  # pool -> the wave it was let into
         self.pools = Coalescer(self._timed("ServingPool", self.reconcile_pool))
         self.artifacts = Coalescer(self._timed("ModelArtifact", self.reconcile_artifact))
         self._kv_blocks: tuple[float, dict[Key, dict[str, int]] | None] = (-1e18, None)
@@ -254,6 +256,10 @@ class Runtime:
             if refused is not None:
                 problem = f"RevisionRefused: {refusals.describe(refused)}"
         target = wanted if problem is None else None
+        serving = revision_deployment(observed, pool.status.serving_revision if pool.status
+                                      else None)
+        serving_parts = revisions.parts_of_deployment(serving) if serving is not None else None
+        wave, held = self._wave(pool, serving_parts, parts if target is not None else None)
         pods = revision_pods(observed, target)
         diagnosis = diagnose(pool.spec, pods) if pods else None
         view = View(
@@ -262,7 +268,9 @@ class Runtime:
             pool_replicas=pool.spec.replicas, slos=pool.spec.slos,
             stable=pool.status.serving_revision if pool.status else None,
             target=target, target_artifact=pool.spec.artifact_ref.name, blocked=problem,
-            target_change=_change(observed, pool, parts),
+            target_change="" if parts is None else revisions.describe_change(
+                serving_parts, parts, pool.spec.artifact_ref.name),
+            wave=wave, held=held,
             canary_ready=ready_replicas(revision_deployment(observed, target)),
             canary_problem=diagnosis.message if diagnosis is not None else None)
         now = _now()
@@ -296,6 +304,36 @@ class Runtime:
         if decision.requeue_seconds is not None:
             self.wake((ns, name), decision.requeue_seconds)
         return decision
+
+    def _wave(self, pool: ServingPool, serving: revisions.RevisionParts | None,
+              target: revisions.RevisionParts | None) -> tuple[str | None, str | None]:
+        """The fleet wave a pool's target belongs to, and why it waits (kvfleet.operator.waves).
+        An admission counts at once, before its Rollout's status says so: reconciles run
+        side by side, and each must see the places the others took."""
+        key = (pool.metadata.namespace or "default", pool.metadata.name)
+        wave = None if target is None else waves.wave_of(
+            pool.spec.pod.image, serving.image if serving is not None else None, target.image,
+            self.options.image)
+        if wave is None:
+            self._wave_admitted.pop(key, None)
+            return None, None
+        members: list[tuple[Key, RolloutStatus]] = []
+        for ns, name in self.cache.keys("Rollout"):
+            raw = self.cache.get("Rollout", ns, name)
+            try:
+                rollout = Rollout.model_validate(raw)
+            except ValueError:
+                continue  # (the Rollout's own reconcile reports it)
+            members.append(((ns, rollout.spec.pool_ref.name), rollout.status or RolloutStatus()))
+        governed = {k for k, _ in members}
+        shown = {k for k, status in members if status.wave == wave}
+        members += [(k, RolloutStatus(phase=Phase.PROGRESSING, wave=wave))
+                    for k, w in self._wave_admitted.items()
+                    if w == wave and k in governed and k not in shown]
+        held = waves.hold(key, wave, members, self.max_concurrent_rollouts)
+        if held is None:
+            self._wave_admitted[key] = wave
+        return wave, held
 
     async def _observe(self, pool: ServingPool, artifact: ModelArtifact | None) -> Observed:
         ns, name = pool.metadata.namespace or "default", pool.metadata.name
@@ -568,17 +606,6 @@ class Runtime:
                 "count": 1,
             }
         )
-
-
-def _change(observed: Observed, pool: ServingPool,
-            target: revisions.RevisionParts | None) -> str:
-    """What the target revision changes against the serving one, read from the serving
-    Deployment's parts (empty without a target)."""
-    if target is None:
-        return ""
-    serving = revision_deployment(observed, pool.status.serving_revision if pool.status else None)
-    old = revisions.parts_of_deployment(serving) if serving is not None else None
-    return revisions.describe_change(old, target, pool.spec.artifact_ref.name)
 
 
 def _now() -> datetime:

@@ -20,6 +20,7 @@ from kvfleet.api.builders import make_artifact, make_rollout
 from kvfleet.compat import default_matrix
 from kvfleet.kube.api import KubeError
 from kvfleet.operator import cache, handlers, metrics, naming
+from kvfleet.operator.builders import EngineOptions
 from kvfleet.operator.cache import INDEX_IDS, Cache
 from kvfleet.operator.handlers import OperatorConfig, build_registry
 from kvfleet.operator.runtime import Runtime
@@ -531,3 +532,54 @@ async def test_a_failed_run_that_covered_other_requests_is_tried_again(
     while runtime._woken:
         await asyncio.gather(*list(runtime._woken))
     assert waits == [5.0, 10.0]  # both runs failed, and each is tried again
+
+
+@pytest.mark.asyncio
+async def test_an_operator_with_a_new_engine_image_rolls_the_fleet_in_a_bounded_wave() -> None:
+    """Three governed pools serving under image 0.1; the operator restarts with 0.2: two
+    start a rollout (--max-concurrent-rollouts 2), the third waits and says so; once one
+    rolled back from 0.2, the third stays on stable for good."""
+    cluster = FakeCluster()
+    cluster.store(artifact().to_wire(), "ADDED")
+    names = ("a", "b", "c")
+    for name in names:
+        cluster.store(pool(name).to_wire(), "ADDED")
+        cluster.store(make_rollout(name, name, NS).data(), "ADDED")
+    cluster.deliver()
+    old = _runtime(cluster)
+    for name in names:
+        await old.reconcile_pool((NS, name))
+    cluster.deliver()
+    for kind, name in list(cluster.objects):
+        if kind == "Deployment":
+            cluster.ready(name)
+    cluster.deliver()
+    for name in names:
+        await old.reconcile_pool((NS, name))
+    cluster.deliver()
+    stable = {n for k, n in cluster.objects if k == "Deployment"}
+    assert len(stable) == 3
+
+    new = Runtime(api=cluster, cache=cluster.cache, matrix=default_matrix(),  # type: ignore[arg-type]
+                  options=EngineOptions(image="ghcr.io/kvfleet/kvfleet:0.2.0"))
+    for name in names:
+        await new.reconcile_pool((NS, name))
+        cluster.deliver()
+    status = {n: cluster.objects[("Rollout", n)].get("status", {}) for n in names}
+    assert [status[n].get("phase") for n in names] == ["Progressing", "Progressing", "Idle"]
+    assert status["a"]["wave"] == "ghcr.io/kvfleet/kvfleet:0.2.0"
+    assert status["a"]["canaryChange"] == \
+        "image ghcr.io/kvfleet/kvfleet:0.1.0 -> ghcr.io/kvfleet/kvfleet:0.2.0"
+    assert "waiting for the fleet wave" in status["c"]["message"]
+    canaries = {n for k, n in cluster.objects if k == "Deployment"} - stable
+    assert {c.split("-")[0] for c in canaries} == {"a", "b"}
+
+    cluster.edit("Rollout", "a", ["status", "phase"], "RolledBack")
+    cluster.edit("Rollout", "b", ["status", "phase"], "Promoted")
+    cluster.deliver()
+    await new.reconcile_pool((NS, "c"))
+    cluster.deliver()
+    held = cluster.objects[("Rollout", "c")]["status"]
+    assert held["phase"] == "Idle" and "stopped: pool default/a rolled back" in held["message"]
+    assert not [n for k, n in cluster.objects if k == "Deployment" and n.startswith("c-")
+                and n not in stable]
