@@ -127,9 +127,7 @@ def parts_of_deployment(deployment: dict[str, Any]) -> RevisionParts | None:
     annotations = deployment.get("metadata", {}).get("annotations") or {}
     manifest, text = annotations.get(naming.MANIFEST_HASH_ANNOTATION), annotations.get(
         SETTINGS_ANNOTATION)
-    containers = (((deployment.get("spec") or {}).get("template") or {}).get("spec")
-                  or {}).get("containers") or []
-    image = next((c.get("image") for c in containers if c.get("name") == "engine"), None)
+    image = image_of_deployment(deployment)
     if not isinstance(manifest, str) or not isinstance(text, str) or not isinstance(image, str):
         return None
     try:
@@ -140,6 +138,14 @@ def parts_of_deployment(deployment: dict[str, Any]) -> RevisionParts | None:
         return None
     return RevisionParts(manifest, image, tuple(sorted(
         (str(k), str(v)) for k, v in settings.items())))
+
+
+def image_of_deployment(deployment: dict[str, Any]) -> str | None:
+    """The engine container's image (any operator's Deployment has one)."""
+    containers = (((deployment.get("spec") or {}).get("template") or {}).get("spec")
+                  or {}).get("containers") or []
+    image = next((c.get("image") for c in containers if c.get("name") == "engine"), None)
+    return image if isinstance(image, str) else None
 
 
 def describe_change(old: RevisionParts | None, new: RevisionParts, artifact: str) -> str:

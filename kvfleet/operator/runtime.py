@@ -259,7 +259,8 @@ class Runtime:
         serving = revision_deployment(observed, pool.status.serving_revision if pool.status
                                       else None)
         serving_parts = revisions.parts_of_deployment(serving) if serving is not None else None
-        wave, held = self._wave(pool, serving_parts, parts if target is not None else None)
+        wave, held = self._wave(pool, serving, serving_parts,
+                                parts if target is not None else None)
         pods = revision_pods(observed, target)
         diagnosis = diagnose(pool.spec, pods) if pods else None
         view = View(
@@ -268,7 +269,8 @@ class Runtime:
             pool_replicas=pool.spec.replicas, slos=pool.spec.slos,
             stable=pool.status.serving_revision if pool.status else None,
             target=target, target_artifact=pool.spec.artifact_ref.name, blocked=problem,
-            target_change="" if parts is None else revisions.describe_change(
+            target_change="" if parts is None else _OLDER if serving is not None and
+            serving_parts is None else revisions.describe_change(
                 serving_parts, parts, pool.spec.artifact_ref.name),
             wave=wave, held=held,
             canary_ready=ready_replicas(revision_deployment(observed, target)),
@@ -305,15 +307,16 @@ class Runtime:
             self.wake((ns, name), decision.requeue_seconds)
         return decision
 
-    def _wave(self, pool: ServingPool, serving: revisions.RevisionParts | None,
+    def _wave(self, pool: ServingPool, serving: JsonObj | None,
+              serving_parts: revisions.RevisionParts | None,
               target: revisions.RevisionParts | None) -> tuple[str | None, str | None]:
         """The fleet wave a pool's target belongs to, and why it waits (kvfleet.operator.waves).
         An admission counts at once, before its Rollout's status says so: reconciles run
         side by side, and each must see the places the others took."""
         key = (pool.metadata.namespace or "default", pool.metadata.name)
-        wave = None if target is None else waves.wave_of(
-            pool.spec.pod.image, serving.image if serving is not None else None, target.image,
-            self.options.image)
+        wave = None if target is None or serving is None else waves.wave_of(
+            pool.spec.pod.image, revisions.image_of_deployment(serving), target.image,
+            self.options.image, serving_has_parts=serving_parts is not None)
         if wave is None:
             self._wave_admitted.pop(key, None)
             return None, None
@@ -606,6 +609,11 @@ class Runtime:
                 "count": 1,
             }
         )
+
+
+# What a canary changes when the stable Deployment is an older operator's, which did not record
+# its image and settings as parts of its revision (its revision was the manifest hash alone).
+_OLDER = "stable was built by an older operator: rebuilt with image and settings in its revision"
 
 
 def _now() -> datetime:

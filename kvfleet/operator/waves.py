@@ -27,13 +27,15 @@ DEFAULT_MAX_CONCURRENT = 2
 
 
 def wave_of(pinned_image: str | None, serving_image: str | None, target_image: str,
-            operator_image: str) -> str | None:
+            operator_image: str, serving_has_parts: bool = True) -> str | None:
     """The wave a change belongs to: the operator's image, when the pool takes the operator's
-    (no image of its own) and the serving revision ran another; else None (a pool's own
-    change, rolled as soon as it is asked for)."""
-    if pinned_image is not None or serving_image is None:
+    (no image of its own) and the serving revision ran another, or was built by an operator
+    that did not record its parts (the upgrade to revisions with parts changes every
+    pool's revision); else None (a pool's own change, rolled as soon as it is asked for)."""
+    if pinned_image is not None or serving_image is None or target_image != operator_image:
         return None
-    return operator_image if target_image == operator_image != serving_image else None
+    return operator_image if serving_image != operator_image or not serving_has_parts \
+        else None
 
 
 def hold(key: Key, wave: str, members: Iterable[tuple[Key, RolloutStatus]],

@@ -23,6 +23,8 @@ def test_only_a_change_that_brings_the_operators_image_is_in_its_wave() -> None:
     assert waves.wave_of("mine:1", old, "mine:1", NEW) is None  # the pool's own image
     assert waves.wave_of(None, NEW, NEW, NEW) is None  # (a settings or artifact change)
     assert waves.wave_of(None, None, NEW, NEW) is None  # nothing serves yet
+    # Served by an operator before revisions had parts: the upgrade itself is the wave.
+    assert waves.wave_of(None, NEW, NEW, NEW, serving_has_parts=False) == NEW
 
 
 def test_at_most_the_limit_roll_and_an_admitted_pool_goes_on() -> None:
