@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from kvfleet.api.tenantquota import BorrowableResource
+from kvfleet.router.errors import QuotaExceeded
 from kvfleet.router.quota import (
     CONCURRENCY,
     INPUT_TPM,
@@ -238,6 +240,10 @@ def _cap(value: float | None) -> float:
     return -1.0 if value is None else float(value)
 
 
+# The longest a Redis refusal is trusted without asking Redis again: a spent tenant's bodies
+# go unread meanwhile, and a hostile client's flood costs one read a second per router.
+SPENT_SECONDS = 1.0
+
 class SharedLedger:
     """Admission against the fleet-wide limits in Redis, with the router's own `QuotaLedger`
     (`local`) as the specs' source, the usage counter, and the fallback while Redis is away.
@@ -262,6 +268,11 @@ class SharedLedger:
         # slot is borrowed), while the request runs
         self._held: dict[str, list[str]] = {}
         self._pending: set[asyncio.Task[None]] = set()
+        # tenant -> (until, the refusal then): Redis refused it with nothing left for even the
+        # smallest request, so until then (at most SPENT_SECONDS: other routers' requests end
+        # and refund unseen here) its requests are refused before their bodies are read
+        # (`precheck`), as the router's own ledger does without Redis.
+        self._spent: dict[str, tuple[float, Callable[[float], QuotaExceeded]]] = {}
 
     # ---- keys
 
@@ -273,6 +284,23 @@ class SharedLedger:
         return "" if now is None else repr(now)
 
     # ---- admission
+
+    def precheck(self, tenant: str, now: float) -> None:
+        """`QuotaLedger.precheck` without a Redis round trip: refuses a tenant whose last
+        refusal left nothing for the smallest request (still so until it refills), or, while
+        Redis is away, what this replica's share would refuse. Takes nothing."""
+        self.local.state(tenant, now)  # raises NoTenantQuota
+        if not self.up and now < self._retry_at:
+            self.local.precheck(tenant, now)
+            return
+        spent = self._spent.get(tenant)
+        if spent is None:
+            return
+        until, refused = spent
+        if now >= until:
+            del self._spent[tenant]
+            return
+        raise refused(until - now)
 
     async def admit(self, tenant: str, input_tokens: int, max_output_tokens: int,
                     now: float) -> Reservation:
@@ -303,7 +331,7 @@ class SharedLedger:
         self._back()
         if int(reply[0]) == 0:
             raise self._refused(state.tenant, state.quota_name, reply, concurrency, limits,
-                                input_tokens, max_output_tokens)
+                                input_tokens, max_output_tokens, now)
         lender_name = lenders[int(reply[1]) - 1].tenant if int(reply[1]) else None
         borrowed: dict[tuple[BorrowableResource, str], float] = {}
         for i in range(2, len(reply), 3):
@@ -320,19 +348,28 @@ class SharedLedger:
 
     def _refused(self, tenant: str, quota_name: str, reply: list[Any], concurrency: int | None,
                  limits: dict[BorrowableResource, int | None], input_tokens: int,
-                 max_output_tokens: int) -> Exception:
+                 max_output_tokens: int, now: float) -> Exception:
         name = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
         if name == "maxConcurrentRequests":
-            return refusal(tenant, quota_name, CONCURRENCY, float(concurrency or 0), 1.0,
-                           f"{int(float(reply[2]))} requests in flight")
+            detail = f"{int(float(reply[2]))} requests in flight"
+            self._spent[tenant] = (now + SPENT_SECONDS, lambda wait: refusal(
+                tenant, quota_name, CONCURRENCY, float(concurrency or 0), wait, detail))
+            return refusal(tenant, quota_name, CONCURRENCY, float(concurrency or 0), 1.0, detail)
         resource = RESOURCES[["rpm", "itpm", "otpm"].index(name)]
         need = {RPM: 1, INPUT_TPM: input_tokens, OUTPUT_TPM: max_output_tokens}[resource]
         what = {RPM: "1 request", INPUT_TPM: f"{input_tokens} prompt tokens",
                 OUTPUT_TPM: f"max_tokens {max_output_tokens}"}[resource]
         capacity, level, extra = float(limits[resource] or 0), float(reply[2]), float(reply[3])
-        wait = Bucket(capacity, level, 0.0).wait_for(need - extra, capacity + extra)
-        return refusal(tenant, quota_name, resource, capacity, wait,
-                       f"needs {what}, {max(0.0, level):.0f} left")
+        bucket = Bucket(capacity, level, 0.0)
+        wait = bucket.wait_for(need - extra, capacity + extra)
+        refused = refusal(tenant, quota_name, resource, capacity, wait,
+                          f"needs {what}, {max(0.0, level):.0f} left")
+        smallest = bucket.wait_for(1 - extra, capacity + extra)
+        if smallest > 0 and not math.isinf(smallest):
+            spent = f"{max(0.0, level):.0f} left, not enough for any request"
+            self._spent[tenant] = (now + min(smallest, SPENT_SECONDS), lambda wait: refusal(
+                tenant, quota_name, resource, capacity, wait, spent))
+        return refused
 
     # ---- settling
 
@@ -342,6 +379,7 @@ class SharedLedger:
         background (the caller is a response's close, which cannot wait)."""
         if reservation.settled:
             return
+        self._spent.clear()  # (a slot freed, tokens refunded: any tenant may fit again)
         self.local.settle(reservation, output_tokens, now, prompt_tokens)
         if not reservation.shared:
             return

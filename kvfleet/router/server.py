@@ -479,8 +479,7 @@ class Router:
         namespace, pool_name = "-", "-"
         try:
             tenant = self._tenant(request.headers.get("authorization"))
-            if self.shared is None:  # (the shared ledger's answer is a Redis round trip)
-                self.ledger.precheck(tenant, time.monotonic())
+            (self.shared or self.ledger).precheck(tenant, time.monotonic())
             raw = await _read_body(request)
             try:
                 body = json.loads(raw)  # (4 MiB in 2 ms: the tokenizing is what takes time)

@@ -17,7 +17,7 @@ from redis_server import RedisServer, running_redis
 
 from kvfleet.api.tenantquota import BorrowableResource, Borrowing, Limits, TenantQuotaSpec
 from kvfleet.router.errors import QuotaExceeded
-from kvfleet.router.fleet_ledger import LEASE_SECONDS, SharedLedger
+from kvfleet.router.fleet_ledger import LEASE_SECONDS, SPENT_SECONDS, SharedLedger
 from kvfleet.router.quota import QuotaLedger, Reservation
 from kvfleet.router.resp import Redis
 
@@ -89,6 +89,14 @@ async def _decide(admit: Any) -> tuple[str, Reservation | None]:
     return "admitted", reservation
 
 
+def _prechecked(ledger: QuotaLedger | SharedLedger, tenant: str, now: float) -> str:
+    try:
+        ledger.precheck(tenant, now)
+    except QuotaExceeded as exc:
+        return exc.limit
+    return "admitted"
+
+
 OPS = st.lists(st.one_of(
     st.tuples(st.just("admit"), st.sampled_from(sorted(QUOTAS)), st.integers(0, 120),
               st.integers(1, 250), st.floats(0, 1.5)),
@@ -136,6 +144,37 @@ def test_the_shared_ledger_decides_as_the_routers_own_ledger(
                     got = await shared.levels(tenant)
                     # (the reference rounds to 3 places)
                     assert got == pytest.approx(want, abs=1e-3), (tenant, op)
+                    # The precheck (no Redis round trip) refuses only what the router's own
+                    # ledger would refuse too: never a request that could be admitted.
+                    if _prechecked(shared, tenant, clock.now) != "admitted":
+                        assert _prechecked(reference, tenant, clock.now) != "admitted", \
+                            (tenant, op)
+        finally:
+            await shared.client.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_spent_tenant_is_refused_before_its_body_for_at_most_a_second(
+    redis_server: RedisServer,
+) -> None:
+    """The router reads no body of a tenant Redis just refused with nothing left (a spent
+    key's flood of 4 MiB bodies), and asks Redis again after SPENT_SECONDS."""
+    async def run() -> None:
+        clock = Clock()
+        shared = _shared(redis_server.url, clock)
+        try:
+            for _ in range(6):  # team-d: 6 requests a minute
+                await shared.admit("team-d", 1, 1, clock.now)
+            shared.precheck("team-d", clock.now)  # (nothing refused yet: no memory)
+            with pytest.raises(QuotaExceeded):
+                await shared.admit("team-d", 1, 1, clock.now)
+            with pytest.raises(QuotaExceeded, match="not enough for any request") as refused:
+                shared.precheck("team-d", clock.now + 0.5)
+            assert refused.value.limit == "requestsPerMinute"
+            assert refused.value.retry_after == pytest.approx(0.5)
+            shared.precheck("team-a", clock.now + 0.5)  # another tenant: untouched
+            shared.precheck("team-d", clock.now + SPENT_SECONDS)  # Redis decides again
         finally:
             await shared.client.aclose()
 
