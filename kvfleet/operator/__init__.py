@@ -4,6 +4,8 @@ Pure core (no I/O):
   servingpool.reconcile(pool, artifact, observed) -> Plan    what to apply/delete, the status
   modelartifact.reconcile_artifact(artifact) -> status       manifest hash, Verified, Compatible
   builders.build_deployment/_service/_pdb                    the manifests
+  revisions.parts_of(pool, manifest_hash, image)             a revision: artifact+image+settings
+  waves.hold(pool, wave, rollouts, limit)                    an operator upgrade, a few at a time
   placement                                                  node selection, scheduling reasons
   podwatch                                                   which pod events concern a pool
   changes.Changes                                            which pool events need a reconcile
