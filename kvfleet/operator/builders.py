@@ -143,7 +143,7 @@ def _pool_env(pool: ServingPool) -> list[dict[str, Any]]:
 
 
 def _image(pool: ServingPool, options: EngineOptions) -> dict[str, str]:
-    return {"image": pool.spec.pod.image or options.image,
+    return {"image": revisions.image_of(pool, options.image),
             "imagePullPolicy": pool.spec.pod.image_pull_policy or options.image_pull_policy}
 
 

@@ -2,12 +2,14 @@
 
 Its identity hashes three parts: the artifact's manifest hash, the engine image (the pool's
 `spec.pod.image`, else the operator's default), and the engine settings as `kvfleet serve`
-receives them (spec.engine, the CPU threads, the GPU model and count, spec.pod.env). A change
+receives them (spec.engine, the CPU threads or CPU limit, the GPU model, count and memory,
+spec.pod.env; workspace and safety margin size the KV cache). A change
 of any part is a new revision, with its own Deployment: on a pool a Rollout governs, a canary
 measured against stable (an operator upgrade whose default image differs included); on an
 ungoverned pool, the same rollover an artifact change makes. Replicas, memory and labels are
 not parts: they change neither the answers nor the speed of one engine, and apply in place.
-So is `drainSeconds`: it says how a pod leaves, not how it serves.
+So is `drainSeconds`: it says how a pod leaves, not how it serves. Not seen: the contents of a
+Secret or ConfigMap an env entry reads (`valueFrom`): the reference is a part, its value not.
 
 An image named by tag is compared by its name: a tag moved to other contents is not seen.
 Name images by digest (`repo@sha256:...`) to have every image change measured.
@@ -103,8 +105,13 @@ def parts_of(pool: ServingPool, manifest_hash: str, default_image: str) -> Revis
     threads = cpu_threads(pool)
     if threads is not None:
         settings[CPU_THREADS_ENV] = str(threads)
-    gpu = pool.spec.gpu
-    settings["gpu"] = f"{gpu.count}x {gpu.product}"
+    resources = pool.spec.pod.resources
+    if resources is not None and resources.limits is not None and resources.limits.cpu:
+        settings["cpu limit"] = str(resources.limits.cpu)  # (a CFS quota the engine sizes to)
+    engine, gpu = pool.spec.engine, pool.spec.gpu
+    settings["gpu"] = f"{gpu.count}x {gpu.product}" + (f" {gpu.memory}" if gpu.memory else "")
+    settings["kv cache memory"] = f"workspace {engine.workspace}, safety margin " \
+        f"{engine.safety_margin}"
     for entry in pool.spec.pod.env:
         wire = entry.to_wire()
         settings[f"env {entry.name}"] = json.dumps(

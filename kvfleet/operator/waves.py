@@ -46,12 +46,13 @@ def hold(key: Key, wave: str, members: Iterable[tuple[Key, RolloutStatus]],
         if status.wave != wave:
             continue
         if other == key and status.phase in ACTIVE:
-            return None  # already admitted: it goes on
-        if status.phase in ACTIVE:
+            return None  # already admitted: it goes on (or back)
+        # (ROLLING_BACK is also ACTIVE: a rollback stops the wave from its first moment)
+        if status.phase in (Phase.ROLLED_BACK, Phase.ROLLING_BACK, Phase.ABORTED):
+            if other != key:
+                failed.append(other)
+        elif status.phase in ACTIVE:
             rolling.append(other)
-        elif status.phase in (Phase.ROLLED_BACK, Phase.ROLLING_BACK, Phase.ABORTED) \
-                and other != key:
-            failed.append(other)
     if failed:
         ns, name = sorted(failed)[0]
         return (f"the fleet wave to engine image {wave} stopped: pool {ns}/{name} rolled back "

@@ -244,6 +244,7 @@ def _cap(value: float | None) -> float:
 # go unread meanwhile, and a hostile client's flood costs one read a second per router.
 SPENT_SECONDS = 1.0
 
+
 class SharedLedger:
     """Admission against the fleet-wide limits in Redis, with the router's own `QuotaLedger`
     (`local`) as the specs' source, the usage counter, and the fallback while Redis is away.

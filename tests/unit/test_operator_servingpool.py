@@ -433,7 +433,8 @@ def test_what_is_not_a_new_revision_rolls_in_place() -> None:
                         ("spec__engine__maxModelLength", 4096),
                         ("spec__pod__resources", {"requests": {"cpu": "4"}}),
                         ("spec__pod__env", [{"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}]),
-                        ("spec__gpu__count", 2)]:
+                        ("spec__pod__resources", {"limits": {"cpu": "2"}}),
+                        ("spec__engine__workspace", "4Gi"), ("spec__gpu__count", 2)]:
         assert revision(a, pool(**{path: value})) != base, path
 
 

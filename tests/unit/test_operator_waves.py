@@ -3,6 +3,7 @@ rollback (kvfleet.operator.waves), and a held pool's Rollout starts nothing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from kvfleet.api.builders import make_rollout
@@ -42,6 +43,8 @@ def test_the_first_rollback_stops_the_wave() -> None:
     assert held is not None and "stopped: pool ns/a rolled back" in held
     assert waves.hold(("ns", "a"), NEW, members, limit=5) is None  # its own memory refuses it
     assert waves.hold(("ns", "e"), "ghcr.io/kvfleet/kvfleet:0.3.0", members, limit=5) is None
+    going_back = waves.hold(("ns", "e"), NEW, [_member("a", Phase.ROLLING_BACK)], limit=5)
+    assert going_back is not None and "stopped" in going_back
 
 
 def test_a_held_pool_starts_nothing_and_says_why() -> None:
@@ -54,7 +57,7 @@ def test_a_held_pool_starts_nothing_and_says_why() -> None:
     assert decision.traffic == [] and decision.status.message == "waiting for the fleet wave"
     assert [e.reason for e in decision.events] == ["WaitingForWave"]
     assert decision.requeue_seconds is not None
-    admitted = decide(View(**{**view.__dict__, "held": None}), None, None,
+    admitted = decide(replace(view, held=None), None, None,
                       datetime(2026, 12, 7, tzinfo=UTC))
     assert admitted.status.wave == NEW and admitted.status.phase == Phase.PROGRESSING
     assert admitted.canary_replicas is not None
