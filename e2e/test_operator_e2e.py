@@ -38,6 +38,7 @@ from kvfleet.kube.api import path_of
 from kvfleet.operator import naming
 from kvfleet.operator.rbac import NAME as RBAC_NAME
 from kvfleet.operator.rbac import build_rbac, cluster_role_rules, permissions
+from kvfleet.operator.revisions import revision_for
 
 pytestmark = pytest.mark.e2e
 
@@ -289,7 +290,9 @@ def test_examples_become_available_on_matching_gpu_nodes(
     assert _cond(pool, "Degraded")["status"] == "False"
     artifact = _get(kube, "ModelArtifact", namespace, "qwen3-8b")
     assert artifact["status"]["manifestHash"] == manifest_hash(artifact["spec"])
-    assert pool["status"]["servingRevision"] == artifact["status"]["manifestHash"]
+    # The revision: the artifact's manifest, the engine image and the pool's engine settings.
+    assert pool["status"]["servingRevision"] == pool["status"]["revision"] == revision_for(
+        example_pool, {**artifact, "metadata": {"name": "qwen3-8b"}, "status": None})
     assert _cond(artifact, "Verified")["status"] == "True"
     assert _cond(artifact, "Compatible")["status"] == "True"
     # What Argo CD shows for an Application holding these examples.
