@@ -172,17 +172,18 @@ def test_max_concurrent_one_is_never_two_across_two_routers_nor_after_one_dies(
           f"{codes.count(429)} refused, {overlapping(spans)} overlaps in the engine's log")
     assert codes.count(200) >= 4 and len(spans) == codes.count(200)
     assert overlapping(spans) == 0
-    # Router 0 dies (SIGKILL) while its request runs: its slot is a lease nobody renews, so
-    # router 1 keeps refusing until it runs out, then serves.
-    def long_request() -> None:
-        with contextlib.suppress(httpx.HTTPError):  # (its router is killed under it)
-            chat(routers.urls[0], ONE_KEY, max_tokens=400)
-
-    hold = threading.Thread(target=long_request)
-    hold.start()
-    time.sleep(1.5)
-    routers.processes[0].send_signal(signal.SIGKILL)
-    hold.join()
+    # Router 0 dies (SIGKILL) while its request streams: its slot is a lease nobody renews, so
+    # router 1 keeps refusing until it runs out, then serves. The kill waits for the first
+    # token (a fixed sleep let a fast host finish the whole answer first, freeing the slot).
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Count to fifty."}],
+            "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with contextlib.suppress(httpx.HTTPError), httpx.stream(  # (its router dies under it)
+            "POST", routers.urls[0] + "/v1/chat/completions", json=body, timeout=120,
+            headers={"authorization": f"Bearer {ONE_KEY}"}) as stream:
+        assert stream.status_code == 200
+        next(line for line in stream.iter_lines() if '"content"' in line)
+        routers.processes[0].send_signal(signal.SIGKILL)
+        routers.processes[0].wait()
     killed = time.monotonic()
     assert chat(routers.urls[1], ONE_KEY).status_code == 429
     while (answer := chat(routers.urls[1], ONE_KEY)).status_code == 429:
