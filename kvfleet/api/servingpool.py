@@ -188,6 +188,10 @@ class ScaleToZero(KubeModel):
         "to 0.")
 
 
+_SURGE_RULE = ("maxReplicas + rolloutSurge must be at least 2: a rollout runs one stable and "
+               "one canary replica at the least")
+
+
 class Autoscaling(KubeModel):
     """Replicas from the load the engines and routers measure (absent: spec.replicas, or
     whatever writes the /scale subresource: HPA, KEDA, `kubectl scale`). The operator writes
@@ -209,6 +213,8 @@ class Autoscaling(KubeModel):
                 cel("has(self.scaleToZero) == (self.minReplicas == 0)",
                     "minReplicas 0 goes with scaleToZero (its idleSeconds), and scaleToZero "
                     "with minReplicas 0", ".scaleToZero"),
+                cel("self.maxReplicas + self.rolloutSurge >= 2", _SURGE_RULE,
+                    ".rolloutSurge"),
             ]
         }
     )
@@ -250,6 +256,12 @@ class Autoscaling(KubeModel):
     scale_to_zero: ScaleToZero | None = Field(
         default=None, description="Go to 0 replicas when idle (needs minReplicas 0); "
         "requests wake the pool.")
+    rollout_surge: int = Field(
+        default=1, ge=0, le=1000,
+        description="Replicas a rollout may run beyond maxReplicas. While a Rollout runs, "
+        "the autoscaler's count is shared by stable and canary in proportion to the canary's "
+        "weight (at least 1 each), and their sum stays within maxReplicas + rolloutSurge. A "
+        "rollback then has stable's share to serve on until it grows back.")
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:
@@ -260,6 +272,9 @@ class Autoscaling(KubeModel):
         if (self.scale_to_zero is not None) != (self.min_replicas == 0):
             raise ValueError("minReplicas 0 goes with scaleToZero (its idleSeconds), and "
                              "scaleToZero with minReplicas 0")
+        if self.max_replicas + self.rollout_surge < 2:
+            raise ValueError(f"{_SURGE_RULE} (maxReplicas {self.max_replicas}, rolloutSurge "
+                             f"{self.rollout_surge})")
         return self
 
 
@@ -268,8 +283,9 @@ class AutoscalingStatus(KubeModel):
 
     desired_replicas: int = Field(ge=0, description="The count it decided.")
     signal: str = Field(max_length=32, description="What decided it: load, kvCache, slo, "
-                        "min, max, idle (to zero), held (a held request woke it), hold (no "
-                        "replica measured), stale (signals missing).")
+                        "min, max, idle (to zero), rollout (idle, but a rollout runs: not to "
+                        "zero), held (a held request woke it), hold (no replica measured), "
+                        "stale (signals missing).")
     message: str = Field(default="", max_length=1024, description="The deciding numbers.")
     last_scale_time: str | None = Field(default=None, description="When it last changed "
                                         "spec.replicas (RFC 3339).")

@@ -56,6 +56,7 @@ class Policy:
     pending_grace: float = 120.0
     slo_window: float = 60.0  # what the p95s are measured over
     reserve: int = 0  # replicas kept beyond the load's count (reserves.failover + burst)
+    rolling_out: bool = False  # a Rollout runs: never to zero (idle holds at 1 and says so)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,11 @@ def _recommend(policy: Policy, signals: Signals, observed: Observed, history: Hi
     if (policy.idle_seconds is not None and policy.min_replicas == 0 and signals.held == 0
             and idle_since is not None and now - idle_since >= policy.idle_seconds
             and not any(signals.loads)):
+        if policy.rolling_out:
+            # An idle spell mid-rollout once took the pool to 0, and the promotion then scaled
+            # the new revision to 0 and deleted stable: a rollout's silence is its own to judge.
+            return 1, "rollout", (f"no request for {now - idle_since:.0f} s, but a rollout "
+                                  "runs: not to zero (its maxWaitSeconds decides)")
         return 0, "idle", f"no request for {now - idle_since:.0f} s"
     # No warm replica measured: nothing says otherwise.
     wants = [(current, "hold", "no replica measured")]

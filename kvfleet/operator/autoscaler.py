@@ -136,12 +136,9 @@ class FleetSignals:
 
 def policy_of(spec: Autoscaling, slos: SLOs | None, reserve: int = 0,
               rolling_out: bool = False) -> Policy:
-    """`rolling_out`: a Rollout's traffic table is on the pool. It never goes to zero then:
-    an idle spell mid-rollout took it to 0, and the promotion then scaled the new revision to
-    0 and deleted stable, so every request waited through a cold start."""
+    """`rolling_out`: a Rollout's traffic table is on the pool (never to zero then)."""
     return Policy(
-        reserve=reserve,
-        min_replicas=max(spec.min_replicas, 1) if rolling_out else spec.min_replicas,
+        reserve=reserve, rolling_out=rolling_out, min_replicas=spec.min_replicas,
         max_replicas=spec.max_replicas,
         target_load=spec.target_load, target_kv_usage=spec.target_kv_cache_usage,
         ttft_slo=slos.ttft_p95_seconds if slos is not None and spec.slo_scaling else None,
@@ -150,8 +147,8 @@ def policy_of(spec: Autoscaling, slos: SLOs | None, reserve: int = 0,
         down_window=spec.scale_down_stabilization_seconds, max_step=spec.max_step,
         stale_after=spec.stale_after_seconds, pending_grace=spec.pending_grace_seconds,
         slo_window=SLO_WINDOW_SECONDS,
-        idle_seconds=spec.scale_to_zero.idle_seconds
-        if spec.scale_to_zero is not None and not rolling_out else None)
+        idle_seconds=spec.scale_to_zero.idle_seconds if spec.scale_to_zero is not None
+        else None)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,10 @@ back or aborted it is final until the pool's artifactRef moves away from that re
 stable or to another) or a person asks `retry`. A policy edit applies to the next rollout, or to
 the running one from its current step (a new attempt of the step under the new policy).
 
-Invariants (property-tested): stable is never scaled down or restarted by a rollout; a
-promotion needs a passing last evaluation of the 100 % step (unless a person asked for it); a
+Invariants (property-tested): stable is never restarted by a rollout, and never scaled down
+on a fixed-size pool (an autoscaled one shares its count: `shares`); a promotion needs a
+passing last evaluation of the 100 % step (unless a person asked for it) and a Ready canary
+replica (a promotion onto none left the pool with nothing Ready to serve); a
 failed, waiting, inconclusive or erroring evaluation never advances a step; a query error
 pauses and holds the weight, never rolls back by itself; no policy edit, restart or result
 restarts a finished rollout; every wait that holds canary weight ends after
@@ -79,6 +81,9 @@ class View:
     blocked: str | None = None  # why the target cannot be deployed
     canary_ready: int = 0  # ready replicas of the target revision's Deployment
     canary_problem: str | None = None  # why canary pods do not run (e.g. unschedulable)
+    # An autoscaled pool's maxReplicas + rolloutSurge: stable and canary share the pool's
+    # count (`shares`). None: a fixed count, which stable keeps whole beside the canary.
+    surge_limit: int | None = None
 
 
 @dataclass
@@ -87,6 +92,8 @@ class Decision:
     traffic: list[TrafficTarget] = field(default_factory=list)
     # Replicas the canary revision's Deployment should have; None: it should not exist.
     canary_replicas: int | None = None
+    # Replicas the stable revision's Deployment should have; None: the pool's whole count.
+    stable_replicas: int | None = None
     promote: bool = False  # the pool's servingRevision becomes status.canaryRevision
     events: list[Event] = field(default_factory=list)
     requeue_seconds: float | None = None
@@ -175,11 +182,53 @@ def _promote_full(status: RolloutStatus) -> bool:
     return status.promote_full
 
 
-def _needed(view: View, step: int) -> int:
-    """Canary replicas a step needs: its share of the pool, at least one."""
-    share = (view.spec.shadow.percent if view.spec.shadow else 0) if step == SHADOW_STEP \
+def shares(total: int, canary_share: int, live_weight: int, limit: int | None
+           ) -> tuple[int, int]:
+    """(canary, stable) replicas while a rollout runs. `canary_share`: the percent of the
+    pool's traffic the step gives the canary (live or shadow); `live_weight`: the live weight
+    in effect now, which stable no longer serves.
+
+    A fixed pool (`limit` None) keeps stable whole and adds the canary's share. An autoscaled
+    pool shares the autoscaler's `total`: stable keeps the part its live traffic needs, the
+    canary gets its step's part, each at least 1 (stable for its in-flight streams and a
+    rollback's first requests), the sum at most `limit` (maxReplicas + rolloutSurge). Stable
+    never gives way to a canary that has no traffic yet (it would serve its share
+    overloaded), so where both do not fit the canary gets what is left and its step waits for
+    room (`_needed`); only with rolloutSurge 0 at maxReplicas does stable give the canary its
+    one replica. A pool asleep at 0 keeps stable at 0."""
+    canary = max(1, math.ceil(total * canary_share / 100))
+    if limit is None:
+        return canary, total
+    if total == 0:
+        return canary, 0
+    stable = max(1, math.ceil(total * (100 - live_weight) / 100))
+    canary = max(1, min(canary, limit - stable))
+    return canary, max(1, min(stable, limit - canary))
+
+
+def _share(view: View, step: int) -> int:
+    return (view.spec.shadow.percent if view.spec.shadow else 0) if step == SHADOW_STEP \
         else view.spec.steps[step].weight
-    return max(1, math.ceil(view.pool_replicas * share / 100))
+
+
+def _needed(view: View, step: int) -> int:
+    """Canary replicas a step needs before its weight moves: its share of the pool, at least
+    one (and on an autoscaled pool at most what its limit holds beside one stable replica)."""
+    share = _share(view, step)
+    return shares(view.pool_replicas, share, share, view.surge_limit)[0]
+
+
+def _no_room(view: View, step: int, live_weight: int) -> str | None:
+    """Why an autoscaled pool's canary cannot have its step's replicas beside stable now."""
+    limit, total = view.surge_limit, view.pool_replicas
+    needed = _needed(view, step)
+    canary, stable = shares(total, _share(view, step), live_weight, limit)
+    if limit is None or canary >= needed:
+        return None
+    return (f"no room for {needed} canary replicas beside stable's {stable}: the pool runs "
+            f"{total} replicas and a rollout may run {limit} (maxReplicas + rolloutSurge); "
+            f"it goes on once the load lets the pool shrink, or raise spec.autoscaling."
+            f"rolloutSurge by {needed - canary}")
 
 
 def _traffic(spec: RolloutSpec, status: RolloutStatus) -> list[TrafficTarget]:
@@ -342,6 +391,10 @@ class _Run:
                 self.event("Normal", "RequestIgnored",
                            f"promote of step {request.step} ignored: the rollout is at {where}")
                 return
+            if self.nothing_to_promote_onto():
+                self.event("Normal", "RequestIgnored", f"promote of {where} ignored: no Ready "
+                           "canary replica to promote onto; ask again once one is Ready")
+                return
             if s.phase == Phase.PAUSED:
                 self.resume()
             self.event("Normal", "PromotedStep", f"{where} promoted on request")
@@ -356,6 +409,13 @@ class _Run:
                        f"{action.value} does not apply to a rollout in phase {s.phase.value}")
 
     # -- steps ------------------------------------------------------------------------------
+
+    def nothing_to_promote_onto(self) -> bool:
+        """The last step, with no Ready canary replica: a promotion now would leave the pool
+        nothing Ready to serve (its pods crashed or were evicted at the last step)."""
+        step = self.status.current_step
+        return step is not None and step + 1 >= len(self.spec.steps) and \
+            self.view.canary_ready < 1
 
     def advance(self) -> None:
         s = self.status
@@ -431,6 +491,10 @@ class _Run:
         least = (spec.shadow.duration_seconds if spec.shadow else 0) if step == SHADOW_STEP \
             else spec.steps[step].pause_seconds
         passed = not analysed or (last is not None and last.outcome == Outcome.PASS)
+        if elapsed >= least and passed and self.nothing_to_promote_onto():
+            _wait_for_canary(self, 1)  # (bounded by capacityWaitSeconds, as a step's wait)
+            return
+        s.canary_waiting_since = None
         if elapsed >= least and passed:
             if spec.auto_promote or _promote_full(s):
                 self.event("Normal", "StepPassed", f"{self.where()} passed")
@@ -624,7 +688,7 @@ def _progress(run: _Run, window: Window | None, results: list[MetricEvaluation] 
         if view.canary_ready >= needed:
             run.make_effective()
         else:
-            _wait_for_canary(run, needed)
+            _wait_for_canary(run, needed, _no_room(view, step, s.current_weight))
             return
     if s.phase != Phase.PAUSED or s.pause_reason == ANALYSIS_ERROR:
         run.run_step(window, results)
@@ -632,14 +696,15 @@ def _progress(run: _Run, window: Window | None, results: list[MetricEvaluation] 
             _progress(run, None, None)  # the next step: make it effective if it can be
 
 
-def _wait_for_canary(run: _Run, needed: int) -> None:
+def _wait_for_canary(run: _Run, needed: int, no_room: str | None = None) -> None:
     """The step waits for its canary replicas, never for ever: pods that cannot be placed (no
-    free GPU), or that run but are not Ready (a model download and load can take minutes),
-    wait at most spec.capacityWaitSeconds; then the timeout action applies, saying what is
-    missing."""
+    free GPU, or no room under an autoscaled pool's limit), or that run but are not Ready (a
+    model download and load can take minutes), wait at most spec.capacityWaitSeconds; then
+    the timeout action applies, saying what is missing."""
     view, s = run.view, run.status
+    problem = no_room or view.canary_problem
     s.message = (f"{run.where()}: waiting for canary replicas ({view.canary_ready}/{needed} "
-                 "ready)" + (f": {view.canary_problem}" if view.canary_problem else ""))
+                 "ready)" + (f": {problem}" if problem else ""))
     if s.canary_waiting_since is None:
         s.canary_waiting_since = run.now
     waited = (run.now - s.canary_waiting_since).total_seconds()
@@ -647,7 +712,10 @@ def _wait_for_canary(run: _Run, needed: int) -> None:
     if waited < bound:
         run.wake_in(bound - waited)
         return
-    if view.canary_problem:
+    if no_room:
+        run.time_out("InsufficientCapacity", f"{run.where()}: {no_room}; waited "
+                     f"{int(waited)}s, stable serves on")
+    elif view.canary_problem:
         run.time_out("InsufficientCapacity",
                      f"{run.where()}: the canary could not be placed in {int(waited)}s "
                      f"({view.canary_problem}); stable serves on; free or add GPUs (or set "
@@ -662,8 +730,13 @@ def _actions(run: _Run, decision: Decision) -> None:
     view, s = run.view, run.status
     if s.phase in (*RUNNING, Phase.PAUSED):
         step = s.current_step if s.current_step is not None else 0
-        decision.canary_replicas = max(_needed(view, step), view.canary_ready if
-                                       s.step_started_at is not None else 0)
+        canary, stable = shares(view.pool_replicas, _share(view, step), s.current_weight,
+                                view.surge_limit)
+        if view.surge_limit is None:  # (a fixed pool keeps the canary pods it has)
+            canary = max(canary, view.canary_ready if s.step_started_at is not None else 0)
+        else:
+            decision.stable_replicas = stable
+        decision.canary_replicas = canary
         decision.traffic = _traffic(view.spec, s)
     elif s.phase in (Phase.ROLLING_BACK, Phase.ABORTED) and s.drain_started_at is not None:
         left = view.spec.drain_seconds - (run.now - s.drain_started_at).total_seconds()
@@ -692,11 +765,12 @@ def _conditions(run: _Run, view: View) -> list[dict[str, Any]]:
         Cond("Degraded", degraded, s.pause_reason or s.phase.value if degraded else "AsExpected",
              s.message if degraded else ""),
     ]
-    waiting = (s.phase in (*RUNNING, Phase.PAUSED) and s.step_started_at is None
-               and view.canary_problem)
+    waiting = None
+    if s.phase in (*RUNNING, Phase.PAUSED) and s.step_started_at is None and \
+            s.current_step is not None:
+        waiting = _no_room(view, s.current_step, s.current_weight) or view.canary_problem
     decided.append(Cond("CapacityOK", not waiting,
-                        "InsufficientCapacity" if waiting else "AsExpected",
-                        view.canary_problem or "" if waiting else ""))
+                        "InsufficientCapacity" if waiting else "AsExpected", waiting or ""))
     ready = not progressing and not degraded and s.phase != Phase.PAUSED
     decided.append(Cond("Ready", ready, s.phase.value, s.message))
     previous = [c.to_wire() for c in s.conditions]

@@ -274,7 +274,9 @@ class Runtime:
                 serving_parts, parts, pool.spec.artifact_ref.name),
             wave=wave, held=held,
             canary_ready=ready_replicas(revision_deployment(observed, target)),
-            canary_problem=diagnosis.message if diagnosis is not None else None)
+            canary_problem=diagnosis.message if diagnosis is not None else None,
+            surge_limit=None if (scaling := pool.spec.autoscaling) is None else
+            scaling.max_replicas + scaling.rollout_surge)
         now = _now()
         window = due_window(view, now)
         results = None

@@ -450,6 +450,18 @@ def _retire(facts: _Facts, observed: Observed, children: _Children
                     f"{naming.short_revision(_revision_of(old) or '?')}) deleted: "
                     f"revision {naming.short_revision(revision or '')} is ready"))
     scale: list[tuple[dict[str, Any], int]] = []
+    stable = revision_deployment(observed, facts.serving) if facts.governed else None
+    if stable is not None and stable not in delete:
+        assert facts.rollout is not None
+        # Stable follows the pool's count while governed too (a load ramp mid-rollout grew
+        # only the canary); an autoscaled pool's count is shared with the canary.
+        size = facts.rollout.stable_replicas
+        size = facts.pool.spec.replicas if size is None else size
+        if int(stable.get("spec", {}).get("replicas", 0)) != size:
+            scale.append((stable, size))
+            events.append(Event("Normal", "ScaledStable", f"Deployment "
+                                f"{stable['metadata']['name']} (stable) to {size} of the pool's "
+                                f"{facts.pool.spec.replicas} replicas during the rollout"))
     if facts.rollover is not None and not delete:
         for old, size in facts.rollover.old_replicas:
             if int(old.get("spec", {}).get("replicas", 0)) != size:

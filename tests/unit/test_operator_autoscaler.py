@@ -227,9 +227,14 @@ def test_a_pool_mid_rollout_never_scales_to_zero() -> None:
     traffic = {"traffic": [{"revision": "a" * 64, "role": "stable", "weight": 50},
                            {"revision": "b" * 64, "role": "canary", "weight": 50}]}
     quiet = Signals(at=600, loads=(0.0,), last_request_at=0)
-    for status, desired in (({}, 0), (traffic, 1)):
+    for status, desired, signal in (({}, 0, "idle"), (traffic, 1, "rollout")):
         view = _pool(1, 1, status=status, **idle)
         assert view.rolling_out == bool(status)
         policy = policy_of(view.autoscaling, view.slos, view.reserve, view.rolling_out)
         decision = decide(policy, quiet, Observed(1, 1), History(), 600)
-        assert decision.desired == desired, (status, decision)
+        assert (decision.desired, decision.signal) == (desired, signal), (status, decision)
+    assert "a rollout runs: not to zero" in decision.message
+    # Two replicas, idle mid-rollout: down to 1 (after the down window), never 0.
+    history = History(recommendations=[(0, 2)])
+    down = decide(policy, quiet, Observed(2, 2), history, 600)
+    assert (down.desired, down.signal) == (1, "rollout")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -146,6 +147,12 @@ class FakeCluster:
     async def delete(self, kind: str, namespace: str, name: str, uid: str | None) -> None:
         await self._request("DELETE", f"{kind} {name}")
         self.remove(kind, name)
+
+    async def patch(self, kind: str, namespace: str, name: str, body: JsonObj) -> JsonObj:
+        await self._request("PATCH", f"{kind} {name} {json.dumps(body, sort_keys=True)}")
+        obj = copy.deepcopy(self.objects[(kind, name)])
+        obj["spec"].update(body.get("spec", {}))
+        return self.store(obj)
 
     async def list(self, kind: str, namespace: str, selector: str | None = None) -> JsonList:
         await self._request("GET", f"{kind} list")
@@ -583,3 +590,41 @@ async def test_an_operator_with_a_new_engine_image_rolls_the_fleet_in_a_bounded_
     assert held["phase"] == "Idle" and "stopped: pool default/a rolled back" in held["message"]
     assert not [n for k, n in cluster.objects if k == "Deployment" and n.startswith("c-")
                 and n not in stable]
+
+
+@pytest.mark.asyncio
+async def test_an_autoscaled_pools_count_is_shared_by_stable_and_canary_mid_rollout() -> None:
+    """The autoscaler's count grows from 2 to 4 during a 50 % step: stable and canary both
+    grow, in proportion (stable kept its old count while only the canary was sized)."""
+    cluster = FakeCluster()
+    cluster.store(artifact().to_wire(), "ADDED")
+    cluster.store(pool(spec__replicas=2, spec__autoscaling={
+        "minReplicas": 1, "maxReplicas": 4}).to_wire(), "ADDED")
+    cluster.deliver()
+    runtime = _runtime(cluster)
+    stable = await _converge(cluster, runtime)
+    assert cluster.objects[("Deployment", stable)]["spec"]["replicas"] == 2
+    cluster.store(make_artifact("qwen3-8b-v2").set("spec.samplingDefaults.topK", 7).data(),
+                  "ADDED")
+    cluster.store(make_rollout().set("spec.steps", [
+        {"weight": 50, "analysis": False, "pauseSeconds": 3600}, {"weight": 100}]).data(),
+        "ADDED")
+    cluster.edit("ServingPool", "chat", ["spec", "artifactRef", "name"], "qwen3-8b-v2")
+    cluster.deliver()
+
+    async def sizes() -> dict[str, int]:
+        await runtime.reconcile_pool((NS, "chat"))
+        cluster.deliver()
+        return {name: obj["spec"]["replicas"] for (kind, name), obj in cluster.objects.items()
+                if kind == "Deployment"}
+
+    first = await sizes()
+    (canary,) = set(first) - {stable}
+    assert first == {stable: 2, canary: 1}  # the canary first; stable whole while at 0 %
+    cluster.ready(canary)
+    cluster.deliver()
+    assert await sizes() == {stable: 1, canary: 1}  # 50 %: stable has its half
+    assert cluster.objects[("Rollout", "chat")]["status"]["currentWeight"] == 50
+    cluster.edit("ServingPool", "chat", ["spec", "replicas"], 4)  # the autoscaler
+    cluster.deliver()
+    assert await sizes() == {stable: 2, canary: 2}

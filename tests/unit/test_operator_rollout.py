@@ -6,6 +6,7 @@ wire form between calls (what a restarted operator would read back)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -49,6 +50,7 @@ from kvfleet.operator.rollout import (
     decide,
     due_window,
     policy_hash,
+    shares,
 )
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
@@ -83,13 +85,14 @@ class _Sim:
     ready_cap: int | None = None  # canary pods beyond this run but never get Ready
     slos: SLOs | None = field(default_factory=lambda: SLO)
     metrics: Callable[[Window], list[MetricEvaluation]] | None = None  # overrides outcomes
+    surge_limit: int | None = None  # autoscaled: maxReplicas + rolloutSurge
 
     def view(self) -> View:
         return View(spec=self.spec, status=self.status, generation=1, request=self.request,
                     pool_replicas=self.replicas, slos=self.slos, stable=self.stable,
                     target=self.target, target_artifact="qwen3-8b-v2", target_change=self.change,
                     canary_ready=self.ready if self.ready_revision == self.target else 0,
-                    canary_problem=self.no_gpu)
+                    canary_problem=self.no_gpu, surge_limit=self.surge_limit)
 
     def tick(self, seconds: float = 0.0) -> Decision:
         self.now += timedelta(seconds=seconds)
@@ -443,6 +446,100 @@ def test_a_canary_that_runs_but_never_gets_ready_is_bounded() -> None:
     held = sim.run(10)
     assert (held.status.phase, held.status.pause_reason) == (Phase.PAUSED, "CanaryNotReady")
     assert _table(held) == {"stable": 100} and _cond(held, "Degraded")[0] == "True"
+
+
+@given(total=st.integers(0, 40), headroom=st.integers(0, 10), surge=st.integers(0, 12),
+       share=st.sampled_from([1, 5, 10, 25, 50, 75, 100]), moved=st.booleans())
+def test_an_autoscaled_pools_count_is_shared_in_proportion_within_its_surge(
+        total: int, headroom: int, surge: int, share: int, moved: bool) -> None:
+    maximum = max(1, total + headroom)
+    limit = maximum + max(surge, 2 - maximum)  # (the API refuses a limit under 2)
+    weight = share if moved else 0  # the step's weight in effect, or not yet
+    canary, stable = shares(total, share, weight, limit)
+    assert canary >= 1
+    if total == 0:  # a pool asleep: stable stays asleep
+        assert stable == 0
+        return
+    assert stable >= 1 and canary + stable <= limit
+    full, live = math.ceil(total * share / 100), max(1, math.ceil(total * (100 - weight) / 100))
+    # Stable keeps the share its live traffic needs (gives one replica only with no surge at
+    # maxReplicas); the canary gets what is left of its step's share...
+    assert stable == live or (stable == limit - 1 and live == limit)
+    assert canary == max(1, min(full, limit - live))
+    # ... which is all of it once the weight is in effect, with a surge of 1 or more.
+    if moved and limit > maximum:
+        assert canary == max(1, full)
+    # A fixed pool keeps stable whole beside the canary.
+    assert shares(total, share, weight, None) == (max(1, math.ceil(total * share / 100)), total)
+
+
+def test_a_load_ramp_mid_rollout_grows_stable_and_canary_within_max_plus_surge() -> None:
+    """The autoscaler raises the pool's count from 2 to 8 during the 50 % step: both revisions
+    grow (stable kept its old count while only the canary was sized), never past 8 + 1."""
+    sim = _Sim(_spec(steps=[{"weight": 50}, {"weight": 100}], capacityWaitSeconds=600),
+               replicas=2, surge_limit=9,
+               outcomes=lambda w: Outcome.WAITING if w.step == 0 and w.index > 0 else
+               Outcome.PASS)
+    sim.run(5)
+    at_50 = sim.tick(1)
+    assert at_50.status.current_weight == 50
+    assert (at_50.canary_replicas, at_50.stable_replicas) == (1, 1)
+    sim.replicas = 8
+    ramped = sim.tick(1)
+    assert (ramped.canary_replicas, ramped.stable_replicas) == (4, 4)
+    # At maxReplicas the 100 % step finds no room for 8 canary replicas beside stable's 4:
+    # stable keeps its share (never shrunk for a canary that has no traffic yet), the step
+    # waits and says so.
+    sim.outcomes = lambda w: Outcome.PASS
+    sizes = []
+    for _ in range(12):
+        decision = sim.tick(5)
+        sizes.append((decision.status.current_weight, decision.canary_replicas,
+                      decision.stable_replicas))
+    assert decision.status.current_step == 1 and decision.status.current_weight == 50
+    assert set(sizes[-3:]) == {(50, 5, 4)}, sizes
+    assert "no room for 8 canary replicas beside stable's 4" in decision.status.message
+    assert "raise spec.autoscaling.rolloutSurge by 3" in decision.status.message
+    assert _cond(decision, "CapacityOK")[0] == "False"
+    # The load falls, the autoscaler shrinks the pool to 4: room, the weight moves, promoted.
+    sim.replicas = 4
+    for _ in range(30):
+        decision = sim.tick(5)
+        if decision.status.phase == Phase.PROMOTED:
+            break
+        sizes.append((decision.status.current_weight, decision.canary_replicas,
+                      decision.stable_replicas))
+    assert decision.promote, sizes
+    assert all(c is not None and s is not None and c + s <= 9 for _, c, s in sizes), sizes
+    assert (100, 4, 1) in sizes, sizes  # stable keeps one replica a rollback starts from
+
+
+def test_a_fixed_pool_keeps_stable_whole_and_follows_its_count() -> None:
+    sim = _Sim(_spec(steps=[{"weight": 50}, {"weight": 100}]), replicas=2)
+    sim.run(5)
+    assert sim.decisions[-1].stable_replicas is None  # the pool's count, whatever it is
+
+
+def test_a_passing_last_step_with_no_ready_canary_waits_and_is_bounded() -> None:
+    """Its pods crashed at the last step: promoting then left the pool nothing Ready."""
+    sim = _Sim(_spec(steps=[{"weight": 100, "analysis": False, "pauseSeconds": 20}],
+                     capacityWaitSeconds=60), replicas=2)
+    assert sim.tick().canary_replicas == 2
+    sim.tick(1)
+    assert sim.status.current_weight == 100  # (the step took effect before the crash)
+    sim.ready_cap = 0
+    waiting = sim.run(30)
+    assert waiting.status.phase == Phase.PROGRESSING and not waiting.promote
+    assert "waiting for canary replicas (0/1 ready)" in waiting.status.message
+    sim.ask(RequestAction.PROMOTE, "p1", step=0)
+    assert "no Ready canary replica to promote onto" in " ".join(
+        e.message for e in sim.decisions[-1].events)
+    held = sim.run(60)
+    assert (held.status.phase, held.status.pause_reason) == (Phase.PAUSED, "CanaryNotReady")
+    assert not any(d.promote for d in sim.decisions)
+    sim.ready_cap = None  # Ready again: resumed, it promotes
+    sim.ask(RequestAction.RESUME, "r1")
+    assert sim.run(20).promote
 
 
 def test_removing_the_pools_slos_mid_step_says_so_without_failing_the_reconcile() -> None:

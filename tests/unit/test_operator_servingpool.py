@@ -218,7 +218,8 @@ def test_artifact_change_switches_revision_only_when_the_new_one_is_ready() -> N
 
 
 def _decision(old: ModelArtifact, new: ModelArtifact, *, phase: Phase, weight: int,
-              canary: int | None, promote: bool = False) -> RolloutDecision:
+              canary: int | None, promote: bool = False, stable: int | None = None
+              ) -> RolloutDecision:
     status = RolloutStatus(phase=phase, stable_revision=revision(old),
                            canary_revision=revision(new), current_weight=weight,
                            message=f"step 1/3 weight {weight}%")
@@ -228,7 +229,7 @@ def _decision(old: ModelArtifact, new: ModelArtifact, *, phase: Phase, weight: i
         traffic.append(TrafficTarget(revision=revision(new), role=TrafficRole.CANARY,
                                      weight=weight))
     return RolloutDecision(status=status, traffic=traffic if canary else [],
-                           canary_replicas=canary, promote=promote)
+                           canary_replicas=canary, promote=promote, stable_replicas=stable)
 
 
 def test_a_rollout_runs_the_canary_beside_an_untouched_stable() -> None:
@@ -269,6 +270,30 @@ def test_a_rollout_runs_the_canary_beside_an_untouched_stable() -> None:
     assert done.status["servingRevision"] == revision(new)
     assert [d["metadata"]["name"] for d in done.delete] == [stable_name]
     assert done.apply == ()
+
+
+def test_stable_follows_the_pools_count_mid_rollout_or_its_share_of_an_autoscaled_one(
+        ) -> None:
+    """A load ramp mid-rollout raised spec.replicas and only the canary followed: stable kept
+    its old count while the status said 2 -> 8."""
+    p, old, new = pool(), artifact(), _new_artifact()
+    converged = _converged(p, old)
+    p = _with_status(p, _run(p, old, converged))
+    stable_name = converged.deployments[0]["metadata"]["name"]
+    ramped = _with_status(pool(spec__replicas=8), _run(p, old, converged))
+    plan = _run(ramped, new, converged, rollout=_decision(old, new, phase=Phase.PROGRESSING,
+                                                          weight=10, canary=1))
+    assert [(d["metadata"]["name"], size) for d, size in plan.scale] == [(stable_name, 8)]
+    assert "ScaledStable" in [e.reason for e in plan.events]
+    # An autoscaled pool's stable has the share the Rollout decided; its pods keep running.
+    shared = _run(ramped, new, converged, rollout=_decision(
+        old, new, phase=Phase.PROGRESSING, weight=50, canary=4, stable=4))
+    assert [size for _, size in shared.scale] == [4]
+    assert not any(o["metadata"]["name"] == stable_name for o in shared.apply)
+    # Rolled back: stable gets the whole count back at once.
+    back = _run(ramped, new, converged, rollout=_decision(
+        old, new, phase=Phase.ROLLING_BACK, weight=0, canary=1))
+    assert [size for _, size in back.scale] == [8]
 
 
 def test_revision_label_matches_the_manifest_hash() -> None:
