@@ -613,7 +613,10 @@ def test_a_canary_slow_only_on_long_prompts_is_stopped_by_the_prompt_class_split
 ) -> None:
     """c) A canary 14 s slower on prompts of 1300 tokens, which are 1 request in 60: the p95
     over all requests does not see it, the ≤4096-token class does. Rolled back by the window
-    in which every all-requests latency metric passed, so the split is what caught it."""
+    in which every all-requests latency metric passed, so the split is what caught it.
+    d) A canary refusing those prompts (a smaller maxModelLength), 1 request in 30: rolled
+    back by the class's error rate against stable's, its error rate over all requests not
+    failing the pool's 5 % SLO."""
     with _only_the_local_l4_node(kube, kubectl):
         hashes = _setup(kube, namespace)
         # Long requests are rare: a step long enough to see a few (some 14 at the 5.7 requests
@@ -657,9 +660,36 @@ def test_a_canary_slow_only_on_long_prompts_is_stopped_by_the_prompt_class_split
             _wait_pool(kube, operator, namespace, POOL, lambda p: not _pods(kube, namespace,
                        slow), "the slow canary removed", 60)
             assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
+            with traffic.lock:
+                assert traffic.failures == [], traffic.failures[:5]
+                traffic.long_every = 30  # 3 % of the requests
+
+            # d) A canary refusing the long prompts (maxModelLength 1024 < their 1300 tokens),
+            # 3 % of the traffic: under the pool's 5 % error-rate SLO over all requests, the
+            # <=4096-token class's error rate against stable's stops it.
+            kube.merge_patch("ServingPool", POOL, {"spec": {
+                "artifactRef": {"name": "smol-v1"}, "engine": {"maxModelLength": 1024}}},
+                namespace)
+            refusing = _wait_rollout(kube, operator, namespace, lambda r: (
+                r.get("status") or {}).get("canaryChange", "").startswith(
+                "settings KVFLEET_MAX_MODEL_LEN"), "the settings canary started", 60)
+            short = refusing["status"]["canaryRevision"]
+            started = time.monotonic()
+            done = _wait_rollout(kube, operator, namespace, lambda r: _phase(
+                "RolledBack", "Promoted", "Paused")(r) and r["status"].get(
+                "canaryRevision") == short, "the canary refusing long prompts stopped", 300)
+            _decided_in(started, "refusing long prompts only (1 in 30)")
+            status = done["status"]
+            assert status["phase"] == "RolledBack", yaml.safe_dump(status)
+            assert "errorrate-le4096 canary" in status["message"], status["message"]
+            failed = [e for e in status["evaluations"] if e["revision"] == short][-1]
+            outcomes = {m["name"]: m["outcome"] for m in failed["metrics"]}
+            assert outcomes["errorrate"] != "Fail", yaml.safe_dump(failed)
         finally:
             traffic.close()
-        assert traffic.failures == [], traffic.failures[:5]
+        refused = traffic.failures
+        assert refused and all(f" from {short[:12]}:" in f and "context" in f
+                               for f in refused), refused[:5]
         assert traffic.codes["200"] > 80, traffic.codes
 
 

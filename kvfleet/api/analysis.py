@@ -54,13 +54,20 @@ def _count(histogram: str, matchers: str = "") -> str:
 # are all but the client's own errors and departures: those say nothing about the revision,
 # their share depends on the clients, and counting them would dilute the error rate (a client
 # sending bad JSON to the canary would make it look healthier).
-_REQUESTS = ("sum(increase(kvfleet_router_requests_total" + _SELECTOR
-             + ',outcome!~"client_error|client_gone"}' + _RANGE + "))")
+def _requests(matchers: str = "") -> str:
+    return ("sum(increase(kvfleet_router_requests_total" + _SELECTOR
+            + ',outcome!~"client_error|client_gone"' + matchers + "}" + _RANGE + "))")
+
+
 # The revision's failures: an error inside a 200, the engine's own refusals (context, KV
 # capacity, queue full, the router's proof), and no replica answering.
-_ERRORS = ("(sum(increase(kvfleet_router_requests_total" + _SELECTOR
-           + ',outcome=~"stream_error|revision_refused|upstream_error"}' + _RANGE
-           + ")) or vector(0))")
+def _errors(matchers: str = "") -> str:
+    return ("(sum(increase(kvfleet_router_requests_total" + _SELECTOR
+            + ',outcome=~"stream_error|revision_refused|upstream_error"' + matchers + "}"
+            + _RANGE + ")) or vector(0))")
+
+
+_REQUESTS, _ERRORS = _requests(), _errors()
 
 
 # Greedy probes (kvfleet.router.probes): mirrored whatever the traffic kind, so no traffic label.
@@ -121,6 +128,9 @@ class MetricPlan:
     # the samples allow (PROPORTION_Z's upper bound) is under the threshold, not the point
     # estimate (0 errors in 12 requests is as likely from a revision failing 1 in 5).
     proportion: bool = False
+    # Versus stable, a fraction's difference (canary - stable), not a ratio: it fails only when
+    # over `threshold` and the samples show it (`significantly_over`).
+    difference: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,7 +175,8 @@ def _agreement_metric(agreement: OutputAgreement | None, metrics: list[Metric]) 
 
 def _class_plans(split: PromptLengthSplit | None, *, shadow: bool) -> list[MetricPlan]:
     """Per prompt-length class, canary p95 over stable's: time to first token (streamed live
-    requests: shadow copies have none) and end to end (streamed or not)."""
+    requests: shadow copies have none) and end to end (streamed or not); and the canary's
+    error rate against stable's, by their difference."""
     if split is None or not split.enabled:
         return []
     out = []
@@ -178,6 +189,10 @@ def _class_plans(split: PromptLengthSplit | None, *, shadow: bool) -> list[Metri
                 f"{metric}-{name}", _p95(histogram, matchers), _count(histogram, matchers),
                 split.max_ratio, Comparison.AT_MOST, True, split.min_samples,
                 MissingData.INCONCLUSIVE, required=False, slack=split.min_difference_seconds))
+        out.append(MetricPlan(
+            f"errorrate-{name}", f"{_errors(matchers)} / {_requests(matchers)}",
+            _requests(matchers), split.min_error_difference, Comparison.AT_MOST, True,
+            split.min_samples, MissingData.INCONCLUSIVE, required=False, difference=True))
     return out
 
 
@@ -322,6 +337,9 @@ def judge(plan: MetricPlan, canary: QueryResult, stable: QueryResult | None) -> 
                                            f"{stable.value}")
             return result
         assert stable.value is not None
+        if plan.difference:
+            return _judge_difference(plan, result, value, stable.value, canary.samples,
+                                     stable.samples)
         over = value - stable.value
         # 0/0: both revisions equally good; x/0: the canary is infinitely worse.
         ratio_of_zero = 1.0 if value == 0 else math.inf
@@ -348,8 +366,41 @@ def judge(plan: MetricPlan, canary: QueryResult, stable: QueryResult | None) -> 
     return result
 
 
+def _judge_difference(plan: MetricPlan, result: MetricEvaluation, canary: float,
+                      stable: float, canary_samples: int, stable_samples: int
+                      ) -> MetricEvaluation:
+    """A rate judged by how far the canary's is over stable's: a Fail needs the difference
+    over the threshold and shown by the samples (`significantly_over`)."""
+    over = canary - stable
+    result.value = over
+    what = (f"{plan.name} canary {canary:.3g} ({canary_samples} requests) vs stable "
+            f"{stable:.3g} ({stable_samples})")
+    if over <= plan.threshold:
+        result.outcome, result.message = Outcome.PASS, f"{what}: {over:+.3g} <= " \
+            f"{plan.threshold:g}"
+    elif significantly_over(canary, canary_samples, stable, stable_samples):
+        result.outcome, result.message = Outcome.FAIL, f"{what}: {over:+.3g} > " \
+            f"{plan.threshold:g}"
+    else:
+        result.outcome, result.message = Outcome.PASS, f"{what}: {over:+.3g}, not yet " \
+            "shown by so few requests"
+    return result
+
+
+def significantly_over(canary: float, canary_samples: int, stable: float,
+                       stable_samples: int) -> bool:
+    """The canary's rate is over stable's beyond what their samples leave open: the
+    canary's lower bound over stable's upper bound (95 % one-sided each)."""
+    return rate_lower_bound(canary, canary_samples) > rate_upper_bound(stable, stable_samples)
+
+
 # One-sided 95 %: the rate a revision may really have, given what its samples showed.
 PROPORTION_Z = 1.645
+
+
+def rate_lower_bound(rate: float, samples: int, z: float = PROPORTION_Z) -> float:
+    """Wilson score lower bound of a proportion `rate` seen over `samples` trials."""
+    return 1.0 - rate_upper_bound(1.0 - rate, samples, z) if samples > 0 else 0.0
 
 
 def rate_upper_bound(rate: float, samples: int, z: float = PROPORTION_Z) -> float:

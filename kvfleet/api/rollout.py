@@ -164,8 +164,8 @@ PROMPT_CLASS_EDGES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 PROMPT_CLASS_OVER = "inf"
 
 
-# An evaluation's metrics: the declared ones, answer agreement, and two per prompt class.
-MAX_EVALUATED = MAX_METRICS + 1 + 2 * (len(PROMPT_CLASS_EDGES) + 1)
+# An evaluation's metrics: the declared ones, answer agreement, and three per prompt class.
+MAX_EVALUATED = MAX_METRICS + 1 + 3 * (len(PROMPT_CLASS_EDGES) + 1)
 
 
 def prompt_class(prompt_tokens: int) -> str:
@@ -174,11 +174,13 @@ def prompt_class(prompt_tokens: int) -> str:
 
 
 class PromptLengthSplit(KubeModel):
-    """Latency judged per prompt-length class, canary against stable: a revision slow only on
-    long prompts hides in a p95 over all traffic when long prompts are a few percent of it.
-    Each class is judged on its own time to first token (streamed) and end-to-end latency
-    (streamed or not), once both revisions have `minSamples` requests of that class in the
-    window; a class with fewer is not judged (it never blocks nor passes a step)."""
+    """Latency and errors judged per prompt-length class, canary against stable: a revision
+    slow only on long prompts, or refusing them (a smaller maxModelLength), hides in a p95 or
+    an error rate over all traffic when long prompts are a few percent of it. Each class is
+    judged on its own time to first token (streamed), end-to-end latency (streamed or not)
+    and error rate (errors inside a 200 and the revision's refusals), once both revisions
+    have `minSamples` requests of that class in the window; a class with fewer is not judged
+    (it never blocks nor passes a step)."""
 
     enabled: bool = Field(default=True, description="Judge latency per prompt-length class.")
     edges: list[int] = Field(
@@ -196,6 +198,11 @@ class PromptLengthSplit(KubeModel):
         default=0.25, ge=0.0, le=3600.0,
         description="A class passes whatever its ratio while its canary p95 is at most this "
         "much over stable's: a ratio of two small latencies is mostly noise.")
+    min_error_difference: float = Field(
+        default=0.02, ge=0.0, le=1.0,
+        description="A class fails on errors when its canary error rate is over stable's by "
+        "more than this, and its samples show it (the canary's rate at least, over stable's "
+        "at most, at 95 % each): one refused request in twenty is not yet a broken class.")
 
     @field_validator("edges")
     @classmethod

@@ -8,10 +8,10 @@ These are the series the Rollout analysis reads (canary vs stable); every name i
         histogram (streams of N > 1 tokens)
     kvfleet_router_e2e_request_latency_seconds{namespace,pool,revision,traffic,prompt_class}
         histogram (streamed or not; outcomes completed, stream_error, revision_refused)
-    kvfleet_router_requests_total{namespace,pool,revision,traffic,outcome}         counter
-        (kvfleet.router.outcome: completed, stream_error, revision_refused, client_error,
-        upstream_error, client_gone; every outcome created at 0 for each revision in a
-        traffic table, so increase() sees a new outcome's first requests)
+    kvfleet_router_requests_total{namespace,pool,revision,traffic,prompt_class,outcome}
+        counter (kvfleet.router.outcome: completed, stream_error, revision_refused,
+        client_error, upstream_error, client_gone; every outcome and class created at 0 for
+        each revision in a traffic table, so increase() sees a new outcome's first requests)
     kvfleet_router_tokens_total{namespace,pool,revision,traffic,kind}              counter
         (prompt|generation)
     kvfleet_router_rejections_total{namespace,pool,reason}                         counter
@@ -37,10 +37,11 @@ These are the series the Rollout analysis reads (canary vs stable); every name i
 
 `prompt_class` is the prompt's token count (as counted at admission) rounded up to one of
 `kvfleet.api.rollout.PROMPT_CLASS_EDGES` ("256" ... "16384", or "inf"): the Rollout analysis
-judges latency per class of prompt length. The latency histograms' buckets are a fixed ladder
-plus, per pool, 0.9, 1 and 1.1 times its TTFT (TPOT) SLO: whether a p95 is over the threshold
-is then read from the bucket the 95th percentile falls in, and its estimate near the threshold
-is within 10 % (a ladder alone, e.g. 10/20/40 s, can put a true p95 of 19 s under a 15 s SLO).
+judges latency and errors per class of prompt length. The latency histograms' buckets are a
+fixed ladder plus, per pool, 0.9, 1 and 1.1 times its TTFT (TPOT) SLO: whether a p95 is over
+the threshold is then read from the bucket the 95th percentile falls in, and its estimate near
+the threshold is within 10 % (a ladder alone, e.g. 10/20/40 s, can put a true p95 of 19 s
+under a 15 s SLO).
 A series keeps the buckets it was created with (an SLO edit applies to new revisions).
 
 `namespace` is the ServingPool's (pools of one name in two namespaces are two series under a
@@ -59,7 +60,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
-from kvfleet.api.rollout import prompt_class
+from kvfleet.api.rollout import PROMPT_CLASS_EDGES, PROMPT_CLASS_OVER, prompt_class
 from kvfleet.router.outcome import Outcome
 
 PREFIX = "kvfleet_router_"
@@ -68,6 +69,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                 0.75, 1.0, 2.5)
 LABELS = ("namespace", "pool", "revision", "traffic")
+PROMPT_CLASSES = (*map(str, PROMPT_CLASS_EDGES), PROMPT_CLASS_OVER)
 PROBE_OUTCOMES = ("compared", "error", "shed", "misrouted")
 # Around an SLO threshold t: buckets at t and t * (1 -+ this).
 SLO_MARGIN = 0.1
@@ -148,7 +150,7 @@ class RouterMetrics:
         # (namespace, pool) -> its (TTFT, TPOT) p95 SLOs in seconds, for the buckets.
         self.slos: Mapping[tuple[str, str], tuple[float | None, float | None]] = {}
         self.requests = Counter(PREFIX + "requests_total", "Requests by outcome",
-                                (*LABELS, "outcome"), registry=r)
+                                (*timed, "outcome"), registry=r)
         self.tokens = Counter(PREFIX + "tokens_total", "Tokens by kind", (*LABELS, "kind"),
                               registry=r)
         self.rejections = Counter(PREFIX + "rejections_total",
@@ -192,6 +194,10 @@ class RouterMetrics:
         _, tpot = self.slos.get(labels[:2], (None, None))
         self.tpot.observe((*labels, prompt_class(prompt_tokens)), seconds, tpot)
 
+    def count(self, labels: tuple[str, str, str, str], prompt_tokens: int,
+              outcome: Outcome) -> None:
+        self.requests.labels(*labels, prompt_class(prompt_tokens), outcome.value).inc()
+
     def observe_e2e(self, labels: tuple[str, str, str, str], prompt_tokens: int,
                     seconds: float) -> None:
         # No SLO of its own: judged against stable, or by a custom threshold on the ladder.
@@ -203,7 +209,8 @@ class RouterMetrics:
         a window would miss a revision's first error of a kind."""
         for labels in series:
             for outcome in Outcome:
-                self.requests.labels(*labels, outcome.value)
+                for prompt in PROMPT_CLASSES:
+                    self.requests.labels(*labels, prompt, outcome.value)
             if labels[:2] not in self._known_pools:  # idle from now on, not since 1970
                 self._known_pools.add(labels[:2])
                 self.last_request.labels(*labels[:2]).set_to_current_time()

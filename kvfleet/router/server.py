@@ -726,7 +726,7 @@ class Router:
 
     def _record(self, labels: Labels, outcome: Outcome, seconds: float,
                 prompt_tokens: int) -> None:
-        self.metrics.requests.labels(*labels, outcome.value).inc()
+        self.metrics.count(labels, prompt_tokens, outcome)
         if outcome in TIMED:
             self.metrics.observe_e2e(labels, prompt_tokens, seconds)
 

@@ -256,8 +256,12 @@ E2E = "kvfleet_router_e2e_request_latency_seconds"
 
 
 def sample(router: Router, name: str, **labels: str) -> float | None:
-    """A sample of the router's registry, by default the live stable series of `llm/smol`."""
-    return router.metrics.registry.get_sample_value(name, {**LIVE, **labels})
+    """A sample of the router's registry, by default the live stable series of `llm/smol`,
+    summed over the labels not given (e.g. prompt_class); None when no series matches."""
+    wanted = {**LIVE, **labels}
+    values = [s.value for family in router.metrics.registry.collect() for s in family.samples
+              if s.name == name and wanted.items() <= s.labels.items()]
+    return sum(values) if values else None
 
 
 def observed(router: Router, histogram: str, part: str = "_count", **labels: str) -> float:
@@ -314,7 +318,7 @@ async def test_finish_reason_error_is_a_stream_error_streamed_or_not(
 
 
 @pytest.mark.asyncio
-async def test_latency_is_labelled_with_the_prompts_length_class(
+async def test_latency_and_outcomes_are_labelled_with_the_prompts_length_class(
     upstream: tuple[str, list[dict[str, Any]]],
 ) -> None:
     address, _ = upstream
@@ -324,6 +328,9 @@ async def test_latency_is_labelled_with_the_prompts_length_class(
         assert (await post(router, "hi " * 700)).status_code == 200  # ~700 tokens
         assert observed(router, E2E, prompt_class="256") == 1
         assert observed(router, E2E, prompt_class="1024") == 1
+        # (the error rate is judged per class too: a revision refusing only long prompts)
+        assert sample(router, REQUESTS, prompt_class="1024", outcome="completed") == 1
+        assert sample(router, REQUESTS, prompt_class="16384", outcome="stream_error") == 0
     finally:
         await router.close()
 
