@@ -260,9 +260,14 @@ class Analysis(KubeModel):
         json_schema_extra={"default": {}})
     by_prompt_length: PromptLengthSplit = Field(
         default_factory=PromptLengthSplit,
-        description="Latency per prompt-length class, canary against stable, judged beside "
-        "the metrics.",
+        description="Latency and errors per prompt-length class, canary against stable, "
+        "judged beside the metrics.",
         json_schema_extra={"default": {}})
+    max_canary_restarts: int = Field(
+        default=0, ge=0, le=1000,
+        description="Container restarts the canary's pods may have (a crash, an OOM kill, a "
+        "failed liveness probe) over the whole rollout, bake included; one more fails the "
+        "rollout at once, whatever the metrics say, naming the pod and why it restarted.")
 
 
 class Step(KubeModel):
@@ -334,6 +339,12 @@ class RolloutSpec(KubeModel):
         default=30, ge=0, le=3600,
         description="How long a revision that lost its traffic keeps running for its "
         "in-flight streams before it is scaled down.")
+    bake_seconds: int = Field(
+        default=300, ge=0, le=86400 * 7,
+        description="Least time the canary serves live traffic before it is promoted: its "
+        "last step, passed, waits out the rest. A revision that crashes, leaks memory or "
+        "slows down after some minutes must show it before stable goes; its restarts and "
+        "the last step's analysis are watched meanwhile. A person's promote skips it.")
 
     @field_validator("steps")
     @classmethod
@@ -470,6 +481,9 @@ class RolloutStatus(KubeModel):
         default=None, ge=-1, description="Step index; -1 is the shadow phase.")
     current_weight: int = Field(default=0, ge=0, le=100, description="Canary traffic percent.")
     shadow_percent: int = Field(default=0, ge=0, le=100, description="Mirrored percent.")
+    live_since: datetime | None = Field(
+        default=None, description="When the canary first had live traffic in this rollout "
+        "(its bake counts from then).")
     step_started_at: datetime | None = Field(
         default=None, description="When the current step's traffic took effect (window base).")
     canary_waiting_since: datetime | None = Field(

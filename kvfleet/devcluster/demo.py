@@ -97,6 +97,9 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
                 "byPromptLength": {"maxRatio": 5.0, "minSamples": 12,
                                    "minDifferenceSeconds": 1.0}},
             "drainSeconds": 3,
+            # Promoted once the steps pass: a demo shows the gates in minutes. A fleet's
+            # rollouts keep the default bake (300 s of live traffic before stable goes).
+            "bakeSeconds": 0,
             "autoPromote": auto_promote,
         },
     }

@@ -9,6 +9,7 @@ user can act on, naming the GPU product instead of repeating the scheduler's nod
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -146,6 +147,28 @@ def _exited_failing(state: dict[str, Any]) -> bool:
     (the pod never gets to its containers)."""
     now = (state.get("state") or {}).get("terminated") or {}
     return now.get("exitCode") not in (None, 0)
+
+
+def restarts(pods: Iterable[dict[str, Any]]) -> tuple[int, str]:
+    """Container restarts over `pods` (a crash, an OOM kill, a failed liveness probe), and
+    the latest one in words: which pod and container, why, with its exit code."""
+    total, latest, latest_at = 0, "", ""
+    for pod in pods:
+        for state in (pod.get("status") or {}).get("containerStatuses") or []:
+            count = int(state.get("restartCount") or 0)
+            if count == 0:
+                continue
+            total += count
+            last = (state.get("lastState") or {}).get("terminated") or {}
+            finished = str(last.get("finishedAt") or "")
+            if finished >= latest_at:
+                latest_at = finished
+                latest = (f"pod {pod.get('metadata', {}).get('name')} container "
+                          f"{state.get('name')} {last.get('reason') or 'restarted'}"
+                          f" (exit code {last.get('exitCode', '?')})")
+                detail = reason_line(last.get("message") or "")
+                latest += f": {detail}" if detail else ""
+    return total, latest
 
 
 def _container_problem(pod: dict[str, Any]) -> tuple[str, str] | None:

@@ -84,6 +84,9 @@ class View:
     # An autoscaled pool's maxReplicas + rolloutSurge: stable and canary share the pool's
     # count (`shares`). None: a fixed count, which stable keeps whole beside the canary.
     surge_limit: int | None = None
+    # Container restarts of the target's pods, and the latest one's pod and reason.
+    canary_restarts: int = 0
+    canary_restarted: str = ""
 
 
 @dataclass
@@ -285,6 +288,7 @@ class _Run:
         s.wave = view.wave
         s.rollout_hash = policy_hash(self.spec)
         s.started_at, s.finished_at, s.drain_started_at = self.now, None, None
+        s.live_since = None
         s.current_step = SHADOW_STEP if self.spec.shadow else 0
         s.current_weight, s.shadow_percent = 0, 0
         s.step_started_at, s.pause_reason, s.promote_full = None, None, False
@@ -417,6 +421,38 @@ class _Run:
         return step is not None and step + 1 >= len(self.spec.steps) and \
             self.view.canary_ready < 1
 
+    def baking(self) -> bool:
+        """The last step passed before the canary served live traffic `bakeSeconds`: it
+        waits out the rest, still analysed (a person's promote-full does not wait)."""
+        s, spec = self.status, self.spec
+        step = s.current_step
+        if step is None or step + 1 < len(spec.steps) or s.promote_full or \
+                s.live_since is None:
+            return False
+        left = spec.bake_seconds - (self.now - s.live_since).total_seconds()
+        if left <= 0:
+            return False
+        s.message = f"{self.where()}: passed; baking, {int(left + 0.999)}s left before promotion"
+        self.wake_in(min(left, spec.analysis.interval_seconds))
+        return True
+
+    def restarted(self) -> bool:
+        """The canary's pods restarted more than analysis.maxCanaryRestarts allows: the
+        rollout fails whatever the metrics say (a crash after minutes, an OOM kill)."""
+        view, s, spec = self.view, self.status, self.spec
+        if view.canary_restarts <= spec.analysis.max_canary_restarts or \
+                s.canary_revision != view.target:
+            return False
+        message = (f"{self.where()}: the canary's pods restarted {view.canary_restarts} "
+                   f"times (at most {spec.analysis.max_canary_restarts}): "
+                   f"{view.canary_restarted}")
+        if spec.auto_rollback:
+            self.back_to_stable(Phase.ROLLING_BACK, message + "; rolled back", "RollingBack")
+            self.wake_in(spec.drain_seconds)
+        else:
+            self.pause("CanaryRestarted", message)
+        return True
+
     def advance(self) -> None:
         s = self.status
         step = s.current_step if s.current_step is not None else SHADOW_STEP
@@ -495,6 +531,8 @@ class _Run:
             _wait_for_canary(self, 1)  # (bounded by capacityWaitSeconds, as a step's wait)
             return
         s.canary_waiting_since = None
+        if elapsed >= least and passed and self.baking():
+            return
         if elapsed >= least and passed:
             if spec.auto_promote or _promote_full(s):
                 self.event("Normal", "StepPassed", f"{self.where()} passed")
@@ -549,6 +587,7 @@ class _Run:
             s.shadow_percent = spec.shadow.percent if spec.shadow else 0
         else:
             s.current_weight = spec.steps[step].weight
+            s.live_since = s.live_since or self.now
         s.step_started_at, s.canary_waiting_since = self.now, None
         s.counts = StepCounts()
         s.message = f"{self.where()}: traffic moved"
@@ -677,7 +716,7 @@ def _progress(run: _Run, window: Window | None, results: list[MetricEvaluation] 
     if s.phase == Phase.PROMOTED:
         run.promote = True  # idempotent: the pool may not have taken it yet
         return
-    if s.phase not in (*RUNNING, Phase.PAUSED):
+    if s.phase not in (*RUNNING, Phase.PAUSED) or run.restarted():
         return
     step = s.current_step
     assert step is not None

@@ -44,7 +44,7 @@ from kvfleet.operator.cache import Cache
 from kvfleet.operator.coalesce import Coalescer
 from kvfleet.operator.events import Event
 from kvfleet.operator.modelartifact import reconcile_artifact
-from kvfleet.operator.placement import diagnose, unschedulable_since
+from kvfleet.operator.placement import diagnose, restarts, unschedulable_since
 from kvfleet.operator.promquery import PromQuery, Target
 from kvfleet.operator.rollout import (
     SHADOW_STEP,
@@ -263,6 +263,7 @@ class Runtime:
                                 parts if target is not None else None)
         pods = revision_pods(observed, target)
         diagnosis = diagnose(pool.spec, pods) if pods else None
+        restart_count, restarted = restarts(pods)
         view = View(
             spec=rollout.spec, status=rollout.status or RolloutStatus(),
             generation=rollout.metadata.generation, request=request,
@@ -276,7 +277,8 @@ class Runtime:
             canary_ready=ready_replicas(revision_deployment(observed, target)),
             canary_problem=diagnosis.message if diagnosis is not None else None,
             surge_limit=None if (scaling := pool.spec.autoscaling) is None else
-            scaling.max_replicas + scaling.rollout_surge)
+            scaling.max_replicas + scaling.rollout_surge,
+            canary_restarts=restart_count, canary_restarted=restarted)
         now = _now()
         window = due_window(view, now)
         results = None

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from kvfleet.operator.placement import pod_problem, reason_line
+from kvfleet.operator.placement import pod_problem, reason_line, restarts
 
 
 @pytest.mark.parametrize(
@@ -70,3 +70,20 @@ def test_a_failing_init_container_is_the_pods_problem() -> None:
     assert pod_problem(pod) is not None
     fetch.update(state={"terminated": {"exitCode": 0}})  # fetched at last
     assert pod_problem(pod) is None
+
+
+def test_restarts_are_counted_over_the_pods_and_the_latest_named() -> None:
+    """What a rollout's restart watch reads: an OOM kill that came back Ready counts too."""
+    running = {"running": {}}
+    oom = _engine(running, ready=True, restarts=1, exit_code=137)
+    oom["metadata"] = {"name": "chat-b-1"}
+    last = oom["status"]["containerStatuses"][0]["lastState"]["terminated"]  # type: ignore[index]
+    last.update(reason="OOMKilled", finishedAt="2026-12-07T10:03:00Z", message="")
+    crash = _engine(running, ready=False, restarts=2, exit_code=1)
+    crash["status"]["containerStatuses"][0]["lastState"]["terminated"]["finishedAt"] = \
+        "2026-12-07T10:01:00Z"  # type: ignore[index]
+    healthy = _engine(running, ready=True, restarts=0, exit_code=None)
+    assert restarts([healthy]) == (0, "")
+    assert restarts([crash, oom, healthy]) == (
+        3, "pod chat-b-1 container engine OOMKilled (exit code 137)")
+    assert restarts([crash]) == (2, "pod p container engine restarted (exit code 1): boom")

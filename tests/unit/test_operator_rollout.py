@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -60,8 +60,10 @@ SLO_LOOSE = SLOs(ttft_p95_seconds=0.5, tpot_p95_seconds=0.05, error_rate=0.05)
 
 
 def _spec(**changes: Any) -> RolloutSpec:
+    """A policy judged every 10 s, with no bake unless `bakeSeconds` says (its own test)."""
     builder = make_rollout().set("spec.analysis", {"intervalSeconds": 10, "maxWaitSeconds": 60,
                                                    "scrapeDelaySeconds": 0})
+    builder.set("spec.bakeSeconds", 0)
     for path, value in changes.items():
         builder.set(f"spec.{path}", value)
     return builder.obj().spec
@@ -113,6 +115,13 @@ class _Sim:
         self.ready_revision = self.target
         if decision.promote:
             self.stable = self.status.canary_revision or self.stable
+        self.decisions.append(decision)
+        return decision
+
+    def decide_with(self, **view: Any) -> Decision:
+        """One reconcile whose view differs from the sim's own (e.g. pod restarts)."""
+        decision = decide(replace(self.view(), **view), None, None, self.now)
+        self.status = RolloutStatus.model_validate(decision.status.to_wire())
         self.decisions.append(decision)
         return decision
 
@@ -540,6 +549,57 @@ def test_a_passing_last_step_with_no_ready_canary_waits_and_is_bounded() -> None
     sim.ready_cap = None  # Ready again: resumed, it promotes
     sim.ask(RequestAction.RESUME, "r1")
     assert sim.run(20).promote
+
+
+def test_a_passing_canary_bakes_on_live_traffic_before_promotion() -> None:
+    """Default bake: the canary serves live traffic 300 s before stable goes, however fast its
+    steps pass; a person's promote-full does not wait."""
+    sim = _Sim(make_rollout().set("spec.steps", [{"weight": 50}, {"weight": 100}]).set(
+        "spec.analysis", {"intervalSeconds": 10, "scrapeDelaySeconds": 0}).obj().spec)
+    assert sim.spec.bake_seconds == 300
+    sim.tick()
+    sim.tick(1)
+    live = sim.status.live_since
+    assert live is not None and sim.status.current_weight == 50
+    baking = sim.run(60)
+    assert baking.status.current_weight == 100 and not baking.promote
+    assert "baking" in baking.status.message and "left before promotion" in baking.status.message
+    assert sim.run(300).status.phase == Phase.PROMOTED
+    promoted_at = next(d.status.finished_at for d in sim.decisions if d.promote)
+    assert promoted_at is not None and (promoted_at - live).total_seconds() >= 300
+    # Every window of the bake was still judged: a failure then rolls back.
+    assert len([w for w in sim.evaluated if w.step == 1]) >= 20
+    quick = _Sim(sim.spec)
+    quick.tick()
+    quick.tick(1)
+    quick.ask(RequestAction.PROMOTE_FULL, "full")
+    assert quick.run(30).status.phase == Phase.PROMOTED
+
+
+def test_a_canary_that_crashes_after_minutes_is_rolled_back_not_promoted() -> None:
+    """Its pods restart 3 minutes in (an OOM kill): the metrics of the surviving windows pass,
+    the restart watch stops it, during the bake if need be."""
+    sim = _Sim(_spec(steps=[{"weight": 50}, {"weight": 100}], bakeSeconds=300))
+    sim.run(170)
+    assert sim.status.phase == Phase.PROGRESSING and sim.status.current_weight == 100
+    restarted = sim.view()
+    sim.view = lambda: replace(restarted, canary_restarts=1,  # type: ignore[method-assign]
+                               canary_restarted="pod chat-b-1 OOMKilled (exit 137)",
+                               status=sim.status, canary_ready=sim.ready)
+    back = sim.tick(5)
+    assert back.status.phase == Phase.ROLLING_BACK and _table(back) == {"stable": 100}
+    assert "restarted 1 times (at most 0): pod chat-b-1 OOMKilled (exit 137); rolled back" in \
+        back.status.message
+    assert not any(d.promote for d in sim.decisions)
+    # A policy that allows restarts, or pauses instead of rolling back, says so.
+    lenient = _Sim(_spec(steps=[{"weight": 100}], analysis={
+        "intervalSeconds": 10, "scrapeDelaySeconds": 0, "maxCanaryRestarts": 2},
+        autoRollback=False))
+    lenient.tick()
+    assert lenient.decide_with(canary_restarts=2).status.phase == Phase.PROGRESSING
+    paused = lenient.decide_with(canary_restarts=3, canary_restarted="pod x Error (exit 1)")
+    assert (paused.status.phase, paused.status.pause_reason) == (Phase.PAUSED,
+                                                                "CanaryRestarted")
 
 
 def test_removing_the_pools_slos_mid_step_says_so_without_failing_the_reconcile() -> None:
