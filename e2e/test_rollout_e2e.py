@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -423,16 +424,19 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
     assert traffic.failures == [], traffic.failures[:5]
 
 
-def test_silence_pauses_and_a_new_artifact_restarts_from_stable(
+def test_silence_pauses_a_new_artifact_restarts_from_stable_and_a_crash_rolls_back(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
-    local_node: str, fake_nodes: list[str], argo_health: ArgoHealth,
+    local_node: str, fake_nodes: list[str], argo_health: ArgoHealth, faults: dict[str, str],
 ) -> None:
     """No traffic at all: the step waits for samples, then puts its live traffic back on
     stable and pauses saying so, never passes.
     The artifactRef changed again meanwhile: the rollout restarts from stable with the new
-    canary (the previous canary removed, stable untouched)."""
+    canary (the previous canary removed, stable untouched). That canary's engine crashes
+    some seconds after it is ready (its container restarts): the restart watch rolls it
+    back, naming the pod and exit code, with no request judged at all."""
     with _only_the_local_l4_node(kube, kubectl):
         hashes = _setup(kube, namespace, max_wait_seconds=12)
+        os.environ[FAULTS_ENV] = f"{hashes['smol-v3'][:12]}:exit_after=8"
         _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
         stable_pods = _pods(kube, namespace, hashes["smol-v1"])
         set_artifact(kube, namespace, POOL, "smol-v2")
@@ -462,6 +466,14 @@ def test_silence_pauses_and_a_new_artifact_restarts_from_stable(
         _wait_pool(kube, operator, namespace, POOL,
                    lambda p: not _pods(kube, namespace, hashes["smol-v2"]),
                    "the first canary removed", 60)
+        started = time.monotonic()
+        crashed = _wait_rollout(kube, operator, namespace, _phase("RollingBack", "RolledBack"),
+                                "the crashing canary rolled back", 120)
+        _decided_in(started, "a canary crashing 8 s after ready")
+        message = crashed["status"]["message"]
+        assert re.search(r"the canary's pods restarted \d+ times \(at most 0\): pod ",
+                         message), message
+        assert "(exit code 1)" in message and "injected crash" in message, message
         pool = _get(kube, "ServingPool", namespace, POOL)
         assert pool["status"]["servingRevision"] == hashes["smol-v1"]
         assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods

@@ -12,8 +12,10 @@ case: probes fail, streams end with an error); `stream_error_rate` (0-1) is the 
 streamed requests that end, after their first tokens, with `finish_reason: "error"` under their
 HTTP 200, as an engine step that throws ends them; `long_prompt_delay` (seconds per prompt
 token) is waited before a request whose prompt is over `long_prompt_tokens` (default 1024)
-starts, for each token over it: a revision slow on long prompts only. The engine logs a
-warning at start when a fault applies to it.
+starts, for each token over it: a revision slow on long prompts only; `exit_after` (seconds)
+ends the engine process with exit code 1 that long after it is ready, as a crash or an OOM
+kill minutes into serving would (its container restarts). The engine logs a warning at start
+when a fault applies to it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 FAULTS_ENV = "KVFLEET_ENGINE_FAULTS"
 KNOWN = ("token_delay", "error_rate", "stall_after", "stream_error_rate", "long_prompt_delay",
-         "long_prompt_tokens")
+         "long_prompt_tokens", "exit_after")
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,13 @@ class Faults:
     stream_error_rate: float = 0.0
     long_prompt_delay: float = 0.0  # seconds per prompt token over long_prompt_tokens
     long_prompt_tokens: float = 1024.0
+    exit_after: float = 0.0  # seconds after ready; 0: never
 
     @property
     def active(self) -> bool:
         return (self.token_delay > 0 or self.error_rate > 0 or self.stall_after > 0
-                or self.stream_error_rate > 0 or self.long_prompt_delay > 0)
+                or self.stream_error_rate > 0 or self.long_prompt_delay > 0
+                or self.exit_after > 0)
 
     def fail_now(self) -> bool:
         return self.error_rate > 0 and random.random() < self.error_rate
@@ -71,7 +75,7 @@ def faults_for(spec: str, revision: str | None) -> Faults:
                 raise ValueError(f"{FAULTS_ENV}: {key}={value!r} is not a number") from None
         faults = Faults(**values)
         if min(faults.token_delay, faults.stall_after, faults.long_prompt_delay,
-               faults.long_prompt_tokens) < 0 or not (
+               faults.long_prompt_tokens, faults.exit_after) < 0 or not (
                 0 <= faults.error_rate <= 1 and 0 <= faults.stream_error_rate <= 1):
             raise ValueError(f"{FAULTS_ENV}: rates are 0-1, the other faults >= 0")
         return faults

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import uvicorn
 from kvfleet.engine.async_engine import AsyncEngine
 from kvfleet.engine.chat_template import ChatTemplate
 from kvfleet.engine.errors import KvfleetEngineError
+from kvfleet.engine.faults import FAULTS_ENV
 from kvfleet.engine.lifecycle import Lifecycle, LifecycleState, WarmupError, warm_up
 from kvfleet.engine.server import ServerSettings, Serving, create_app
 from kvfleet.tls import ServingCertificate
@@ -100,6 +102,15 @@ async def in_own_thread(fn: Callable[[], T], name: str) -> T:
     return await done
 
 
+def _crash(after: float) -> None:
+    """The injected crash (`faults.exit_after`): no drain, no goodbye, as an OOM kill."""
+    logger.error("injected crash %.0f s after ready (%s exit_after)", after, FAULTS_ENV,
+                 extra={"fields": {"event": "fault_exit"}})
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
+
+
 def _set_result(future: asyncio.Future[T], result: T) -> None:
     if not future.cancelled():
         future.set_result(result)
@@ -155,6 +166,9 @@ async def run_server(load: Callable[[], LoadedEngine], options: RuntimeOptions) 
             loaded.engine.step_delay = options.settings.faults.token_delay
             if options.settings.faults.stall_after:
                 loaded.engine.stall_after = int(options.settings.faults.stall_after)
+            if options.settings.faults.exit_after:
+                loop.call_later(options.settings.faults.exit_after, _crash,
+                                options.settings.faults.exit_after)
             logger.info("ready", extra={"fields": {"event": "ready",
                                                    "model": loaded.engine.model.name,
                                                    "revision": loaded.engine.model.revision}})

@@ -351,6 +351,10 @@ def test_faults_apply_only_to_the_named_revision() -> None:
     slow_long = faults_for("abc:long_prompt_delay=0.01,long_prompt_tokens=100", "abc")
     assert slow_long.active and slow_long.prompt_delay(100) == 0.0
     assert slow_long.prompt_delay(300) == pytest.approx(2.0)
+    crash = faults_for("abc:exit_after=180", "abc")
+    assert crash.active and crash.exit_after == 180.0
+    with pytest.raises(ValueError, match=">= 0"):
+        faults_for("abc:exit_after=-1", "abc")
 
 
 @pytest.mark.asyncio
