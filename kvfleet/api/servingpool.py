@@ -374,6 +374,9 @@ RETRY_ANNOTATION = "kvfleet.io/retry-revision"
 # routers hold its requests at zero (and export the held count it can scale on), as they do for
 # a pool whose own spec.autoscaling has minReplicas 0.
 WAKE_ANNOTATION = "kvfleet.io/wake-on-request"
+# On a ServingPool: the other namespaces (comma-separated, or "*") whose tenants may use it,
+# when their TenantQuota's allowedPools also names it as namespace/name (kvfleet.router.access).
+SHARED_WITH_ANNOTATION = "kvfleet.io/shared-with"
 
 
 class RefusalReason(StrEnum):

@@ -102,8 +102,11 @@ class TenantQuotaSpec(KubeModel):
     )
     borrowing: Borrowing | None = Field(default=None, description="Borrowing of idle capacity.")
     allowed_pools: list[str] = Field(
-        default_factory=list, max_length=256, description="ServingPools usable; empty means all."
-    )
+        default_factory=list, max_length=256,
+        description="ServingPools usable: a name is a pool of this TenantQuota's namespace, "
+        "`namespace/name` another namespace's pool, usable only when that pool's "
+        "kvfleet.io/shared-with annotation lists this namespace (or *). Empty: every pool of "
+        "this namespace, and no other.")
     allowed_regions: list[str] = Field(
         default_factory=list, max_length=64, description="Regions usable; empty means all."
     )

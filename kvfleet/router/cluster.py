@@ -42,7 +42,7 @@ from kvfleet.api.labels import (
     engine_server_name,
     label_value,
 )
-from kvfleet.api.servingpool import WAKE_ANNOTATION, ServingPoolStatus
+from kvfleet.api.servingpool import SHARED_WITH_ANNOTATION, WAKE_ANNOTATION, ServingPoolStatus
 from kvfleet.api.tenantquota import TenantQuotaSpec, reserved_tenant
 from kvfleet.kube.api import JsonObj, KubeApi, KubeError
 from kvfleet.kube.informer import Informer
@@ -169,11 +169,13 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
             slos = (None, None)  # the webhook admits none such; the ladder alone then
         ours = (namespace, label_value(name))
         autoscaling = (raw.get("spec") or {}).get("autoscaling") or {}
+        annotations = raw["metadata"].get("annotations") or {}
         route = PoolRoute(name, TrafficTable.from_status(status), endpoints.get(ours, {}),
                           tokens.get(ours), namespace, slos,
-                          wakes=autoscaling.get("minReplicas") == 0 or (
-                              raw["metadata"].get("annotations") or {}).get(
-                              WAKE_ANNOTATION) == "true")
+                          wakes=autoscaling.get("minReplicas") == 0 or annotations.get(
+                              WAKE_ANNOTATION) == "true",
+                          shared_with=frozenset(filter(None, (n.strip() for n in str(
+                              annotations.get(SHARED_WITH_ANNOTATION, "")).split(",")))))
         if (cert := certs.get(ours)) is not None:
             _serve_https(route, cert)
         if cluster_wide:
@@ -208,6 +210,8 @@ def state_from_objects(pools: Iterable[JsonObj], pods: Iterable[JsonObj],
             continue
         state.quotas[spec.tenant] = (f"{namespace}/{name}", spec)
     state.keys = KeyRing.from_secrets(_keys_of_their_namespace(key_secrets, owners))
+    state.homes = owners
+    state.place_pools()
     return state
 
 
@@ -239,8 +243,7 @@ def _keys_of_their_namespace(secrets: Iterable[JsonObj], owners: dict[str, str]
     # (ties of the 1 s timestamps broken the same way by every router replica)
     secrets = sorted(secrets, key=lambda s: (str(s["metadata"].get("creationTimestamp", "")),
                                              *_where(s)))
-    owners = dict(owners)
-    for secret in secrets:
+    for secret in secrets:  # (`owners` gains the homes of tenants without a TenantQuota)
         tenant = (secret["metadata"].get("labels") or {}).get(TENANT_LABEL)
         owners.setdefault(str(tenant), _where(secret)[0])
     kept = []

@@ -32,16 +32,15 @@ from starlette.routing import Route
 
 from kvfleet.api.labels import short_revision
 from kvfleet.api.tenantquota import PriorityClass, TenantQuotaSpec
+from kvfleet.router import access
 from kvfleet.router.errors import (
     BadRequest,
     BodyTooLarge,
     NoEndpoint,
-    PoolNotAllowed,
     QuotaExceeded,
     RouterError,
     TenantRefused,
     Unauthorized,
-    UnknownPool,
     UpstreamFailed,
 )
 from kvfleet.router.fleet_ledger import SharedLedger, connect
@@ -446,15 +445,7 @@ class Router:
         if not isinstance(model, str) or not model:
             raise BadRequest("model: name the ServingPool to use (GET /v1/models lists them)",
                              "model")
-        pool = self.state.pools.get(model)
-        if pool is None:
-            raise UnknownPool(f"model {model!r} is no ServingPool this router serves; "
-                              "GET /v1/models lists them", "model")
-        quota = self.ledger.quota(tenant)
-        if quota is not None and quota.allowed_pools and model not in quota.allowed_pools:
-            raise PoolNotAllowed(f"tenant {tenant!r} may not use pool {model!r}: its "
-                                 "TenantQuota's allowedPools does not list it", "model")
-        return pool
+        return access.resolve(self.state, tenant, self.ledger.quota(tenant), model)
 
     def _tenant(self, authorization: str | None) -> str:
         """The key's tenant, if it may send anything: fail closed on a TenantQuota that cannot
@@ -468,11 +459,9 @@ class Router:
 
     def models(self, authorization: str | None) -> dict[str, Any]:
         tenant = self._tenant(authorization)
-        quota = self.ledger.quota(tenant)
-        names = [n for n in self.state.pools
-                 if quota is None or not quota.allowed_pools or n in quota.allowed_pools]
+        names = access.visible(self.state, tenant, self.ledger.quota(tenant))
         return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "kvfleet"}
-                                           for n in sorted(names)]}
+                                           for n in names]}
 
     async def handle(self, request: Request) -> Response:
         path = request.scope["path"]

@@ -5,7 +5,7 @@ loop).
 
 The config file (YAML; keys are what `kubectl get -o yaml` shows for the same facts):
 
-    namespace: llm                         # the pools' namespace in metrics (default "default")
+    namespace: llm                         # the pools' and tenants' (default "default")
     pools:
       - name: smollm                       # what clients send as `model`
         namespace: llm                     # this pool's, if not the file's
@@ -18,8 +18,11 @@ The config file (YAML; keys are what `kubectl get -o yaml` shows for the same fa
         tls: {caFile: engines.crt, serverName: smol.llm.engines.kvfleet.io}  # HTTPS to them
         slos: {ttftP95Seconds: 2}          # a ServingPool's spec.slos: latency buckets at them
         scalesToZero: true                 # hold requests while no endpoint (it may be waking)
+        sharedWith: [research]             # other namespaces' tenants that may use it, if
+                                           # their allowedPools lists llm/smollm ("*": all)
     tenants:
       - tenant: team-a
+        namespace: llm                     # its own: it uses this namespace's pools
         keys: ["sk-..."]                   # plain keys (local use), or keysFile: one per line
         quota:                             # a TenantQuota's spec (tenant taken from above)
           limits: {requestsPerMinute: 600, maxConcurrentRequests: 16}
@@ -74,6 +77,9 @@ class PoolRoute:
     # The pool may be at zero replicas (autoscaling.minReplicas 0): a request finding no
     # Ready replica is held while it wakes (kvfleet.router.hold), not refused.
     wakes: bool = False
+    # Namespaces whose tenants may use the pool besides its own, when their TenantQuota also
+    # lists it (kvfleet.router.access); "*": every namespace.
+    shared_with: frozenset[str] = frozenset()
 
     def ready(self, revision: str) -> list[EndpointLoad]:
         return self.endpoints.get(short_revision(revision), [])
@@ -95,9 +101,17 @@ class RouterState:
     refused: dict[str, str] = field(default_factory=dict)
     unreadable: dict[str, str] = field(default_factory=dict)  # TenantQuota ns/name -> why
     default_quota: TenantQuotaSpec | None = None
+    # Each tenant's namespace, and each pool by (namespace, name): who reaches which pool
+    # (kvfleet.router.access).
+    homes: dict[str, str] = field(default_factory=dict)
+    places: dict[tuple[str, str], PoolRoute] = field(default_factory=dict)
 
     def all_endpoints(self) -> list[EndpointLoad]:
         return [e for pool in self.pools.values() for eps in pool.endpoints.values() for e in eps]
+
+    def place_pools(self) -> None:
+        """Index the pools by (namespace, name), once `pools` is complete."""
+        self.places = {(p.namespace, p.name): p for p in self.pools.values()}
 
     def routed_series(self) -> set[tuple[str, str, str, str]]:
         """(namespace, pool, short revision, traffic) of every revision a traffic table sends
@@ -225,7 +239,8 @@ def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
             str(entry["name"]), TrafficTable.from_status(status), endpoints,
             _read_token(entry, where, base), str(entry.get("namespace") or namespace),
             slo_thresholds(entry.get("slos"), f"{where}.slos"),
-            wakes=entry.get("scalesToZero") is True)
+            wakes=entry.get("scalesToZero") is True,
+            shared_with=frozenset(map(str, entry.get("sharedWith") or ())))
     keys: dict[str, str] = {}
     for i, entry in enumerate(data.get("tenants") or []):
         where = f"tenants[{i}]"
@@ -242,6 +257,7 @@ def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
             if len(str(key)) < 16:
                 raise ConfigError(f"{where}.keys: an API key needs at least 16 characters")
             keys[str(key)] = str(tenant)
+        state.homes[str(tenant)] = str(entry.get("namespace") or namespace)
         if "quota" in entry:
             try:
                 spec = TenantQuotaSpec.model_validate({**(entry["quota"] or {}),
@@ -252,6 +268,7 @@ def parse_config(data: Any, base: Path = Path(".")) -> RouterState:
                                   f"{err['msg']}") from None
             state.quotas[str(tenant)] = (f"config/{tenant}", spec)
     state.keys = KeyRing.from_keys(keys)
+    state.place_pools()
     if data.get("defaultQuota") is not None:
         state.default_quota = parse_default_quota(data["defaultQuota"], "defaultQuota")
     return state

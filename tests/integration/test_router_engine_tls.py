@@ -61,7 +61,7 @@ def _router(engine: EngineServer, certs: Path, tls: dict[str, str] | None,
     if tls is not None:
         pool["tls"] = tls
     config = tmp / "router.yaml"
-    config.write_text(yaml.safe_dump({"pools": [pool], "tenants": [
+    config.write_text(yaml.safe_dump({"namespace": "llm", "pools": [pool], "tenants": [
         {"tenant": "team-tls", "keys": [KEY], "quota": {}}]}))
     port = free_port()
     return port, running_kvfleet("router", "--config", str(config), "--port", str(port),
