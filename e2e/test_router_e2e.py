@@ -238,7 +238,9 @@ def test_a_key_minted_in_another_namespace_cannot_spend_a_tenants_budget(
     """Mallory may create Secrets in her own namespace only. With a router watching every
     namespace she mints a key labelled for team-a (whose TenantQuota is elsewhere) and one
     for a tenant of her own without a TenantQuota: the first never authenticates, the second
-    is refused (fail closed), and team-a is served as before."""
+    is refused (fail closed), and team-a is served as before. With a TenantQuota of her own,
+    team-a's pool is hidden from her until her allowedPools names it and the pool shares with
+    her namespace."""
     other = f"{namespace}-b"
     kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": other}})
     rbac = "/apis/rbac.authorization.k8s.io/v1/namespaces/" + other
@@ -290,6 +292,31 @@ def test_a_key_minted_in_another_namespace_cannot_spend_a_tenants_budget(
                        if line.startswith("kvfleet_router_requests_total{")
                        and 'outcome="completed"' in line)
         assert admitted == 2  # team-a's two; nothing of Mallory's reached an engine
+
+        # Mallory's tenant gets a TenantQuota of its own namespace: its key is served there,
+        # and team-a's pool is no pool of hers (it was, by any name, with -A) until both
+        # sides say so: her allowedPools names it, and the pool shares with her namespace.
+        quotas = f"/apis/kvfleet.io/v1alpha1/namespaces/{other}/tenantquotas"
+        kube.request("POST", quotas, {
+            "apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
+            "metadata": {"name": "mallory"}, "spec": {"tenant": "mallory"}})
+
+        def answer_becomes(code: int, what: str) -> httpx.Response:
+            return kube.wait_for(what, lambda: answer if (answer := chat(
+                router.url, own, pool)).status_code == code else None, 30)
+
+        hidden = answer_becomes(404, "another namespace's pool hidden from Mallory")
+        assert hidden.json()["error"]["code"] == "model_not_found", hidden.text
+        assert chat(router.url, own, router_pool).status_code == 404
+        listed = httpx.get(router.url + "/v1/models", timeout=10,
+                           headers={"authorization": f"Bearer {own}"}).json()["data"]
+        assert listed == [], listed
+        kube.merge_patch("TenantQuota", "mallory", {"spec": {"allowedPools": [pool]}}, other)
+        one_side = answer_becomes(403, "her allowedPools alone not enough")
+        assert f"does not share with namespace '{other}'" in one_side.text, one_side.text
+        kube.merge_patch("ServingPool", router_pool, {"metadata": {"annotations": {
+            "kvfleet.io/shared-with": other}}}, namespace)
+        answer_becomes(200, "the pool shared with her namespace")
     finally:
         router.stop()
         kube.delete("Namespace", other)
