@@ -237,7 +237,7 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
         source = ClusterSource(api, router, None if args.all_namespaces else args.namespace,
                                name=args.name,
                                own_namespace=args.own_namespace or _own_namespace())
-        tasks.append(asyncio.create_task(source.run()))
+        tasks.append(source.start())
         app = build_app(router, ready=source.synced)
     # Keep-alive longer than clients' and load balancers' idle timeouts (60 s is common; httpx
     # drops its own after 5 s): a server that closes first races a client reusing the

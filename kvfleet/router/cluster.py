@@ -432,6 +432,13 @@ class ClusterSource:
         return {str(p["metadata"]["name"]) for p in self._objects("routers")
                 if not p["metadata"].get("deletionTimestamp")}
 
+    def start(self) -> asyncio.Task[None]:
+        """`run` as a background task whose end is fatal too: a rebuild that raised ended the
+        watch loop, and the router went on serving the state of that moment, /ready still
+        200, while pools, keys and quotas changed."""
+        return fatal_if_it_ends(asyncio.create_task(self.run(), name="cluster state"),
+                                self.on_fatal)
+
     async def run(self) -> None:
         tasks = [fatal_if_it_ends(asyncio.create_task(i.run(), name=f"informer {name}"),
                                   self.on_fatal) for name, i in self.informers.items()]

@@ -53,3 +53,38 @@ async def test_a_routers_informer_that_dies_is_fatal() -> None:
     await asyncio.gather(running, return_exceptions=True)
     assert fatal and all("died: AttributeError" in f for f in fatal), fatal
     assert any("'informer pools'" in f for f in fatal)
+
+
+@pytest.mark.asyncio
+async def test_a_routers_watch_loop_that_dies_is_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuild that raises ended the loop that turns watch events into the routing state:
+    the router served the state of that moment for ever, /ready still 200."""
+    from kvfleet.router.cluster import ClusterSource
+    from kvfleet.router.server import Router
+    from kvfleet.router.state import parse_config
+
+    source = ClusterSource(api=None, router=Router(parse_config({})),  # type: ignore[arg-type]
+                           namespace="llm")
+    fatal: list[str] = []
+    source.on_fatal = fatal.append
+
+    async def watching() -> None:
+        await asyncio.sleep(3600)
+
+    def broken() -> None:
+        raise ValueError("a ServingPool the rebuild did not expect")
+
+    for informer in source.informers.values():
+        monkeypatch.setattr(informer, "run", watching)
+    monkeypatch.setattr(source, "synced", lambda: True)
+    monkeypatch.setattr(source, "rebuild", broken)
+    running = source.start()
+    source._changed(None, {})
+    for _ in range(100):
+        if fatal:
+            break
+        await asyncio.sleep(0.01)
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+    assert fatal == ["background task 'cluster state' died: ValueError('a ServingPool the "
+                     "rebuild did not expect')"], fatal
