@@ -71,6 +71,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--answer-timeout", type=float, default=900.0, metavar="SECONDS",
                    help="fail a non-streamed request whose engine has not answered in this "
                         "long (the whole generation); default 900")
+    p.add_argument("--send-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="drop a streaming client that takes no data for this long (billed "
+                        "what was relayed); default 60")
+    p.add_argument("--max-connections", type=int, metavar="N",
+                   help="connections the router holds at once; more are closed as they open; "
+                        "default 8192")
+    p.add_argument("--max-connections-per-client", type=int, metavar="N",
+                   help="connections from one client address; set it above what a NAT or "
+                        "proxy in front sends from one address; default 512")
     p.add_argument("--default-quota", type=Path, metavar="FILE",
                    help="a TenantQuota spec (YAML: limits, allowedPools, priorityClass, ...) "
                         "for tenants that have none; without it such tenants are refused "
@@ -205,12 +214,13 @@ async def _watch(path: Path, router: Any) -> None:
 async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None) -> int:
     import uvicorn
 
-    from kvfleet.router.connections import HeaderDeadlineProtocol
+    from kvfleet.router.connections import bounded
     from kvfleet.router.server import Router, RouterOptions, build_app
 
     router = Router(state, RouterOptions(
         pick_policy=args.pick, default_quota=default_quota,
         stream_idle_timeout=args.stream_idle_timeout, answer_timeout=args.answer_timeout,
+        send_timeout=args.send_timeout,
         # A load read older than a few intervals is stale (the replica counts as saturated).
         scrape_interval=args.scrape_interval, stale_after=max(1.0, 5 * args.scrape_interval),
         redis_url=args.redis, redis_prefix=args.redis_prefix, hold_seconds=args.hold_seconds,
@@ -242,10 +252,16 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
     # Keep-alive longer than clients' and load balancers' idle timeouts (60 s is common; httpx
     # drops its own after 5 s): a server that closes first races a client reusing the
     # connection, and that request fails with "server disconnected" (uvicorn's default is 5 s).
-    # (HeaderDeadlineProtocol: a request's headers have a deadline, which uvicorn lacks.)
+    # (`bounded`: a request's headers have a deadline, and connections a cap, which uvicorn
+    # lacks.)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_config=None, access_log=False,
-                                           timeout_keep_alive=75, http=HeaderDeadlineProtocol))
+                                           timeout_keep_alive=75, http=bounded(**{
+                                               key: value for key, value in (
+                                                   ("max_connections", args.max_connections),
+                                                   ("max_per_client",
+                                                    args.max_connections_per_client))
+                                               if value is not None})))
     # What is loaded by now lives as long as the router: out of the cyclic collector's reach,
     # whose full pass over it stalled every request in flight 43-63 ms (bench/README, router
     # overhead). Objects made later (reloaded state, requests) are still collected; garbage of

@@ -110,6 +110,8 @@ class RouterOptions:
     # one piece, after the whole generation).
     stream_idle_timeout: float = 120.0
     answer_timeout: float = 900.0
+    # A streaming client that takes no data for this long is dropped (billed what was relayed).
+    send_timeout: float = 60.0
     # "affinity" (load, then prefix affinity) or "round-robin" (the baseline it is measured
     # against in bench/router_prefix.py).
     pick_policy: str = "affinity"
@@ -227,18 +229,29 @@ class _RelayResponse(Response):
     runs no `finally`."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
-                 headers: dict[str, str]) -> None:
-        self.content, self._on_close = content, on_close
+                 headers: dict[str, str], send_seconds: float) -> None:
+        self.content, self._on_close, self.send_seconds = content, on_close, send_seconds
         self.status_code, self.media_type, self.background = 200, "text/event-stream", None
         self.init_headers(headers)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def timed(message: dict[str, Any]) -> None:
+            # A client that stops reading blocks the send once the socket's buffers are full:
+            # it held the engine's stream, the replica's in-flight count and the tenant's
+            # slot for as long as it liked. It is dropped as if it had hung up.
+            try:
+                async with asyncio.timeout(self.send_seconds):
+                    await send(message)
+            except TimeoutError:
+                log.debug("dropped a client that took no data for %.0f s", self.send_seconds)
+                raise ClientGone from None
+
         async def stream() -> None:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": self.raw_headers})
+            await timed({"type": "http.response.start", "status": 200,
+                         "headers": self.raw_headers})
             async for chunk in self.content:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await timed({"type": "http.response.body", "body": chunk, "more_body": True})
+            await timed({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:
             await _unless_gone(receive, stream())
@@ -699,7 +712,8 @@ class Router:
                             media_type=content_type or "application/json")
         relay = _Relay(self, resp, endpoint, labels, reservation, started, live_text)
         return _RelayResponse(relay.frames(), relay.close,
-                              {**out_headers, "cache-control": "no-cache"})
+                              {**out_headers, "cache-control": "no-cache"},
+                              self.options.send_timeout)
 
     def _settle_whole(self, labels: Labels, answer: Answer, reservation: Reservation,
                       started: float, live_text: asyncio.Future[str | None] | None) -> None:
