@@ -93,6 +93,10 @@ def register(subparsers: Any) -> None:
                    default=os.environ.get("KVFLEET_REDIS_PREFIX") or "kvfleet",
                    help="prefix of the ledger's keys, for fleets sharing one Redis "
                         "(default kvfleet)")
+    p.add_argument("--redis-timeout", type=float, default=0.1, metavar="SECONDS",
+                   help="how long a ledger command may take before the router falls back to "
+                        "its share of each limit (a hung Redis adds at most this to the "
+                        "requests in flight); default 0.1")
     p.add_argument("--hold-seconds", type=float, default=300.0, metavar="SECONDS",
                    help="how long a request for a pool at zero replicas waits for one to wake "
                    "(a client may ask for less: x-kvfleet-max-wait-seconds); then 503 with "
@@ -223,7 +227,8 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
         send_timeout=args.send_timeout,
         # A load read older than a few intervals is stale (the replica counts as saturated).
         scrape_interval=args.scrape_interval, stale_after=max(1.0, 5 * args.scrape_interval),
-        redis_url=args.redis, redis_prefix=args.redis_prefix, hold_seconds=args.hold_seconds,
+        redis_url=args.redis, redis_prefix=args.redis_prefix, redis_timeout=args.redis_timeout,
+        hold_seconds=args.hold_seconds,
         hold_per_pool=args.hold_per_pool, hold_per_tenant=args.hold_per_tenant))
     from kvfleet.kube.tasks import fatal_if_it_ends
 

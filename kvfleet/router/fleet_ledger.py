@@ -22,10 +22,16 @@ When Redis cannot be reached (or answers an error) the router falls back to its 
 where it enforces its share of each limit (the routers' shares sum to the limit, see
 `kvfleet.router.quota`): the declared degraded mode. It says so in its
 log (once per outage), in `kvfleet_router_shared_ledger_up` and in each TenantQuota's
-`FleetWide` condition, and tries Redis again every RETRY_SECONDS. A fallback's buckets start
-full: an outage can admit up to one extra minute's allowance per replica. A Redis that answers
-too late (0.5 s) may still have run the script: the request is then charged twice (once there,
-once here) and its slot there held a lease — more than it used, never less.
+`FleetWide` condition. The fallback is a breaker: once open, no client request waits on Redis
+again; a background PING every RETRY_SECONDS closes it when Redis answers (before, every
+request due for a retry waited out its own timeout, and reconnects queued behind one lock, so
+at tens of requests a second a hung Redis stalled admission). A command answers within
+`timeout` (0.1 s by default, `--redis-timeout`) or the connection is dropped and every call on
+it falls back at once: a hung Redis (a stopped process, a blackholed port) adds at most that
+to the requests in flight when it hung. A fallback's buckets start full: an outage can admit
+up to one extra minute's allowance per replica. A Redis that answers too late may still have
+run the script: the request is then charged twice (once there, once here) and its slot there
+held a lease — more than it used, never less.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ log = logging.getLogger("kvfleet.router")
 LEASE_SECONDS = 30.0
 RENEW_SECONDS = 10.0
 RETRY_SECONDS = 2.0
+COMMAND_SECONDS = 0.1  # a reply's deadline (--redis-timeout)
 # A connection refused or reset, a timeout, an error reply: Redis cannot decide, the fallback
 # does.
 # ConnectionError and TimeoutError are OSErrors; an error reply (a script's bug, a Redis out
@@ -258,7 +265,6 @@ class SharedLedger:
         self.up = True
         self.down_since: float | None = None
         self.down_reason = ""
-        self._retry_at = 0.0
         self._on_change = on_change or (lambda _: None)
         self._clock = clock  # tests pin the scripts' time; None: the Redis server's TIME
         self._admit = client.register_script(_ADMIT)
@@ -291,7 +297,7 @@ class SharedLedger:
         refusal left nothing for the smallest request (still so until it refills), or, while
         Redis is away, what this replica's share would refuse. Takes nothing."""
         self.local.state(tenant, now)  # raises NoTenantQuota
-        if not self.up and now < self._retry_at:
+        if not self.up:
             self.local.precheck(tenant, now)
             return
         spent = self._spent.get(tenant)
@@ -308,7 +314,7 @@ class SharedLedger:
         """Like `QuotaLedger.admit`, on the fleet-wide buckets; on this replica's share while
         Redis is away."""
         state = self.local.state(tenant, now)  # raises NoTenantQuota
-        if not self.up and now < self._retry_at:
+        if not self.up:  # (the breaker is open: `keep_leases` closes it)
             return self.local.admit(tenant, input_tokens, max_output_tokens, now)
         spec, lenders = state.spec, self.local.lenders(tenant)
         limits = rate_limits(spec)
@@ -327,7 +333,7 @@ class SharedLedger:
         try:
             reply = await self._admit(keys=keys, args=args)
         except UNREACHABLE as exc:
-            self._lost(exc, now)
+            self._lost(exc)
             return self.local.admit(tenant, input_tokens, max_output_tokens, now)
         self._back()
         if int(reply[0]) == 0:
@@ -419,7 +425,7 @@ class SharedLedger:
         except UNREACHABLE as exc:
             # Not retried: the slot's lease runs out by itself, and the refund not given
             # back leaves the tenant charged more than it used, never less.
-            self._lost(exc, now)
+            self._lost(exc)
 
     async def drain(self) -> None:
         """Waits for the settles under way (tests; the router's shutdown)."""
@@ -429,10 +435,25 @@ class SharedLedger:
     # ---- leases and health
 
     async def keep_leases(self) -> None:
-        """Renews the slot leases of the requests still running, every RENEW_SECONDS."""
+        """Renews the slot leases of the requests still running, every RENEW_SECONDS; while
+        Redis is away, asks it every RETRY_SECONDS whether it is back."""
+        renew_at = time.monotonic() + RENEW_SECONDS
         while True:
-            await asyncio.sleep(RENEW_SECONDS)
-            await self.renew()
+            await asyncio.sleep(RETRY_SECONDS)
+            if not self.up:
+                await self.probe()
+            if time.monotonic() >= renew_at:
+                renew_at = time.monotonic() + RENEW_SECONDS
+                await self.renew()
+
+    async def probe(self) -> None:
+        """Closes the breaker if Redis answers a PING."""
+        try:
+            await self.client.execute("PING")
+        except UNREACHABLE as exc:
+            self.down_reason = f"{type(exc).__name__}: {exc}"[:200]
+            return
+        self._back()
 
     async def renew(self) -> None:
         keys, ids = [], []
@@ -444,7 +465,7 @@ class SharedLedger:
         try:
             await self._renew(keys=keys, args=[self._now(), LEASE_SECONDS, *ids])
         except UNREACHABLE as exc:
-            self._lost(exc, time.monotonic())
+            self._lost(exc)
 
     async def levels(self, tenant: str) -> dict[str, float]:
         """What the tenant's fleet-wide buckets hold now (resource name -> level)."""
@@ -456,8 +477,7 @@ class SharedLedger:
                                    args=[self._now(), *(_cap(limits[r]) for r in RESOURCES)])
         return {r.value: float(v) for r, v in zip(RESOURCES, reply, strict=True) if v}
 
-    def _lost(self, exc: BaseException, now: float) -> None:
-        self._retry_at = now + RETRY_SECONDS
+    def _lost(self, exc: BaseException) -> None:
         if not self.up:
             return
         self.up, self.down_since = False, time.time()
@@ -487,9 +507,11 @@ class SharedLedger:
 
 
 def connect(url: str, prefix: str, local: QuotaLedger,
-            on_change: Callable[[bool], None] | None = None) -> SharedLedger:
+            on_change: Callable[[bool], None] | None = None,
+            timeout: float = COMMAND_SECONDS) -> SharedLedger:
     """A shared ledger at a redis:// URL. Short timeouts: a Redis that hangs must not hold
-    admissions, they fall back to the local share."""
-    client = Redis.from_url(url, timeout=0.5, connect_timeout=0.5)
+    admissions, they fall back to the local share (connecting may take a TLS handshake: at
+    least 0.25 s)."""
+    client = Redis.from_url(url, timeout=timeout, connect_timeout=max(timeout, 0.25))
     where = url.split("@")[-1]  # never a password in logs or conditions
     return SharedLedger(local, client, prefix, where, on_change)

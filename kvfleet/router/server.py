@@ -43,7 +43,7 @@ from kvfleet.router.errors import (
     Unauthorized,
     UpstreamFailed,
 )
-from kvfleet.router.fleet_ledger import SharedLedger, connect
+from kvfleet.router.fleet_ledger import COMMAND_SECONDS, SharedLedger, connect
 from kvfleet.router.hold import WAIT_HEADER, Holds
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.outcome import (
@@ -121,6 +121,7 @@ class RouterOptions:
     # each router replica enforces its share of every limit (kvfleet.router.fleet_ledger).
     redis_url: str | None = None
     redis_prefix: str = "kvfleet"
+    redis_timeout: float = COMMAND_SECONDS
     # Requests held for a pool at zero while it wakes (kvfleet.router.hold).
     hold_per_pool: int = 64
     hold_per_tenant: int = 16
@@ -359,7 +360,8 @@ class Router:
         self.shared: SharedLedger | None = None
         if self.options.redis_url:
             self.shared = connect(self.options.redis_url, self.options.redis_prefix,
-                                  self.ledger, self.metrics.shared_ledger_up.set)
+                                  self.ledger, self.metrics.shared_ledger_up.set,
+                                  self.options.redis_timeout)
             self.metrics.shared_ledger_up.set(1)
         self.state = RouterState()
         self._session: aiohttp.ClientSession | None = None

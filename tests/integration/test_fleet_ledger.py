@@ -244,8 +244,11 @@ def test_with_redis_away_the_router_enforces_its_share_and_says_so(
             redis_server.start()  # an empty Redis: its buckets start full
             clock.now += 60
             await asyncio.sleep(0)
-            # Retried after RETRY_SECONDS of the router's clock: then fleet-wide again.
-            shared._retry_at = 0.0
+            # No request asks Redis while the breaker is open; the background PING (every
+            # RETRY_SECONDS) closes it: then fleet-wide again.
+            await shared.admit("team-d", 1, 1, clock.now)
+            assert not shared.up and changes == [False]  # (admitted on the share)
+            await shared.probe()
             await shared.admit("team-d", 1, 1, clock.now)
             assert shared.up and changes == [False, True]
         finally:
