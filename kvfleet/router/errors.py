@@ -5,10 +5,12 @@
     ├── PoolNotAllowed      403: the tenant's TenantQuota does not list the pool
     ├── NoTenantQuota       403: the tenant has no TenantQuota (and the router no default)
     ├── TenantRefused       403: the tenant's TenantQuota cannot be read: refused, not unlimited
-    ├── UnknownPool         404: `model` names no ServingPool the router knows
+    ├── UnknownPool         404: `model` names no ServingPool the key may use
     ├── BadRequest          400: a body the router cannot read
     ├── BodyTooLarge        413: a body over the router's limit (refused while reading it)
     ├── QuotaExceeded       429: over one of the TenantQuota's limits (with Retry-After)
+    ├── IntakeFull          429: too many request bodies in flight, for the tenant or the
+    │                            router (with Retry-After; kvfleet.router.intake)
     ├── UpstreamFailed      502: the replica went away while sending its answer
     ├── NoEndpoint          503: the revision has no Ready replica, or every one failed
     └── PoolWaking          503: a pool at zero did not wake in time, or its hold is full
@@ -75,6 +77,17 @@ class BadRequest(RouterError):
     status = 400
     code = "invalid_request"
     kind = "invalid_request_error"
+
+
+class IntakeFull(RouterError):
+    """Too many request bodies in flight for a tenant (or the router) to read another now."""
+
+    status = 429
+    code = "too_many_bodies_in_flight"
+    kind = "rate_limit_error"
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": "1"}
 
 
 class BodyTooLarge(RouterError):

@@ -45,6 +45,7 @@ from kvfleet.router.errors import (
 )
 from kvfleet.router.fleet_ledger import COMMAND_SECONDS, SharedLedger, connect
 from kvfleet.router.hold import WAIT_HEADER, Holds
+from kvfleet.router.intake import Intake
 from kvfleet.router.metrics import RouterMetrics
 from kvfleet.router.outcome import (
     TIMED,
@@ -85,6 +86,7 @@ PRIORITY = {PriorityClass.CRITICAL: -2, PriorityClass.HIGH: -1, PriorityClass.ST
 # Engines' default for a chat request without max_tokens, reserved at admission.
 DEFAULT_MAX_TOKENS = {"/v1/chat/completions": 1024, "/v1/completions": 16}
 MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_OBJECTS = 100_000  # `{` in a body (messages, content parts, tool calls)
 # The engine gauges the replica choice reads from each engine's /metrics.
 LOAD_GAUGES = ("kvfleet_engine_requests_waiting", "kvfleet_engine_requests_running",
                "kvfleet_engine_kv_cache_usage_ratio")
@@ -331,6 +333,32 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; BadRequest for anything else, and before parsing for a body
+    whose structure would take far more memory than its bytes."""
+    if raw.count(b"{") > MAX_OBJECTS:
+        # (4 MiB of `{},` parse into 1.4 million dicts, 90 MB: ten such bodies took the
+        # router to 1 GB. Braces inside strings count too: the bound is far above what any
+        # conversation holds, code included.)
+        raise BadRequest(f"the body holds more than {MAX_OBJECTS} JSON objects")
+    try:
+        body = json.loads(raw)  # (4 MiB in 2 ms: the tokenizing is what takes time)
+    except ValueError:
+        raise BadRequest("the body is not JSON") from None
+    except RecursionError:  # `[[[[...` thousands deep: the parser's stack, not ours
+        raise BadRequest("the body nests JSON too deeply") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _declared_size(request: Request) -> int:
+    """The bytes a request's body will take: its Content-Length, else the most it may."""
+    declared = request.headers.get("content-length")
+    return min(int(declared), MAX_BODY_BYTES) if declared is not None and \
+        declared.isdigit() else MAX_BODY_BYTES
+
+
 def _billed_stream(body: dict[str, Any]) -> dict[str, Any]:
     """A streamed request asks the engine for the running usage on every chunk (vLLM's
     `continuous_usage_stats`): a client that hangs up mid-stream is billed the output tokens
@@ -358,6 +386,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.ledger = QuotaLedger()
         self.shared: SharedLedger | None = None
+        self.intake = Intake()
         if self.options.redis_url:
             self.shared = connect(self.options.redis_url, self.options.redis_prefix,
                                   self.ledger, self.metrics.shared_ledger_up.set,
@@ -484,37 +513,31 @@ class Router:
         try:
             tenant = self._tenant(request.headers.get("authorization"))
             (self.shared or self.ledger).precheck(tenant, time.monotonic())
-            raw = await _read_body(request)
-            try:
-                body = json.loads(raw)  # (4 MiB in 2 ms: the tokenizing is what takes time)
-            except ValueError:
-                raise BadRequest("the body is not JSON") from None
-            except RecursionError:  # `[[[[...` thousands deep: the parser's stack, not ours
-                raise BadRequest("the body nests JSON too deeply") from None
-            if not isinstance(body, dict):
-                raise BadRequest("the body must be a JSON object")
-            pool = self._pool(tenant, body.get("model"))
-            namespace, pool_name = pool.namespace, pool.name
-            if pool.table is None:
-                raise NoEndpoint(f"pool {pool.name!r} serves no revision yet")
-            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or \
-                DEFAULT_MAX_TOKENS[path]
-            if not isinstance(max_tokens, int) or max_tokens < 1:
-                raise BadRequest("max_tokens: must be a positive integer", "max_tokens")
-            if not isinstance(body.get("stream", False), bool):
-                # ("false" is truthy here and false to a lenient parser: one answer shape
-                # for the router, another for the engine, and an answer billed as neither.)
-                raise BadRequest("stream: must be true or false (a JSON boolean)", "stream")
-            request_id = request.headers.get("x-request-id") or f"rtr-{uuid.uuid4().hex[:16]}"
-            sample_key = uuid.uuid4().hex
-            session = session_key(body, request.headers.get(SESSION_HEADER), sample_key)
-            plan = pool.table.route(pool.name, tenant, session, sample_key)
-            stable = pool.table.stable
-            texts, messages = texts_of(body)
-            text = "\n".join(texts)
-            prompt_tokens = await self.tokens.count(
-                plan.live, texts, messages, pool.ready(plan.live))
-            reservation = await self.admit(tenant, prompt_tokens, max_tokens)
+            # The body is read, parsed and tokenized against the tenant's own budget of bytes
+            # in flight: one key's bodies cannot take the router's memory (`Intake`).
+            with self.intake.hold(tenant, _declared_size(request)):
+                body = _parse_body(await _read_body(request))
+                pool = self._pool(tenant, body.get("model"))
+                namespace, pool_name = pool.namespace, pool.name
+                if pool.table is None:
+                    raise NoEndpoint(f"pool {pool.name!r} serves no revision yet")
+                max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or \
+                    DEFAULT_MAX_TOKENS[path]
+                if not isinstance(max_tokens, int) or max_tokens < 1:
+                    raise BadRequest("max_tokens: must be a positive integer", "max_tokens")
+                if not isinstance(body.get("stream", False), bool):
+                    # ("false" is truthy here and false to a lenient parser: one answer shape
+                    # for the router, another for the engine, and an answer billed as neither.)
+                    raise BadRequest("stream: must be true or false (a JSON boolean)", "stream")
+                request_id = request.headers.get("x-request-id") or f"rtr-{uuid.uuid4().hex[:16]}"
+                sample_key = uuid.uuid4().hex
+                session = session_key(body, request.headers.get(SESSION_HEADER), sample_key)
+                plan = pool.table.route(pool.name, tenant, session, sample_key)
+                stable = pool.table.stable
+                prompt = texts_of(body)
+                text = prompt.text
+                prompt_tokens = await self.tokens.count(plan.live, prompt, pool.ready(plan.live))
+                reservation = await self.admit(tenant, prompt_tokens, max_tokens)
             self.metrics.last_request.labels(namespace, pool_name).set_to_current_time()
             if pool.wakes and not pool.ready(plan.live):
                 pool, plan = await self._woken(request, pool, plan, tenant, reservation)

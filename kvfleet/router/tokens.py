@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -28,6 +29,8 @@ PER_MESSAGE = 4  # e.g. "<|im_start|>user\n" ... "<|im_end|>\n" in ChatML
 # A prompt longer than this is tokenized on a worker thread (the tokenizer releases the GIL):
 # a 4 MiB prompt took the event loop 3.5 s (Zen 5), and every other request's relay with it.
 OFF_LOOP_BYTES = 32 << 10
+# Long texts are counted in pieces of this many characters (`_count_ids`).
+PIECE_CHARS = 64 << 10
 RETRY_SECONDS = 30.0
 
 
@@ -35,12 +38,29 @@ def estimate(text: str) -> int:
     return max(1, -(-len(text.encode()) // 3))
 
 
-def texts_of(body: dict[str, Any]) -> tuple[list[str], int]:
-    """(the texts of the prompt, how many chat messages carry them: 0 for a completion).
-    BadRequest for `messages` that is not a list of message objects, and for text that is not
-    Unicode (a lone surrogate, "\\ud800", is valid JSON that no tokenizer takes: a 500 at
-    the engine would count against the revision)."""
-    texts, count = _texts_of(body)
+@dataclass(frozen=True)
+class Prompt:
+    """What a request's prompt is made of: texts to tokenize, how many chat messages carry
+    them (0 for a completion), and token ids given as such (a completion's `prompt` may be a
+    list of ids, or a list of such lists: counted, never tokenized)."""
+
+    texts: list[str]
+    messages: int = 0
+    ids: int = 0
+
+    @property
+    def text(self) -> str:
+        """The prompt as one text (prefix affinity, probes): ids by their numbers."""
+        return "\n".join(self.texts)
+
+
+def texts_of(body: dict[str, Any]) -> Prompt:
+    """The request's prompt. BadRequest for `messages` that is not a list of message objects,
+    for a `prompt` list that mixes texts and ids, and for text that is not Unicode (a lone
+    surrogate, "\\ud800", is valid JSON that no tokenizer takes: a 500 at the engine would
+    count against the revision)."""
+    prompt = _texts_of(body)
+    texts = prompt.texts
     field = "messages" if "messages" in body else "prompt"
     for text in texts:
         try:
@@ -48,10 +68,20 @@ def texts_of(body: dict[str, Any]) -> tuple[list[str], int]:
         except UnicodeEncodeError:
             raise BadRequest(f"{field}: the text holds a lone surrogate (an unpaired \\ud800-"
                              "\\udfff escape); send valid Unicode", field) from None
-    return texts, count
+    return prompt
 
 
-def _texts_of(body: dict[str, Any]) -> tuple[list[str], int]:
+def _ids(prompt: list[Any]) -> int | None:
+    """How many token ids `prompt` gives (a list of ints, or of lists of ints); None when it
+    is texts."""
+    if all(type(p) is int for p in prompt):
+        return len(prompt)
+    if all(isinstance(p, list) and all(type(i) is int for i in p) for p in prompt):
+        return sum(len(p) for p in prompt)
+    return None
+
+
+def _texts_of(body: dict[str, Any]) -> Prompt:
     if "messages" in body:
         texts = []
         messages = body.get("messages")
@@ -64,15 +94,43 @@ def _texts_of(body: dict[str, Any]) -> tuple[list[str], int]:
                 texts.append(content)
             elif isinstance(content, list):
                 texts += [str(p.get("text", "")) for p in content if isinstance(p, dict)]
-        return texts, len(messages)
+        return Prompt(texts, len(messages))
     prompt = body.get("prompt")
     if isinstance(prompt, list):
-        return [" ".join(str(p) for p in prompt)], 0
-    return [str(prompt or "")], 0
+        # (Ids were joined into one text of numbers and tokenized: 4 MiB of them took the
+        # tokenizer's encodings to 600 MB a request.)
+        if (ids := _ids(prompt)) is not None:
+            return Prompt([], ids=ids)
+        if not all(isinstance(p, str) for p in prompt):
+            raise BadRequest("prompt: a text, a list of texts, a list of token ids, or a list "
+                             "of lists of token ids", "prompt")
+        return Prompt(list(prompt))
+    return Prompt([str(prompt or "")])
+
+
+def _pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
+    """`text` in pieces of about `size` characters, each cut before a space (where the
+    tokenizers' pre-tokenization splits anyway), or hard at `size` in a text without one."""
+    start = 0
+    while len(text) - start > size:
+        cut = text.rfind(" ", start + size // 2, start + size)
+        cut = cut if cut > start else start + size
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def _count_ids(tokenizer: Tokenizer, texts: list[str]) -> int:
-    return sum(len(e.ids) for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+    """Tokens of `texts`, a piece at a time: the encodings of a whole 4 MiB prompt (ids,
+    tokens, offsets, masks per token) took 240 MB, and ten at once the router past its
+    memory limit. Cut before spaces, the count is the whole text's or within a token a piece."""
+    total = 0
+    for text in texts:
+        pieces = list(_pieces(text)) if len(text) > PIECE_CHARS else [text]
+        for start in range(0, len(pieces), 8):
+            total += sum(len(e.ids) for e in tokenizer.encode_batch_fast(
+                pieces[start:start + 8], add_special_tokens=False))
+    return total
 
 
 class TokenCounter:
@@ -88,19 +146,20 @@ class TokenCounter:
     def known(self, revision: str) -> bool:
         return revision in self._tokenizers
 
-    async def count(self, revision: str, texts: Sequence[str], messages: int,
+    async def count(self, revision: str, prompt: Prompt,
                     endpoints: Sequence[EndpointLoad]) -> int:
         """Prompt tokens of the request on `revision`; starts fetching its tokenizer from one
         of `endpoints` if it is not here yet (this request then gets the upper bound)."""
+        texts, fixed = prompt.texts, prompt.ids + PER_MESSAGE * prompt.messages
         tokenizer = self._tokenizers.get(revision)
         if tokenizer is None:
             self._fetch_later(revision, endpoints)
-            return sum(estimate(t) for t in texts) + PER_MESSAGE * messages
+            return max(1, sum(estimate(t) for t in texts) + fixed)
         if sum(len(t) for t in texts) > OFF_LOOP_BYTES:
             ids = await asyncio.to_thread(_count_ids, tokenizer, list(texts))
         else:
             ids = _count_ids(tokenizer, list(texts))
-        return max(1, ids + PER_MESSAGE * messages)
+        return max(1, ids + fixed)
 
     def _fetch_later(self, revision: str, endpoints: Sequence[EndpointLoad]) -> None:
         failed = self._failed_at.get(revision)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvfleet.api.servingpool import ServingPoolStatus, TrafficRole, TrafficTarget
 from kvfleet.api.tenantquota import BorrowableResource, Borrowing, Limits, TenantQuotaSpec
-from kvfleet.router.errors import NoTenantQuota, QuotaExceeded, Unauthorized
+from kvfleet.router.errors import BadRequest, NoTenantQuota, QuotaExceeded, Unauthorized
 from kvfleet.router.keys import KeyRing
 from kvfleet.router.picker import EndpointLoad, pick
 from kvfleet.router.quota import QuotaLedger, share
@@ -832,3 +832,35 @@ def test_a_tenantquota_claiming_a_reserved_name_is_refused_by_the_router_too() -
                                [], [claim], cluster_wide=False)
     assert "kvfleet-probe" not in state.quotas
     assert "a name kvfleet keeps for itself" in state.refused["kvfleet-probe"]
+
+
+def test_a_long_prompt_is_counted_in_pieces_as_one_text_would_be() -> None:
+    """Counted whole, a 4 MiB prompt's encodings took 240 MB; in pieces cut before spaces
+    the count is the whole text's (SmolLM2's byte-level BPE splits there anyway)."""
+    from tokenizers import Tokenizer
+
+    from kvfleet.router import tokens
+
+    tokenizer = Tokenizer.from_str(_embedded_tokenizer_json())
+    prose = ("The router counts every prompt token, before admission, with the pool's "
+             "own tokenizer; numbers like 1234567 and  double  spaces too. ") * 3000
+    pieces = list(tokens._pieces(prose, 4096))
+    assert "".join(pieces) == prose and max(map(len, pieces)) <= 4096
+    whole = len(tokenizer.encode(prose, add_special_tokens=False).ids)
+    assert tokens._count_ids(tokenizer, [prose]) == whole
+    # A text without a space is cut hard: within a token a piece.
+    solid = "x" * 200_000
+    assert abs(tokens._count_ids(tokenizer, [solid])
+               - len(tokenizer.encode(solid, add_special_tokens=False).ids)) <= 4
+    with pytest.raises(BadRequest, match="a list of token ids"):
+        tokens.texts_of({"prompt": ["text", 5]})
+
+
+def _embedded_tokenizer_json() -> str:
+    from kvfleet.engine.model.gguf_file import read_tokenizer_spec
+    from kvfleet.engine.model.gguf_reader import GGUFFile
+    from kvfleet.engine.model.loader import default_model_path
+    from kvfleet.engine.tokenizer import Tokenizer
+
+    path = default_model_path()
+    return Tokenizer.from_gguf(read_tokenizer_spec(GGUFFile(path).metadata, path), path).to_json()

@@ -22,6 +22,7 @@ from kvfleet.router.outcome import Outcome
 from kvfleet.router.picker import EndpointLoad
 from kvfleet.router.server import Router, RouterOptions, build_app
 from kvfleet.router.state import parse_config
+from kvfleet.router.tokens import Prompt, texts_of
 
 REVISION = "a" * 64
 KEY = "sk-team-a-0123456789abcdef"
@@ -215,15 +216,20 @@ async def test_prompt_tokens_are_counted_with_the_revisions_own_tokenizer(
     router = make_router(address)
     try:
         words = "hi there " * 30  # 60 words, 270 bytes
-        before = await router.tokens.count(REVISION, [words], 1, [EndpointLoad(address)])
+        before = await router.tokens.count(REVISION, Prompt([words], 1),
+                                           [EndpointLoad(address)])
         assert before == 270 // 3 + 4  # not fetched yet: the upper bound
         for _ in range(100):
             if router.tokens.known(REVISION):
                 break
             await asyncio.sleep(0.02)
         engines = [EndpointLoad(address)]
-        assert await router.tokens.count(REVISION, [words], 1, engines) == 60 + 4
-        assert await router.tokens.count(REVISION, [words, "hi"], 2, engines) == 61 + 8
+        assert await router.tokens.count(REVISION, Prompt([words], 1), engines) == 60 + 4
+        assert await router.tokens.count(REVISION, Prompt([words, "hi"], 2), engines) == 61 + 8
+        # Token ids are counted, not tokenized (as one text of numbers they were).
+        ids = texts_of({"prompt": [[1, 2, 3], [4, 5]]})
+        assert (ids.texts, ids.ids) == ([], 5)
+        assert await router.tokens.count(REVISION, ids, engines) == 5
     finally:
         await router.close()
 
