@@ -77,6 +77,8 @@ _AGREEMENT = ("sum(increase(kvfleet_router_probe_tokens_total" + _PROBED + ',kin
               + ',kind="compared"}' + _RANGE + "))")
 _PROBES = ("sum(increase(kvfleet_router_probes_total" + _PROBED + ',outcome="compared"}'
            + _RANGE + "))")
+_PROBES_AGREED = ("sum(increase(kvfleet_router_probes_agreed_total" + _PROBED + "}" + _RANGE
+                  + ")) / " + _PROBES)
 # The first probe whose answers differed (a tenant-salted prompt id, the token where they
 # part): named in the evaluation's message when agreement fails.
 FIRST_DIVERGENCE = "max by (probe) (kvfleet_router_probe_first_divergence" + _PROBED + "})"
@@ -99,7 +101,9 @@ BUILTINS = {
     SLOMetric.ERROR_RATE: _Builtin(f"{_ERRORS} / {_REQUESTS}", _REQUESTS, True, True),
     SLOMetric.E2E_P95: _Builtin(_p95(E2E), _count(E2E), True),
     SLOMetric.OUTPUT_AGREEMENT: _Builtin(_AGREEMENT, _PROBES, True),
+    SLOMetric.PROBE_AGREEMENT: _Builtin(_PROBES_AGREED, _PROBES, True),
 }
+_AGREEMENT_GATES = (SLOMetric.OUTPUT_AGREEMENT, SLOMetric.PROBE_AGREEMENT)
 # Shadow copies are not streamed to anyone, so TTFT/TPOT have no shadow series; their latency
 # is judged end to end against stable's live requests, allowing this factor.
 SHADOW_E2E_RATIO = 1.5
@@ -160,17 +164,22 @@ def _slo_threshold(slo: SLOMetric, slos: SLOs | None) -> float | None:
         SLOMetric.ERROR_RATE: slos.error_rate,
         SLOMetric.E2E_P95: None,
         SLOMetric.OUTPUT_AGREEMENT: None,
+        SLOMetric.PROBE_AGREEMENT: None,
     }[slo]
 
 
 def _agreement_metric(agreement: OutputAgreement | None, metrics: list[Metric]) -> list[Metric]:
-    """The built-in OutputAgreement gate, unless it is off or the metrics name it already."""
-    if agreement is None or not agreement.enabled or any(
-            m.slo == SLOMetric.OUTPUT_AGREEMENT for m in metrics):
+    """The built-in answer gates, by tokens and by probes, unless they are off or the metrics
+    name them already."""
+    if agreement is None or not agreement.enabled:
         return []
-    return [Metric(name="output-agreement", slo=SLOMetric.OUTPUT_AGREEMENT,
-                   threshold=agreement.min_agreement, comparison=Comparison.AT_LEAST,
-                   min_samples=agreement.min_probes)]
+    named = {m.slo for m in metrics}
+    return [Metric(name=name, slo=slo, threshold=threshold, comparison=Comparison.AT_LEAST,
+                   min_samples=agreement.min_probes)
+            for name, slo, threshold in (
+                ("output-agreement", SLOMetric.OUTPUT_AGREEMENT, agreement.min_agreement),
+                ("probe-agreement", SLOMetric.PROBE_AGREEMENT, agreement.min_probe_agreement))
+            if slo not in named]
 
 
 def _class_plans(split: PromptLengthSplit | None, *, shadow: bool) -> list[MetricPlan]:
@@ -222,8 +231,10 @@ def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool,
             query, samples = builtin.query, builtin.samples
             threshold = metric.threshold if metric.threshold is not None else \
                 _slo_threshold(metric.slo, slos)
-            if threshold is None and metric.slo == SLOMetric.OUTPUT_AGREEMENT:
-                threshold = (agreement or OutputAgreement()).min_agreement
+            if threshold is None and metric.slo in _AGREEMENT_GATES:
+                defaults = agreement or OutputAgreement()
+                threshold = defaults.min_agreement if metric.slo == \
+                    SLOMetric.OUTPUT_AGREEMENT else defaults.min_probe_agreement
             if threshold is None:
                 raise AnalysisConfigError(
                     f"{where}: {metric.slo.value} has no threshold: set threshold, or the "
@@ -233,7 +244,7 @@ def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool,
                 raise AnalysisConfigError(f"{where}: a query needs a threshold")
             query, threshold = metric.query, metric.threshold
             samples = metric.samples_query or _REQUESTS
-        agreement_gate = metric.slo == SLOMetric.OUTPUT_AGREEMENT
+        agreement_gate = metric.slo in _AGREEMENT_GATES
         # Agreement is already canary against stable, and more of it is better.
         proportion = metric.slo is not None and BUILTINS[metric.slo].proportion and \
             not metric.versus_stable and metric.samples_query is None

@@ -67,6 +67,9 @@ class SLOMetric(StrEnum):
     # Greedy answer agreement with stable, token by token, over the router's probes
     # (`kvfleet.router.probes`); its threshold defaults to analysis.outputAgreement.
     OUTPUT_AGREEMENT = "OutputAgreement"
+    # The share of compared probes whose two answers agree in full, token ids and text; its
+    # threshold defaults to analysis.outputAgreement.minProbeAgreement.
+    PROBE_AGREEMENT = "ProbeAgreement"
 
 
 class MissingData(StrEnum):
@@ -151,6 +154,11 @@ class OutputAgreement(KubeModel):
         default=0.9, ge=0.0, le=1.0,
         description="Least share of probe tokens that must agree with stable's greedy answer "
         "(each probe counts its common prefix over the longer answer).")
+    min_probe_agreement: float = Field(
+        default=0.9, ge=0.0, le=1.0,
+        description="Least share of compared probes whose answers agree in full, token ids "
+        "and text: pooled over tokens, flipping every 2-token answer on 20 % of the traffic "
+        "scored 0.985, and a tokenizer broken only in decoding (same ids, other text) 1.0.")
     min_probes: int = Field(
         default=20, ge=1, le=100_000, description="Compared probes a window needs.")
     probe_percent: int = Field(
@@ -164,8 +172,9 @@ PROMPT_CLASS_EDGES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 PROMPT_CLASS_OVER = "inf"
 
 
-# An evaluation's metrics: the declared ones, answer agreement, and three per prompt class.
-MAX_EVALUATED = MAX_METRICS + 1 + 3 * (len(PROMPT_CLASS_EDGES) + 1)
+# An evaluation's metrics: the declared ones, answer agreement (tokens and probes), and three
+# per prompt class.
+MAX_EVALUATED = MAX_METRICS + 2 + 3 * (len(PROMPT_CLASS_EDGES) + 1)
 
 
 def prompt_class(prompt_tokens: int) -> str:

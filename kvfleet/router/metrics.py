@@ -24,6 +24,8 @@ These are the series the Rollout analysis reads (canary vs stable); every name i
         (greedy probes to the revision and stable, kvfleet.router.probes: compared, error,
         shed, misrouted: an answer from an engine of another revision than the one asked;
         created at 0 while a table asks for probes)
+    kvfleet_router_probes_agreed_total{namespace,pool,revision}                    counter
+        (compared probes whose two answers agree in full, token ids and text)
     kvfleet_router_probe_tokens_total{namespace,pool,revision,kind}                counter
         (agreed: the common prefix of the two answers; compared: the longer answer's tokens)
     kvfleet_router_probe_first_divergence{namespace,pool,revision,probe}           gauge
@@ -170,6 +172,9 @@ class RouterMetrics:
         probe = ("namespace", "pool", "revision")
         self.probes = Counter(PREFIX + "probes_total", "Greedy probes by outcome",
                               (*probe, "outcome"), registry=r)
+        self.probes_agreed = Counter(PREFIX + "probes_agreed_total",
+                                     "Compared probes whose answers agree in full",
+                                     probe, registry=r)
         self.probe_tokens = Counter(PREFIX + "probe_tokens_total",
                                     "Greedy probe tokens agreed and compared",
                                     (*probe, "kind"), registry=r)
@@ -220,6 +225,7 @@ class RouterMetrics:
         for labels in series:
             for outcome in PROBE_OUTCOMES:
                 self.probes.labels(*labels, outcome)
+            self.probes_agreed.labels(*labels)
             for kind in ("agreed", "compared"):
                 self.probe_tokens.labels(*labels, kind)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -52,20 +53,38 @@ def probe_body(body: dict[str, Any], max_tokens: int = PROBE_MAX_TOKENS) -> dict
     return probe
 
 
-def answer_ids(status: int, data: bytes) -> list[int] | None:
-    """The generated token ids of a probe's answer; None when it is no complete answer (an
-    error status, an error inside the 200, a body without ids)."""
+@dataclass(frozen=True)
+class ProbeAnswer:
+    ids: list[int]
+    text: str  # what a client would have read
+
+
+def probe_answer(status: int, data: bytes) -> ProbeAnswer | None:
+    """The generated token ids and text of a probe's answer; None when it is no complete
+    answer (an error status, an error inside the 200, a body without ids)."""
     if status != 200:
         return None
     try:
         choice = json.loads(data)["choices"][0]
         ids = choice["token_ids"]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
     except (ValueError, KeyError, IndexError, TypeError):
         return None
     if choice.get("finish_reason") == "error" or not isinstance(ids, list) or not all(
             isinstance(i, int) for i in ids):
         return None
-    return ids
+    return ProbeAnswer(ids, text if isinstance(text, str) else "")
+
+
+def compare_answers(canary: ProbeAnswer, stable: ProbeAnswer) -> tuple[int, int, bool]:
+    """(agreed tokens, compared tokens, whether the two answers agree in full). The same ids
+    with another text (a tokenizer broken only in decoding) agree on no token: the text is
+    what the client reads."""
+    agreed, compared = agreement(canary.ids, stable.ids)
+    if canary.text != stable.text:
+        agreed = 0 if agreed == compared else agreed
+        return agreed, compared, False
+    return agreed, compared, agreed == compared
 
 
 def answered_by(data: bytes) -> str | None:

@@ -60,9 +60,9 @@ from kvfleet.router.picker import EndpointLoad, pick
 from kvfleet.router.probes import (
     PROBE_MAX_TOKENS,
     PROBE_TENANT,
-    agreement,
-    answer_ids,
     answered_by,
+    compare_answers,
+    probe_answer,
     probe_body,
     probe_id,
     same_revision,
@@ -850,13 +850,15 @@ class Router:
                       wrong[0][1])
             self.metrics.probes.labels(*labels, "misrouted").inc()
             return
-        canary, baseline = (answer_ids(a[0], a[1]) if isinstance(a, tuple) else None
+        canary, baseline = (probe_answer(a[0], a[1]) if isinstance(a, tuple) else None
                             for a in answers)
         if canary is None or baseline is None:
             self.metrics.probes.labels(*labels, "error").inc()
             return
-        agreed, compared = agreement(canary, baseline)
+        agreed, compared, in_full = compare_answers(canary, baseline)
         self.metrics.probes.labels(*labels, "compared").inc()
+        if in_full:
+            self.metrics.probes_agreed.labels(*labels).inc()
         self.metrics.probe_tokens.labels(*labels, "agreed").inc(agreed)
         self.metrics.probe_tokens.labels(*labels, "compared").inc(compared)
         if agreed < compared and labels not in self._diverged:

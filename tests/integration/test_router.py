@@ -266,6 +266,10 @@ def test_greedy_probes_agree_on_the_same_weights_and_not_on_perturbed_ones(
     router.reconfigure(probing(engines, token_file))
     agreed, compared = probe_score(router, CANARY)
     assert compared >= len(TOPICS) and agreed == compared
+    probes = router.metric("kvfleet_router_probes_total", revision=CANARY[:12],
+                           outcome="compared")
+    # ... and each probe in full, ids and text (the ProbeAgreement gate's evidence)
+    assert router.metric("kvfleet_router_probes_agreed_total", revision=CANARY[:12]) == probes
     assert router.metric("kvfleet_router_probes_total", outcome="error") == 0
     with tempfile.TemporaryDirectory(prefix="kvfleet-perturbed-") as tmp:
         wrong = scale_norm(embedded_gguf_path(), Path(tmp) / "wrong.gguf")
@@ -279,6 +283,11 @@ def test_greedy_probes_agree_on_the_same_weights_and_not_on_perturbed_ones(
             agreed, compared = probe_score(router, CANARY)
             score = (agreed - before[0]) / (compared - before[1])
             assert score < 0.5, score  # the default gate wants 0.9
+            in_full = router.metric("kvfleet_router_probes_agreed_total",
+                                    revision=CANARY[:12]) - probes
+            share = in_full / (router.metric("kvfleet_router_probes_total",
+                                             revision=CANARY[:12], outcome="compared") - probes)
+            assert share < 0.9, share  # the probe gate's default
             first = router.metric("kvfleet_router_probe_first_divergence",
                                   revision=CANARY[:12])
             assert first < 16

@@ -34,6 +34,7 @@ from kvfleet.api.rollout import (
     MetricEvaluation,
     MissingData,
     Outcome,
+    OutputAgreement,
     Phase,
     PromptLengthSplit,
     RequestAction,
@@ -981,6 +982,33 @@ def test_killed_between_promotion_and_the_pools_update_promotes_once() -> None:
     again = sim.tick(1)
     assert again.promote and again.traffic == [] and sim.stable == CANARY
     assert _events(sim).count("Promoted") == 1
+
+
+def test_answers_are_judged_per_probe_as_well_as_per_token() -> None:
+    """Pooled over tokens, flipping the 2-token answers of one request in five scored 0.8 of
+    the tokens only where the flips were whole answers; spread over long answers it passed
+    the token gate. The share of probes agreeing in full does not pool them."""
+    live = plans([], SLO, shadow=False, agreement=OutputAgreement())
+    gates = {p.name: p for p in live if p.name.endswith("-agreement")}
+    assert set(gates) == {"output-agreement", "probe-agreement"}
+    probe = gates["probe-agreement"]
+    assert (probe.threshold, probe.comparison, probe.min_samples) == (
+        0.9, Comparison.AT_LEAST, 20)
+    text = render(probe.query, pool="chat", namespace="llm", revision=CANARY, traffic="live",
+                  window=Window(0, 1, T0, T0 + timedelta(seconds=30)))
+    assert "kvfleet_router_probes_agreed_total" in text and 'outcome="compared"' in text
+    # 100 probes of 32 tokens; 20 differ only in their last token: 0.994 of the tokens agree.
+    tokens = judge(gates["output-agreement"], QueryResult(1 - 20 / 3200, 100), None)
+    probes = judge(probe, QueryResult(0.8, 100), None)
+    assert (tokens.outcome, probes.outcome) == (Outcome.PASS, Outcome.FAIL)
+    # Named in the metrics, it is not added twice; turned off, neither gate is.
+    named = plans([Metric(name="p", slo=SLOMetric.PROBE_AGREEMENT, threshold=0.5)], SLO,
+                  shadow=False, agreement=OutputAgreement())
+    assert [p.name for p in named if "agreement" in p.name or p.name == "p"] == [
+        "p", "output-agreement"]
+    assert not [p for p in plans([], SLO, shadow=False,
+                                 agreement=OutputAgreement(enabled=False)) if "agreement" in
+                p.name]
 
 
 def test_a_canary_refusing_only_long_prompts_fails_their_class_not_the_overall_error_slo(

@@ -91,6 +91,7 @@ async def test_identical_answers_agree_on_every_token(engines: dict[str, Any]) -
         agreed = _count(router, "kvfleet_router_probe_tokens_total", kind="agreed")
         assert agreed == _count(router, "kvfleet_router_probe_tokens_total",
                                 kind="compared") == 24
+        assert _count(router, "kvfleet_router_probes_agreed_total") == 6  # each in full
         assert "probe_first_divergence{" not in router.metrics.exposition().decode()
     finally:
         await router.close()
@@ -104,6 +105,7 @@ async def test_a_wrong_canary_scores_low_and_names_its_first_diverging_prompt(
         await _send(router, 5)
         assert _count(router, "kvfleet_router_probe_tokens_total", kind="agreed") == 5
         assert _count(router, "kvfleet_router_probe_tokens_total", kind="compared") == 20
+        assert _count(router, "kvfleet_router_probes_agreed_total") == 0
         diverged = [s for m in router.metrics.registry.collect() for s in m.samples
                     if s.name == "kvfleet_router_probe_first_divergence"]
         assert len(diverged) == 1 and diverged[0].value == 1  # one series, not one per probe

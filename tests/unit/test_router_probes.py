@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 
 from kvfleet.router.probes import (
     PROBE_MAX_TOKENS,
+    ProbeAnswer,
     agreement,
-    answer_ids,
+    compare_answers,
+    probe_answer,
     probe_body,
     probe_id,
 )
@@ -44,16 +46,30 @@ def test_a_probe_is_greedy_capped_unbilled_and_asks_for_token_ids() -> None:
     assert probe_body({"prompt": "x", "max_tokens": "lots"})["max_tokens"] == PROBE_MAX_TOKENS
 
 
-def test_only_a_complete_answer_gives_token_ids() -> None:
+def test_only_a_complete_answer_gives_token_ids_and_its_text() -> None:
     def body(**choice: object) -> bytes:
-        return json.dumps({"choices": [{"finish_reason": "length", **choice}]}).encode()
+        return json.dumps({"choices": [{"finish_reason": "length", "text": "hi", **choice}]
+                           }).encode()
 
-    assert answer_ids(200, body(token_ids=[5, 6])) == [5, 6]
-    assert answer_ids(200, body(token_ids=[5], finish_reason="error")) is None
-    assert answer_ids(400, body(token_ids=[5])) is None
-    assert answer_ids(200, body()) is None
-    assert answer_ids(200, b"not json") is None
-    assert answer_ids(200, body(token_ids=["5"])) is None
+    assert probe_answer(200, body(token_ids=[5, 6])) == ProbeAnswer([5, 6], "hi")
+    chat = json.dumps({"choices": [{"message": {"content": "yo"}, "token_ids": [1]}]}).encode()
+    assert probe_answer(200, chat) == ProbeAnswer([1], "yo")
+    assert probe_answer(200, body(token_ids=[5], finish_reason="error")) is None
+    assert probe_answer(400, body(token_ids=[5])) is None
+    assert probe_answer(200, body()) is None
+    assert probe_answer(200, b"not json") is None
+    assert probe_answer(200, body(token_ids=["5"])) is None
+
+
+def test_a_probe_agrees_in_full_only_on_the_same_ids_and_the_same_text() -> None:
+    """Scored by ids alone, a tokenizer broken only in decoding (same ids, another text) agreed
+    on every token."""
+    same = compare_answers(ProbeAnswer([1, 2], "ab"), ProbeAnswer([1, 2], "ab"))
+    assert same == (2, 2, True)
+    assert compare_answers(ProbeAnswer([1, 2], "a\ufffd"), ProbeAnswer([1, 2], "ab")) == (
+        0, 2, False)
+    assert compare_answers(ProbeAnswer([1, 3], "ac"), ProbeAnswer([1, 2], "ab")) == (
+        1, 2, False)
 
 
 def test_the_prompt_id_is_salted_with_the_tenant_and_reveals_no_text() -> None:
