@@ -618,6 +618,21 @@ def test_errors_inside_a_200_are_stopped_stay_out_and_a_broken_query_is_bounded(
         assert all(f" from {bad}:" in f for f in traffic.failures), traffic.failures[:5]
 
 
+def _rolled_back(kube: KubeClient, operator: OperatorProcess, ns: str,  # noqa: F811
+                 revision: str, what: str, timeout: float) -> tuple[JsonObj, dict[str, str]]:
+    """Waits for the rollout of `revision` to stop (timed, as `what`); asserts it rolled
+    back. Its status, and the outcome of each metric of the last window that judged it."""
+    started = time.monotonic()
+    done = _wait_rollout(kube, operator, ns, lambda r: _phase(
+        "RolledBack", "Promoted", "Paused")(r) and r["status"].get(
+        "canaryRevision") == revision, f"the canary {what} stopped", timeout)
+    _decided_in(started, what)
+    status = done["status"]
+    assert status["phase"] == "RolledBack", yaml.safe_dump(status)
+    status["evaluations"] = [e for e in status["evaluations"] if e["revision"] == revision]
+    return status, {m["name"]: m["outcome"] for m in status["evaluations"][-1]["metrics"]}
+
+
 @pytest.mark.usefixtures("shared_cores")
 def test_a_canary_slow_only_on_long_prompts_is_stopped_by_the_prompt_class_split(
     kube: KubeClient, kubectl: Kubectl, operator: OperatorProcess, namespace: str,  # noqa: F811
@@ -653,19 +668,13 @@ def test_a_canary_slow_only_on_long_prompts_is_stopped_by_the_prompt_class_split
         os.environ[FAULTS_ENV] = long_prompt_fault(slow)
         traffic = Traffic(router_on_node(kube, namespace, local_node), long_every=60)
         try:
-            started = time.monotonic()
             set_artifact(kube, namespace, POOL, "smol-v2")
-            done = _wait_rollout(kube, operator, namespace, lambda r: _phase(
-                "RolledBack", "Promoted", "Paused")(r) and r["status"].get(
-                "canaryRevision") == slow, "the long-prompt canary stopped", 420)
-            _decided_in(started, "slow on long prompts only (1 in 60)")
-            status = done["status"]
-            assert status["phase"] == "RolledBack", yaml.safe_dump(status)
+            status, outcomes = _rolled_back(kube, operator, namespace, slow,
+                                            "slow on long prompts only (1 in 60)", 420)
             assert "-le4096 canary/stable" in status["message"], status["message"]
             # The window that failed it judged the same requests over all prompts too: those
             # metrics passed (or had too few samples), so without the split it went on.
-            failed = [e for e in status["evaluations"] if e["revision"] == slow][-1]
-            outcomes = {m["name"]: m["outcome"] for m in failed["metrics"]}
+            failed = status["evaluations"][-1]
             overall = {n: o for n, o in outcomes.items() if "-le" not in n and "-over" not in n}
             assert "Fail" not in overall.values(), yaml.safe_dump(failed)
             assert any(o == "Fail" for n, o in outcomes.items() if "-le4096" in n), outcomes
@@ -691,18 +700,11 @@ def test_a_canary_slow_only_on_long_prompts_is_stopped_by_the_prompt_class_split
                 r.get("status") or {}).get("canaryChange", "").startswith(
                 "settings KVFLEET_MAX_MODEL_LEN"), "the settings canary started", 60)
             short = refusing["status"]["canaryRevision"]
-            started = time.monotonic()
-            done = _wait_rollout(kube, operator, namespace, lambda r: _phase(
-                "RolledBack", "Promoted", "Paused")(r) and r["status"].get(
-                "canaryRevision") == short, "the canary refusing long prompts stopped", 300)
-            _decided_in(started, "refusing long prompts only (1 in 30)")
-            status = done["status"]
-            assert status["phase"] == "RolledBack", yaml.safe_dump(status)
+            status, outcomes = _rolled_back(kube, operator, namespace, short,
+                                            "refusing long prompts only (1 in 30)", 300)
             assert "errorrate-le4096 canary" in status["message"], status["message"]
-            failed = [e for e in status["evaluations"] if e["revision"] == short][-1]
-            outcomes = {m["name"]: m["outcome"] for m in failed["metrics"]}
-            assert outcomes["errorrate-le4096"] == "Fail", yaml.safe_dump(failed)
-            assert outcomes["errors"] != "Fail", yaml.safe_dump(failed)
+            assert outcomes["errorrate-le4096"] == "Fail", outcomes
+            assert outcomes["errors"] != "Fail", outcomes
         finally:
             traffic.close()
         refused = traffic.failures

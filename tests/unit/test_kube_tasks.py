@@ -44,13 +44,7 @@ async def test_a_routers_informer_that_dies_is_fatal() -> None:
                            namespace="llm")
     fatal: list[str] = []
     source.on_fatal = fatal.append
-    running = asyncio.create_task(source.run())
-    for _ in range(100):
-        if fatal:
-            break
-        await asyncio.sleep(0.01)
-    running.cancel()
-    await asyncio.gather(running, return_exceptions=True)
+    await _until_fatal(asyncio.create_task(source.run()), fatal)
     assert fatal and all("died: AttributeError" in f for f in fatal), fatal
     assert any("'informer pools'" in f for f in fatal)
 
@@ -80,11 +74,16 @@ async def test_a_routers_watch_loop_that_dies_is_fatal(monkeypatch: pytest.Monke
     monkeypatch.setattr(source, "rebuild", broken)
     running = source.start()
     source._changed(None, {})
+    await _until_fatal(running, fatal)
+    assert fatal == ["background task 'cluster state' died: ValueError('a ServingPool the "
+                     "rebuild did not expect')"], fatal
+
+
+async def _until_fatal(running: asyncio.Task[None], fatal: list[str]) -> None:
+    """Waits (at most a second) for a fatal report, then stops `running`."""
     for _ in range(100):
         if fatal:
             break
         await asyncio.sleep(0.01)
     running.cancel()
     await asyncio.gather(running, return_exceptions=True)
-    assert fatal == ["background task 'cluster state' died: ValueError('a ServingPool the "
-                     "rebuild did not expect')"], fatal
