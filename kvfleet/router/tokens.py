@@ -29,6 +29,7 @@ PER_MESSAGE = 4  # e.g. "<|im_start|>user\n" ... "<|im_end|>\n" in ChatML
 # A prompt longer than this is tokenized on a worker thread (the tokenizer releases the GIL):
 # a 4 MiB prompt took the event loop 3.5 s (Zen 5), and every other request's relay with it.
 OFF_LOOP_BYTES = 32 << 10
+HEAD_IDS = 2048  # ids of a token-id prompt kept as its text (`Prompt.head`)
 # Long texts are counted in pieces of this many characters (`_count_ids`).
 PIECE_CHARS = 64 << 10
 RETRY_SECONDS = 30.0
@@ -47,11 +48,12 @@ class Prompt:
     texts: list[str]
     messages: int = 0
     ids: int = 0
+    head: str = ""  # the first ids given, as numbers (prefix affinity only needs a head)
 
     @property
     def text(self) -> str:
-        """The prompt as one text (prefix affinity, probes): ids by their numbers."""
-        return "\n".join(self.texts)
+        """The prompt as one text (prefix affinity, probe ids)."""
+        return "\n".join(self.texts) if self.texts else self.head
 
 
 def texts_of(body: dict[str, Any]) -> Prompt:
@@ -100,7 +102,8 @@ def _texts_of(body: dict[str, Any]) -> Prompt:
         # (Ids were joined into one text of numbers and tokenized: 4 MiB of them took the
         # tokenizer's encodings to 600 MB a request.)
         if (ids := _ids(prompt)) is not None:
-            return Prompt([], ids=ids)
+            first = prompt[0] if prompt and isinstance(prompt[0], list) else prompt
+            return Prompt([], ids=ids, head=" ".join(map(str, first[:HEAD_IDS])))
         if not all(isinstance(p, str) for p in prompt):
             raise BadRequest("prompt: a text, a list of texts, a list of token ids, or a list "
                              "of lists of token ids", "prompt")

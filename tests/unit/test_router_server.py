@@ -228,7 +228,7 @@ async def test_prompt_tokens_are_counted_with_the_revisions_own_tokenizer(
         assert await router.tokens.count(REVISION, Prompt([words, "hi"], 2), engines) == 61 + 8
         # Token ids are counted, not tokenized (as one text of numbers they were).
         ids = texts_of({"prompt": [[1, 2, 3], [4, 5]]})
-        assert (ids.texts, ids.ids) == ([], 5)
+        assert (ids.texts, ids.ids, ids.text) == ([], 5, "1 2 3")
         assert await router.tokens.count(REVISION, ids, engines) == 5
     finally:
         await router.close()
