@@ -174,6 +174,10 @@ def _agreement_metric(agreement: OutputAgreement | None, metrics: list[Metric]) 
     if agreement is None or not agreement.enabled:
         return []
     named = {m.slo for m in metrics}
+    if SLOMetric.OUTPUT_AGREEMENT in named:
+        # (A policy that judges agreement its own way, e.g. looser for a quantised rollout,
+        # is not given the stricter per-probe gate beside it unless it names that too.)
+        named.add(SLOMetric.PROBE_AGREEMENT)
     return [Metric(name=name, slo=slo, threshold=threshold, comparison=Comparison.AT_LEAST,
                    min_samples=agreement.min_probes)
             for name, slo, threshold in (

@@ -490,6 +490,9 @@ class RolloutStatus(KubeModel):
         default=None, ge=-1, description="Step index; -1 is the shadow phase.")
     current_weight: int = Field(default=0, ge=0, le=100, description="Canary traffic percent.")
     shadow_percent: int = Field(default=0, ge=0, le=100, description="Mirrored percent.")
+    canary_restarts_base: int = Field(
+        default=0, ge=0, description="The canary pods' container restarts when this rollout "
+        "(or its last resume) began: the restart watch counts those after it.")
     live_since: datetime | None = Field(
         default=None, description="When the canary first had live traffic in this rollout "
         "(its bake counts from then).")

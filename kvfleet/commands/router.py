@@ -265,7 +265,8 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
                                                key: value for key, value in (
                                                    ("max_connections", args.max_connections),
                                                    ("max_per_client",
-                                                    args.max_connections_per_client))
+                                                    args.max_connections_per_client),
+                                                   ("send_seconds", args.send_timeout))
                                                if value is not None})))
     # What is loaded by now lives as long as the router: out of the cyclic collector's reach,
     # whose full pass over it stalled every request in flight 43-63 ms (bench/README, router

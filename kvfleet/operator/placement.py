@@ -150,10 +150,13 @@ def _exited_failing(state: dict[str, Any]) -> bool:
 
 
 def restarts(pods: Iterable[dict[str, Any]]) -> tuple[int, str]:
-    """Container restarts over `pods` (a crash, an OOM kill, a failed liveness probe), and
-    the latest one in words: which pod and container, why, with its exit code."""
+    """Container restarts over `pods` not being deleted (a crash, an OOM kill, a failed
+    liveness probe), and the latest one in words: which pod and container, why, with its
+    exit code."""
     total, latest, latest_at = 0, "", ""
     for pod in pods:
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue  # (going: a retry's new pods start from 0)
         for state in (pod.get("status") or {}).get("containerStatuses") or []:
             count = int(state.get("restartCount") or 0)
             if count == 0:

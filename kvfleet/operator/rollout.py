@@ -288,7 +288,7 @@ class _Run:
         s.wave = view.wave
         s.rollout_hash = policy_hash(self.spec)
         s.started_at, s.finished_at, s.drain_started_at = self.now, None, None
-        s.live_since = None
+        s.live_since, s.canary_restarts_base = None, view.canary_restarts
         s.current_step = SHADOW_STEP if self.spec.shadow else 0
         s.current_weight, s.shadow_percent = 0, 0
         s.step_started_at, s.pause_reason, s.promote_full = None, None, False
@@ -310,6 +310,7 @@ class _Run:
         s = self.status
         s.phase, s.message = phase, message
         s.current_weight, s.shadow_percent, s.pause_reason = 0, 0, None
+        s.live_since = None
         s.drain_started_at = self.now
         self.event("Warning", reason, message)
 
@@ -322,8 +323,9 @@ class _Run:
         elif action == TimeoutAction.HOLD:
             self.pause(reason, f"{message}; weight held: resume, promote or abort")
         else:
-            # The step is no longer effective: a resume makes it so again, with a new window.
-            s.current_weight, s.shadow_percent = 0, 0
+            # The step is no longer effective: a resume makes it so again, with a new window
+            # (and a bake from then: the canary served no live traffic meanwhile).
+            s.current_weight, s.shadow_percent, s.live_since = 0, 0, None
             s.step_started_at, s.counts = None, StepCounts()
             self.pause(reason, f"{message}; live traffic back on stable, canary pods kept: "
                        "resume to try the step again, or abort")
@@ -365,6 +367,7 @@ class _Run:
 
     def resume(self) -> None:
         s = self.status
+        s.canary_restarts_base = self.view.canary_restarts  # (what a person resumed after)
         s.phase = Phase.SHADOW if s.current_step == SHADOW_STEP else Phase.PROGRESSING
         s.pause_reason, s.canary_waiting_since = None, None  # a resumed wait is bounded anew
         if s.step_started_at is not None:
@@ -440,12 +443,13 @@ class _Run:
         """The canary's pods restarted more than analysis.maxCanaryRestarts allows: the
         rollout fails whatever the metrics say (a crash after minutes, an OOM kill)."""
         view, s, spec = self.view, self.status, self.spec
-        if view.canary_restarts <= spec.analysis.max_canary_restarts or \
-                s.canary_revision != view.target:
+        # (Replaced pods start from 0: the base follows the count down, never up.)
+        s.canary_restarts_base = min(s.canary_restarts_base, view.canary_restarts)
+        restarts = view.canary_restarts - s.canary_restarts_base
+        if restarts <= spec.analysis.max_canary_restarts or s.canary_revision != view.target:
             return False
-        message = (f"{self.where()}: the canary's pods restarted {view.canary_restarts} "
-                   f"times (at most {spec.analysis.max_canary_restarts}): "
-                   f"{view.canary_restarted}")
+        message = (f"{self.where()}: the canary's pods restarted {restarts} times (at most "
+                   f"{spec.analysis.max_canary_restarts}): {view.canary_restarted}")
         if spec.auto_rollback:
             self.back_to_stable(Phase.ROLLING_BACK, message + "; rolled back", "RollingBack")
             self.wake_in(spec.drain_seconds)

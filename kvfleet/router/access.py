@@ -9,9 +9,10 @@ by a bare name unique across the cluster.
 Names: a bare name is a pool of the tenant's own namespace, or the one other namespace's pool
 of that name its `allowedPools` lists; `namespace/name` is explicit. A pool the tenant may not
 see at all is answered as no pool (404, as for a name that exists nowhere): a key learns
-nothing of other namespaces' pools. A pool it sees and may not use (its own namespace's, left
-out of a non-empty `allowedPools`; another's it lists that does not share) is a 403 saying
-which side is missing. `GET /v1/models` lists what the key may use, by the names it would send.
+nothing of other namespaces' pools, not even by listing one in its `allowedPools`. A pool it
+sees and may not use (its own namespace's, or another's shared with its namespace, that its
+`allowedPools` leaves out) is a 403. `GET /v1/models` lists what the key may use, by the
+names it would send.
 """
 
 from __future__ import annotations
@@ -67,15 +68,10 @@ def resolve(state: RouterState, tenant: str, quota: TenantQuotaSpec | None,
         raise unknown
     if may_use(route, home, allowed):
         return route
-    if route.namespace == home:
+    if route.namespace == home or _shares_with(route, home):
         raise PoolNotAllowed(f"tenant {tenant!r} may not use pool {model!r}: its "
                              "TenantQuota's allowedPools does not list it", "model")
-    if _qualified(route) in allowed:
-        raise PoolNotAllowed(
-            f"tenant {tenant!r} may not use pool {_qualified(route)!r}: its TenantQuota "
-            f"lists it, but the pool does not share with namespace {home!r} (its owners "
-            "add it to the pool's kvfleet.io/shared-with annotation)", "model")
-    raise unknown
+    raise unknown  # (listed or not: whether it exists is its namespace's to tell)
 
 
 def visible(state: RouterState, tenant: str, quota: TenantQuotaSpec | None) -> list[str]:

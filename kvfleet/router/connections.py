@@ -9,6 +9,11 @@ limit refuses every tenant). Here every request must have sent its whole header 
 the connection is closed otherwise. Bodies are bounded elsewhere (the router reads at most
 MAX_BODY_BYTES, and only for a tenant whose quota has room).
 
+A connection whose client takes no data for `send_seconds` while the router has some to
+send (its socket buffers full, the transport paused) is aborted: closing it would wait for
+the buffer to flush, which a client that keeps its window at zero never lets happen, and its
+descriptor would be held for ever.
+
 A connection past `max_connections` in all, or past `max_per_client` from one address, is
 closed as it opens (before any byte is read): one client opening sockets by the thousand
 takes the router to its fd limit, refusing every tenant. The router's own limits are per
@@ -29,6 +34,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 log = logging.getLogger(__name__)
 
 HEADER_SECONDS = 10.0
+SEND_SECONDS = 60.0
 MAX_CONNECTIONS = 8192
 MAX_PER_CLIENT = 512
 
@@ -61,10 +67,12 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     class with its own numbers and count."""
 
     header_seconds = HEADER_SECONDS
+    send_seconds = SEND_SECONDS
     max_connections = MAX_CONNECTIONS
     max_per_client = MAX_PER_CLIENT
     open: ClassVar[OpenConnections] = OpenConnections()
     _deadline: asyncio.TimerHandle | None = None
+    _stalled: asyncio.TimerHandle | None = None
     _counted: str | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -86,8 +94,28 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
         self._disarm()
         super().on_headers_complete()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.send_seconds, self._stuck)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _stuck(self) -> None:
+        self._stalled = None
+        log.debug("aborted a connection from %s: it took no data for %.0f s", self.client,
+                  self.send_seconds)
+        self.transport.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
         if self._counted is not None:
             self.open.release(self._counted)
             self._counted = None
@@ -110,8 +138,10 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
 
 def bounded(header_seconds: float = HEADER_SECONDS, max_connections: int = MAX_CONNECTIONS,
-            max_per_client: int = MAX_PER_CLIENT) -> type[HeaderDeadlineProtocol]:
+            max_per_client: int = MAX_PER_CLIENT, send_seconds: float = SEND_SECONDS
+            ) -> type[HeaderDeadlineProtocol]:
     """A protocol class with these bounds and a count of its own."""
     return type("BoundedProtocol", (HeaderDeadlineProtocol,), {
         "header_seconds": header_seconds, "max_connections": max_connections,
-        "max_per_client": max_per_client, "open": OpenConnections()})
+        "max_per_client": max_per_client, "send_seconds": send_seconds,
+        "open": OpenConnections()})

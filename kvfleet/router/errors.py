@@ -7,6 +7,7 @@
     ├── TenantRefused       403: the tenant's TenantQuota cannot be read: refused, not unlimited
     ├── UnknownPool         404: `model` names no ServingPool the key may use
     ├── BadRequest          400: a body the router cannot read
+    ├── BodyTimeout         408: a body that did not arrive within 30 s of its headers
     ├── BodyTooLarge        413: a body over the router's limit (refused while reading it)
     ├── QuotaExceeded       429: over one of the TenantQuota's limits (with Retry-After)
     ├── IntakeFull          429: too many request bodies in flight, for the tenant or the
@@ -76,6 +77,14 @@ class UnknownPool(RouterError):
 class BadRequest(RouterError):
     status = 400
     code = "invalid_request"
+    kind = "invalid_request_error"
+
+
+class BodyTimeout(RouterError):
+    """The body did not arrive in time (a client holding its tenant's intake budget)."""
+
+    status = 408
+    code = "body_timeout"
     kind = "invalid_request_error"
 
 

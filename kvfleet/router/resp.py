@@ -13,7 +13,8 @@ resolves the futures in order. A caller that gives up (cancelled) leaves its fut
 queue: its reply still arrives, in its turn, and is dropped.
 
 Failure rules (the ledger's fall-back decides on them, see `fleet_ledger`):
-  - connecting takes at most `connect_timeout`; a reply at most `timeout`. A call that runs
+  - connecting takes at most `connect_timeout` (and callers that queued behind a connect that
+    failed fail with it at once); a reply at most `timeout`. A call that runs
     out of time raises TimeoutError and drops the connection (a hung Redis must not hold
     every admission behind it); every call still waiting then raises ConnectionError.
   - a lost connection raises ConnectionError in every waiting call; the next call connects
@@ -112,6 +113,7 @@ class Redis:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Lock | None = None
+        self._failed: tuple[float, BaseException] | None = None  # the last connect's failure
 
     @classmethod
     def from_url(cls, url: str, *, timeout: float = 0.5,
@@ -175,9 +177,20 @@ class Redis:
             if self._protocol is not None and not self._protocol.closed:
                 return self._protocol
             loop = asyncio.get_running_loop()
-            _, protocol = await asyncio.wait_for(
-                loop.create_connection(_Protocol, self.host, self.port, ssl=self._ssl),
-                self.connect_timeout)
+            # Callers that queued behind a connect that failed fail with it, each not trying
+            # again in turn (a blackholed Redis made the k-th wait k connect timeouts).
+            if self._failed is not None and loop.time() - self._failed[0] < \
+                    self.connect_timeout:
+                raise ConnectionError(f"Redis at {self.host}:{self.port}: "
+                                      f"{type(self._failed[1]).__name__}") from None
+            try:
+                _, protocol = await asyncio.wait_for(
+                    loop.create_connection(_Protocol, self.host, self.port, ssl=self._ssl),
+                    self.connect_timeout)
+            except (OSError, TimeoutError) as exc:
+                self._failed = (loop.time(), exc)
+                raise
+            self._failed = None
             try:
                 if self._password is not None:
                     await self._send(protocol, ("AUTH", self._password) if self._username is None

@@ -35,6 +35,7 @@ from kvfleet.api.tenantquota import PriorityClass, TenantQuotaSpec
 from kvfleet.router import access
 from kvfleet.router.errors import (
     BadRequest,
+    BodyTimeout,
     BodyTooLarge,
     NoEndpoint,
     QuotaExceeded,
@@ -86,7 +87,8 @@ PRIORITY = {PriorityClass.CRITICAL: -2, PriorityClass.HIGH: -1, PriorityClass.ST
 # Engines' default for a chat request without max_tokens, reserved at admission.
 DEFAULT_MAX_TOKENS = {"/v1/chat/completions": 1024, "/v1/completions": 16}
 MAX_BODY_BYTES = 4 * 1024 * 1024
-MAX_OBJECTS = 100_000  # `{` in a body (messages, content parts, tool calls)
+MAX_OBJECTS = 100_000  # `{` and `[` in a body (messages, content parts, tool calls)
+BODY_SECONDS = 30.0  # a body's whole arrival, from its headers
 # The engine gauges the replica choice reads from each engine's /metrics.
 LOAD_GAUGES = ("kvfleet_engine_requests_waiting", "kvfleet_engine_requests_running",
                "kvfleet_engine_kv_cache_usage_ratio")
@@ -325,22 +327,28 @@ async def _read_body(request: Request) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        # (A body announced and never sent held its tenant's intake budget for ever, and
+        # four keys' worth of them refused every tenant.)
+        async with asyncio.timeout(BODY_SECONDS):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout(f"the body did not arrive within {BODY_SECONDS:.0f} s") from None
     return b"".join(chunks)
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object; BadRequest for anything else, and before parsing for a body
     whose structure would take far more memory than its bytes."""
-    if raw.count(b"{") > MAX_OBJECTS:
-        # (4 MiB of `{},` parse into 1.4 million dicts, 90 MB: ten such bodies took the
-        # router to 1 GB. Braces inside strings count too: the bound is far above what any
-        # conversation holds, code included.)
-        raise BadRequest(f"the body holds more than {MAX_OBJECTS} JSON objects")
+    if raw.count(b"{") + raw.count(b"[") > MAX_OBJECTS:
+        # (4 MiB of `{},` parse into 1.4 million dicts, 90 MB, and of `[],` as much: ten such
+        # bodies took the router to 1 GB. Brackets inside strings count too: the bound is far
+        # above what any conversation holds, code included.)
+        raise BadRequest(f"the body holds more than {MAX_OBJECTS} JSON objects and arrays")
     try:
         body = json.loads(raw)  # (4 MiB in 2 ms: the tokenizing is what takes time)
     except ValueError:

@@ -78,7 +78,7 @@ def _ids(prompt: list[Any]) -> int | None:
     is texts."""
     if all(type(p) is int for p in prompt):
         return len(prompt)
-    if all(isinstance(p, list) and all(type(i) is int for i in p) for p in prompt):
+    if all(isinstance(p, list) and p and all(type(i) is int for i in p) for p in prompt):
         return sum(len(p) for p in prompt)
     return None
 
@@ -106,7 +106,7 @@ def _texts_of(body: dict[str, Any]) -> Prompt:
             return Prompt([], ids=ids, head=" ".join(map(str, first[:HEAD_IDS])))
         if not all(isinstance(p, str) for p in prompt):
             raise BadRequest("prompt: a text, a list of texts, a list of token ids, or a list "
-                             "of lists of token ids", "prompt")
+                             "of non-empty lists of token ids", "prompt")
         return Prompt(list(prompt))
     return Prompt([str(prompt or "")])
 

@@ -601,6 +601,13 @@ def test_a_canary_that_crashes_after_minutes_is_rolled_back_not_promoted() -> No
     paused = lenient.decide_with(canary_restarts=3, canary_restarted="pod x Error (exit 1)")
     assert (paused.status.phase, paused.status.pause_reason) == (Phase.PAUSED,
                                                                 "CanaryRestarted")
+    # A person resumes: the restarts before it are behind them (they were not, and the
+    # rollout paused again in the same decision); three more stop it again.
+    lenient.request = RolloutRequest(action=RequestAction.RESUME, id="r1")
+    assert lenient.decide_with(canary_restarts=3).status.phase == Phase.PROGRESSING
+    lenient.request = None
+    assert lenient.decide_with(canary_restarts=5).status.phase == Phase.PROGRESSING
+    assert lenient.decide_with(canary_restarts=6).status.phase == Phase.PAUSED
 
 
 def test_removing_the_pools_slos_mid_step_says_so_without_failing_the_reconcile() -> None:
@@ -1006,6 +1013,9 @@ def test_answers_are_judged_per_probe_as_well_as_per_token() -> None:
                   shadow=False, agreement=OutputAgreement())
     assert [p.name for p in named if "agreement" in p.name or p.name == "p"] == [
         "p", "output-agreement"]
+    own = plans([Metric(name="t", slo=SLOMetric.OUTPUT_AGREEMENT, threshold=0.6)], SLO,
+                shadow=False, agreement=OutputAgreement())
+    assert [p.name for p in own if "agreement" in p.name or p.name == "t"] == ["t"]
     assert not [p for p in plans([], SLO, shadow=False,
                                  agreement=OutputAgreement(enabled=False)) if "agreement" in
                 p.name]

@@ -61,14 +61,15 @@ def test_a_tenant_reaches_its_own_namespaces_pools_and_learns_nothing_of_others(
 
 
 def test_another_namespaces_pool_takes_both_the_tenants_and_the_pools_word() -> None:
-    # Listed by the tenant, not shared by the pool: a 403 naming the missing side.
+    # Listed by the tenant, not shared by the pool: no pool (a 403 would tell a TenantQuota's
+    # editor which names exist in another namespace).
     listed = _fleet(allowed=["smol", "research/solo"])
-    with pytest.raises(PoolNotAllowed, match="does not share with namespace 'llm'"):
+    with pytest.raises(UnknownPool):
         _where(listed, "team-a", "research/solo")
     assert visible(listed, "team-a", _spec(listed, "team-a")) == ["smol"]
-    # Shared by the pool, not listed by the tenant: nothing to see.
-    shared = _fleet(shared_with="llm, ops")
-    with pytest.raises(UnknownPool):
+    # Shared by the pool, not listed by a tenant that lists others: a 403.
+    shared = _fleet(allowed=["smol"], shared_with="llm, ops")
+    with pytest.raises(PoolNotAllowed, match="allowedPools does not list it"):
         _where(shared, "team-a", "research/solo")
     # Both: by its qualified name, or its bare name when no pool of the tenant's has it.
     both = _fleet(allowed=["smol", "research/solo"], shared_with="*")

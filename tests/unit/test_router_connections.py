@@ -132,8 +132,8 @@ async def test_a_streaming_client_that_stops_reading_is_dropped() -> None:
     async def relay(_: object) -> _RelayResponse:
         return _RelayResponse(endless(), lambda: closed.append(time.monotonic()), {}, 0.5)
 
-    server, task, port = await _serving(Starlette(routes=[Route("/", relay)]),
-                                        bounded())
+    protocol = bounded(send_seconds=0.5)
+    server, task, port = await _serving(Starlette(routes=[Route("/", relay)]), protocol)
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -143,6 +143,12 @@ async def test_a_streaming_client_that_stops_reading_is_dropped() -> None:
                 break
             await asyncio.sleep(0.05)
         assert closed and closed[0] - started < 8, closed
+        # ... and its connection aborted, not left to flush a buffer it never takes.
+        for _ in range(100):
+            if protocol.open.total == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert protocol.open.total == 0, protocol.open
         writer.close()
     finally:
         server.should_exit = True

@@ -669,10 +669,16 @@ async def test_a_spent_key_is_refused_before_its_body_is_read(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(("raw", "says"), [
-    (b'{"model": "smol", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deeply"),
+    (b'{"model": "smol", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "deeply"),
     (b'{"model": "smol", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
      "messages: the text holds a lone surrogate"),
     (b'{"model": "smol", "prompt": "\\udfff"}', "prompt: the text holds a lone surrogate"),
+    # Structure that parses into far more memory than its bytes: refused before parsing.
+    (b'{"model": "smol", "messages": [' + b",".join([b"{}"] * 100_001) + b"]}",
+     "more than 100000 JSON objects and arrays"),
+    (b'{"model": "smol", "prompt": [' + b",".join([b"[]"] * 100_001) + b"]}",
+     "more than 100000 JSON objects and arrays"),
+    (b'{"model": "smol", "prompt": [[], []]}', "non-empty lists of token ids"),
 ])
 async def test_bodies_that_broke_the_parser_or_the_tokenizer_are_the_clients_400(
     upstream: tuple[str, list[dict[str, Any]]], raw: bytes, says: str,
@@ -818,5 +824,30 @@ async def test_a_client_is_told_no_replica_answered_but_not_where_the_replicas_a
         resp = await post(router, "fine")
         assert resp.status_code == 503 and "no replica answered" in resp.text
         assert "127.0.0.1" not in resp.text, resp.text
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+async def test_a_body_that_never_arrives_is_a_408_and_gives_its_budget_back(
+    upstream: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Announced and never sent, it held its tenant's intake budget for ever: four keys'
+    worth of them refused every tenant."""
+    from kvfleet.router import server
+
+    monkeypatch.setattr(server, "BODY_SECONDS", 0.3)
+    address, seen = upstream
+    router = make_router(address)
+
+    async def trickle() -> AsyncIterator[bytes]:
+        yield b'{"model": "smol", '
+        await asyncio.sleep(5)
+        yield b"}"
+
+    try:
+        resp = await post_raw(router, trickle())
+        assert resp.status_code == 408 and resp.json()["error"]["code"] == "body_timeout"
+        assert router.intake.held == {} and router.intake.held_total == 0 and not seen
     finally:
         await router.close()
