@@ -82,8 +82,11 @@ class Routers:
                  tmp: Path) -> None:
         self.config = tmp / "router.yaml"
         self.config.write_text(yaml.safe_dump(_config(engine, token_file)))
+        # (A reply deadline for a loaded 2-core host: these tests are about the leases and
+        # the shares, and a reply later than the default 0.1 s opened the breaker, so that a
+        # request was admitted on a router's share and held no slot in Redis.)
         self.args = ["--config", str(self.config), "--replicas", "2", "--redis", redis.url,
-                     "--redis-prefix", uuid.uuid4().hex]
+                     "--redis-prefix", uuid.uuid4().hex, "--redis-timeout", "1"]
         self.urls: list[str] = []
         self.processes: list[Any] = []
 
@@ -175,6 +178,7 @@ def test_max_concurrent_one_is_never_two_across_two_routers_nor_after_one_dies(
     # Router 0 dies (SIGKILL) while its request streams: its slot is a lease nobody renews, so
     # router 1 keeps refusing until it runs out, then serves. The kill waits for the first
     # token (a fixed sleep let a fast host finish the whole answer first, freeing the slot).
+    assert all(metric(url, "kvfleet_router_shared_ledger_up") == 1 for url in routers.urls)
     body = {"model": "smol", "messages": [{"role": "user", "content": "Count to fifty."}],
             "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
     with contextlib.suppress(httpx.HTTPError), httpx.stream(  # (its router dies under it)
