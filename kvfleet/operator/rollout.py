@@ -327,8 +327,9 @@ class _Run:
             # (and a bake from then: the canary served no live traffic meanwhile).
             s.current_weight, s.shadow_percent, s.live_since = 0, 0, None
             s.step_started_at, s.counts = None, StepCounts()
-            self.pause(reason, f"{message}; live traffic back on stable, canary pods kept: "
-                       "resume to try the step again, or abort")
+            self.pause(reason, f"{message}; live traffic back on stable, canary pods kept "
+                       "(on an autoscaled pool, those its rolloutSurge leaves room for): resume "
+                       "to try the step again, or abort")
 
     def adopt_policy(self) -> None:
         """The policy was edited: a running rollout goes on from its current step under it (a
