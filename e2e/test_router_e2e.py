@@ -255,10 +255,15 @@ def test_a_key_minted_in_another_namespace_cannot_spend_a_tenants_budget(
                     "name": "secret-maker"},
         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
                       "name": "mallory"}]})
-    _key_secret(kube, namespace, "team-a-key", "team-a", KEY)
+    # A tenant and key of this test's own: a router watching every namespace also sees other
+    # tests' team-a (the same name, the same key) in namespaces still being deleted, whose
+    # older TenantQuota makes that namespace team-a's.
+    tenant = f"team-a-{namespace.rsplit('-', 1)[-1]}"
+    key = f"sk-{tenant}-0123456789abcdef"
+    _key_secret(kube, namespace, "team-a-key", tenant, key)
     kube.request("POST", f"/apis/kvfleet.io/v1alpha1/namespaces/{namespace}/tenantquotas", {
         "apiVersion": "kvfleet.io/v1alpha1", "kind": "TenantQuota",
-        "metadata": {"name": "team-a"}, "spec": {"tenant": "team-a"}})
+        "metadata": {"name": "team-a"}, "spec": {"tenant": tenant}})
     forged, own = "sk-mallory-as-team-a-0123456789", "sk-mallory-own-0123456789abc"
 
     def mint(target: str, tenant: str, key: str) -> subprocess.CompletedProcess[str]:
@@ -269,24 +274,24 @@ def test_a_key_minted_in_another_namespace_cannot_spend_a_tenants_budget(
             "data": {"key": base64.b64encode(key.encode()).decode()}})
         return kubectl("create", "--as", "mallory", "-f", "-", input=manifest, check=False)
 
-    denied = mint(namespace, "team-a", forged)  # not in team-a's namespace: no rights
+    denied = mint(namespace, tenant, forged)  # not in team-a's namespace: no rights
     assert denied.returncode != 0 and "forbidden" in denied.stderr.lower(), denied.stderr
-    assert mint(other, "team-a", forged).returncode == 0
+    assert mint(other, tenant, forged).returncode == 0
     assert mint(other, "mallory", own).returncode == 0
     router = RouterProcess(cluster.kubeconfig, None, tmp_path / "router.log")
     try:
         router.wait_ready()
         time.sleep(0.5)  # a first scrape of the engine's load
         pool = f"{namespace}/{router_pool}"
-        assert chat(router.url, KEY, pool).status_code == 200
+        assert chat(router.url, key, pool).status_code == 200
         forged_answer = chat(router.url, forged, pool)
         assert forged_answer.status_code == 401, forged_answer.text
         refused = chat(router.url, own, pool)
         assert refused.status_code == 403, refused.text
         assert refused.json()["error"]["code"] == "no_tenant_quota"
-        assert chat(router.url, KEY, pool).status_code == 200
+        assert chat(router.url, key, pool).status_code == 200
         log = router.log.read_text()
-        assert f"Secret {other}/key-team-a: ignored" in log and forged not in log
+        assert f"Secret {other}/key-{tenant}: ignored" in log and forged not in log
         served = httpx.get(router.url + "/metrics", timeout=10).text
         admitted = sum(float(line.rsplit(" ", 1)[1]) for line in served.splitlines()
                        if line.startswith("kvfleet_router_requests_total{")
