@@ -182,7 +182,6 @@ class RouterMetrics:
                                       "Token where the first diverging probe's answers part",
                                       (*probe, "probe"), registry=r)
         self._known_pools: set[tuple[str, str]] = set()
-        self._declared: set[tuple[str, str, str, str]] = set()
         self.held = Gauge(PREFIX + "held_requests", "Requests held while their pool wakes "
                           "from zero replicas", ("namespace", "pool"), registry=r)
         self.last_request = Gauge(
@@ -211,17 +210,8 @@ class RouterMetrics:
 
     def declare(self, series: Iterable[tuple[str, str, str, str]]) -> None:
         """Create every outcome's request counter at 0 for these (namespace, pool, revision,
-        traffic), and remove those of the series declared before and not now: a counter that
-        first appears at 1 has no earlier sample, so increase() over a window would miss a
-        revision's first error of a kind."""
-        series = set(series)
-        # A revision no table sends to any more takes its 48 request series with it (one per
-        # outcome and prompt class): kept, they grew with every rollout the router saw.
-        for gone in self._declared - series:
-            for outcome in Outcome:
-                for prompt in PROMPT_CLASSES:
-                    self.requests.remove(*gone, prompt, outcome.value)
-        self._declared = series
+        traffic): a counter that first appears at 1 has no earlier sample, so increase() over
+        a window would miss a revision's first error of a kind."""
         for labels in series:
             for outcome in Outcome:
                 for prompt in PROMPT_CLASSES:

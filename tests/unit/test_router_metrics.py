@@ -86,19 +86,3 @@ def test_series_are_split_by_prompt_class_and_keep_their_buckets() -> None:
     metrics.slos = {LIVE[:2]: (8.0, None)}
     metrics.observe_ttft(LIVE, 10, 1.0)
     assert metrics.ttft.edges((*LIVE, "256")) == slo_edges(LATENCY_BUCKETS, 4.0)
-
-
-def test_a_revision_no_table_sends_to_loses_its_request_series() -> None:
-    """48 series a revision (an outcome per prompt class): kept, they grew with every rollout."""
-    metrics = RouterMetrics()
-    old, new = ("llm", "smol", "aaaaaaaaaaaa", "live"), ("llm", "smol", "bbbbbbbbbbbb", "live")
-
-    def series(revision: str) -> int:
-        return sum(1 for f in metrics.registry.collect() for s in f.samples
-                   if s.name == "kvfleet_router_requests_total"
-                   and s.labels["revision"] == revision)
-
-    metrics.declare([old, new])
-    assert series(old[2]) == series(new[2]) == 48
-    metrics.declare([new])  # promoted: the old revision left the table
-    assert series(old[2]) == 0 and series(new[2]) == 48
