@@ -141,7 +141,7 @@ def shared_cores() -> Iterator[None]:
 
 
 def _setup(kube: KubeClient, namespace: str, auto_promote: bool = True, shadow: bool = False,
-           max_wait_seconds: int = 120) -> dict[str, str]:
+           max_wait_seconds: int = 120, keep_previous_seconds: int = 0) -> dict[str, str]:
     """Three revisions of SmolLM2, the pool on the first, its Rollout policy, a tenant key."""
     revisions = [smollm2_revision(f"smol-v{i}", 40 + i, namespace) for i in (1, 2, 3)]
     for artifact in revisions:
@@ -150,7 +150,8 @@ def _setup(kube: KubeClient, namespace: str, auto_promote: bool = True, shadow: 
     pool = local_pool(POOL, "smol-v1", namespace)
     kube.create(pool)
     kube.create(rollout_policy(POOL, namespace, auto_promote=auto_promote, shadow=shadow,
-                               max_wait_seconds=max_wait_seconds))
+                               max_wait_seconds=max_wait_seconds,
+                               keep_previous_seconds=keep_previous_seconds))
     return {a["metadata"]["name"]: revision_for(pool, a) for a in revisions}
 
 
@@ -333,7 +334,7 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
 
     with _only_the_local_l4_node(kube, kubectl):
         # Each passed step waits for a person's promote: nothing moves unless asked.
-        hashes = _setup(kube, namespace, auto_promote=False)
+        hashes = _setup(kube, namespace, auto_promote=False, keep_previous_seconds=600)
         _wait_pool(kube, operator, namespace, POOL, _available, "the first revision Ready", 300)
         url = router_on_node(kube, namespace, local_node)
         hog = _gpu_hog(kube, namespace, local_node)
@@ -413,12 +414,43 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
             started = _posted(kube, namespace, "RolloutStarted", 2)
             assert len(started) == 2, started
             plugin("promote", "--full")
-            _wait_rollout(kube, operator, namespace, _phase("Promoted"), "promoted", 180)
+            promoted = _wait_rollout(kube, operator, namespace, _phase("Promoted"), "promoted",
+                                     180)
             assert "Phase:     Promoted" in plugin("status")
+            # The old revision is kept (its one replica, no traffic): an undo is a scale-up of
+            # pods that never stopped, not a cold start.
+            assert promoted["status"]["previousRevision"] == hashes["smol-v1"]
             _wait_pool(kube, operator, namespace, POOL,
                        lambda p: p["status"].get("servingRevision") == hashes["smol-v2"]
-                       and not _pods(kube, namespace, hashes["smol-v1"]),
-                       "the old revision retired", 120)
+                       and not _traffic(p), "the promoted revision serving", 60)
+            assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
+            assert argo_health.settings.actions(promoted)["undo"] is False  # offered
+            with traffic.lock:
+                before = traffic.revisions[hashes["smol-v1"][:12]]
+            undone_at = time.monotonic()
+            for _ in range(2):
+                plugin("undo")
+            _wait_pool(kube, operator, namespace, POOL,
+                       lambda p: p["status"].get("servingRevision") == hashes["smol-v1"],
+                       "servingRevision back on the kept revision", 30)
+            while True:  # its answers come back at once: the router follows the pool
+                with traffic.lock:
+                    if traffic.revisions[hashes["smol-v1"][:12]] > before:
+                        break
+                assert time.monotonic() - undone_at < 30, "no answer from the kept revision"
+                time.sleep(0.2)
+            print(f"undo: first answer from the kept revision "
+                  f"{time.monotonic() - undone_at:.1f}s after the request")
+            assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods  # the same pods
+            back = _wait_rollout(kube, operator, namespace, _phase("RolledBack"),
+                                 "the promoted revision rolled back", 60)
+            assert "undone on request after promotion" in back["status"]["message"]
+            assert len(_posted(kube, namespace, "RollingBack", 1)) == 1
+            pool = _wait_pool(kube, operator, namespace, POOL,
+                              lambda p: not _pods(kube, namespace, hashes["smol-v2"]),
+                              "the promoted revision removed", 60)
+            assert hashes["smol-v2"] in [r["revision"] for r in
+                                         pool["status"].get("refusedRevisions", [])]
         finally:
             traffic.close()
     assert traffic.failures == [], traffic.failures[:5]

@@ -354,6 +354,16 @@ class RolloutSpec(KubeModel):
         "last step, passed, waits out the rest. A revision that crashes, leaks memory or "
         "slows down after some minutes must show it before stable goes; its restarts and "
         "the last step's analysis are watched meanwhile. A person's promote skips it.")
+    keep_previous_seconds: int = Field(
+        default=600, ge=0, le=86400 * 7,
+        description="How long the revision that served before a promotion is kept after it "
+        "(scaled to keepPreviousReplicas, with no traffic), so that `kvfleet rollout undo` "
+        "takes the pool back to it with a scale-up instead of a cold start: a fault that "
+        "shows only after promotion is undone in seconds. 0: it is deleted at promotion.")
+    keep_previous_replicas: int = Field(
+        default=1, ge=1, le=64,
+        description="Replicas the kept previous revision runs, Ready to take all the traffic "
+        "back at an undo while the rest of the pool's count starts.")
 
     @field_validator("steps")
     @classmethod
@@ -376,6 +386,9 @@ class RequestAction(StrEnum):
     RETRY = "retry"  # start an aborted, rolled back or paused rollout again from the start
     PAUSE = "pause"
     RESUME = "resume"
+    # After a promotion, while the previous revision is kept: all traffic back to it, and the
+    # promoted revision rolled back (refused as any rolled-back revision is).
+    UNDO = "undo"
 
 
 class RolloutRequest(BaseModel):
@@ -507,6 +520,13 @@ class RolloutStatus(KubeModel):
         "goes to 100% and is promoted without analysis.")
     drain_started_at: datetime | None = Field(
         default=None, description="When the canary lost its traffic (rollback or abort).")
+    previous_revision: str | None = Field(
+        default=None, pattern=SHA256_PATTERN,
+        description="After a promotion: the revision that served before it, kept until "
+        "previousKeptUntil for an undo.")
+    previous_artifact: str | None = Field(default=None, description="Its ModelArtifact.")
+    previous_kept_until: datetime | None = Field(
+        default=None, description="When the kept previous revision is released (deleted).")
     finished_at: datetime | None = Field(default=None, description="When it ended.")
     counts: StepCounts = Field(
         default_factory=StepCounts, description="Evaluations of the current step attempt.")

@@ -1,4 +1,4 @@
-"""`kvfleet rollout status|promote|abort|retry|pause|resume POOL`: see and steer a pool's
+"""`kvfleet rollout status|promote|abort|retry|pause|resume|undo POOL`: see and steer a pool's
 rollout. Also a kubectl plugin: `kubectl kvfleet rollout status POOL` (the package installs
 `kubectl-kvfleet`).
 
@@ -7,7 +7,9 @@ Requests are written into the pool's Rollout as the `kvfleet.io/rollout-request`
 keeps owning the spec, and the operator acts on each id once, so a repeated command or a
 second click never skips two steps. With no Rollout, `retry` writes the pool's
 `kvfleet.io/retry-revision` annotation instead: the revision its artifactRef names, refused
-since a Rollout rolled it back, may roll out again.
+since a Rollout rolled it back, may roll out again. `undo`, after a promotion and while the
+revision that served before it is kept (`spec.keepPreviousSeconds`), sends all traffic back to
+that revision and rolls the promoted one back.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 from kvfleet.api.rollout import REQUEST_ANNOTATION, RequestAction, RolloutRequest
 from kvfleet.api.servingpool import RETRY_ANNOTATION
 
-ACTIONS = ("status", "promote", "abort", "retry", "pause", "resume")
+ACTIONS = ("status", "promote", "abort", "retry", "pause", "resume", "undo")
 
 
 def register(subparsers: Any) -> None:
@@ -100,6 +102,11 @@ async def _act(api: Any, args: argparse.Namespace, namespace: str) -> int:
         print(f"kvfleet rollout: Rollout {name} has no step to promote (phase "
               f"{status.get('phase', 'Idle')})", file=sys.stderr)
         return 1
+    if action == RequestAction.UNDO and not status.get("previousRevision"):
+        print(f"kvfleet rollout: Rollout {name} keeps no previous revision to undo to (phase "
+              f"{status.get('phase', 'Idle')}; one is kept for spec.keepPreviousSeconds after "
+              "a promotion)", file=sys.stderr)
+        return 1
     request = RolloutRequest(action=action, id=uuid.uuid4().hex[:12], step=step)
     await api.patch("Rollout", namespace, name,
                     {"metadata": {"annotations": {REQUEST_ANNOTATION: request.to_annotation()}}})
@@ -150,6 +157,9 @@ def describe(name: str, spec: dict[str, Any], status: dict[str, Any]) -> str:
         f"Stable:    {(status.get('stableRevision') or '-')[:12]}",
         f"Canary:    {(status.get('canaryRevision') or '-')[:12]} "
         f"({status.get('canaryArtifact', '-')})",
+        *([f"Previous:  {status['previousRevision'][:12]} kept until "
+           f"{status.get('previousKeptUntil')} (`kvfleet rollout undo` goes back to it)"]
+          if status.get("previousRevision") else []),
         *([f"Changes:   {status['canaryChange']}"] if status.get("canaryChange") else []),
         "Step:      " + ("shadow" if step == -1 else f"{step + 1}/{len(steps)}"
                          if isinstance(step, int) else "-")

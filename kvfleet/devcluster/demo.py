@@ -64,7 +64,8 @@ def local_pool(name: str, artifact: str, namespace: str) -> JsonObj:
 
 
 def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
-                   shadow: bool = False, max_wait_seconds: int = 120) -> JsonObj:
+                   shadow: bool = False, max_wait_seconds: int = 120,
+                   keep_previous_seconds: int = 0) -> JsonObj:
     """Steps of 50 and 100 %, judged every 4 s on canary-vs-stable TTFT and TPOT p95 and on
     the error rate. Tuned for a busy 2-core host: both revisions are slow there, a bad one far
     more (measured stable TPOT p95 0.03-0.24 s as the load varied: a slow revision's 1 s per
@@ -100,6 +101,9 @@ def rollout_policy(pool: str, namespace: str, *, auto_promote: bool = True,
             # Promoted once the steps pass: a demo shows the gates in minutes. A fleet's
             # rollouts keep the default bake (300 s of live traffic before stable goes).
             "bakeSeconds": 0,
+            # The old revision goes at promotion here; a fleet keeps it 600 s (the default)
+            # so that `kvfleet rollout undo` is a scale-up, not a cold start.
+            "keepPreviousSeconds": keep_previous_seconds,
             "autoPromote": auto_promote,
         },
     }

@@ -87,6 +87,8 @@ class View:
     # Container restarts of the target's pods, and the latest one's pod and reason.
     canary_restarts: int = 0
     canary_restarted: str = ""
+    stable_artifact: str = ""  # the pool's servingArtifact
+    previous_ready: int = 0  # ready replicas of status.previousRevision's Deployment
 
 
 @dataclass
@@ -98,6 +100,11 @@ class Decision:
     # Replicas the stable revision's Deployment should have; None: the pool's whole count.
     stable_replicas: int | None = None
     promote: bool = False  # the pool's servingRevision becomes status.canaryRevision
+    # An undo after promotion: the pool's servingRevision goes back to this (revision,
+    # artifact), whose Deployment was kept.
+    demote: tuple[str, str] | None = None
+    # The revision that served before the promotion, kept (no traffic) at this many replicas.
+    keep: tuple[str, int] | None = None
     events: list[Event] = field(default_factory=list)
     requeue_seconds: float | None = None
     # The request in the annotation is a retry that this status shows handled (the pool's
@@ -293,6 +300,7 @@ class _Run:
         s.current_weight, s.shadow_percent = 0, 0
         s.step_started_at, s.pause_reason, s.promote_full = None, None, False
         s.canary_waiting_since = None
+        s.previous_revision = s.previous_artifact = s.previous_kept_until = None
         s.counts = StepCounts()
         s.message = f"{self.where()}: starting the canary revision"
         self.event("Normal", "RolloutStarted",
@@ -407,6 +415,9 @@ class _Run:
                 self.resume()
             self.event("Normal", "PromotedStep", f"{where} promoted on request")
             self.advance()
+        elif action == RequestAction.UNDO and s.phase == Phase.PROMOTED and \
+                s.previous_revision is not None:
+            self.undo()
         elif action == RequestAction.PROMOTE_FULL and s.phase in (*RUNNING, Phase.PAUSED):
             s.phase, s.pause_reason, s.promote_full = Phase.PROGRESSING, None, True
             self.enter_step(len(self.spec.steps) - 1)
@@ -415,6 +426,25 @@ class _Run:
         else:
             self.event("Normal", "RequestIgnored",
                        f"{action.value} does not apply to a rollout in phase {s.phase.value}")
+
+    def undo(self) -> None:
+        """All traffic back to the revision kept since the promotion, at once (it has a Ready
+        replica; the pool scales it back to its count), and the promoted revision rolled back
+        as any other: drained, removed, refused until retried."""
+        s, previous = self.status, self.status.previous_revision
+        assert previous is not None and s.canary_revision is not None
+        if self.view.previous_ready < 1:
+            self.event("Normal", "RequestIgnored", f"undo ignored: the previous revision "
+                       f"{short_revision(previous)} has no Ready replica to take the traffic "
+                       "back (see its pods' events)")
+            return
+        promoted = f"{short_revision(s.canary_revision)} ({s.canary_artifact})"
+        s.stable_revision, s.canary_waiting_since = previous, None
+        s.previous_revision = s.previous_kept_until = None
+        self.back_to_stable(Phase.ROLLING_BACK, f"undone on request after promotion: all "
+                            f"traffic back on {short_revision(previous)} "
+                            f"({s.previous_artifact}); {promoted} rolled back", "RollingBack")
+        self.wake_in(self.spec.drain_seconds)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -468,6 +498,10 @@ class _Run:
             return
         s.phase, s.finished_at, s.pause_reason = Phase.PROMOTED, self.now, None
         s.promote_full = False
+        keep = self.spec.keep_previous_seconds
+        s.previous_revision = s.stable_revision if keep else None
+        s.previous_artifact = self.view.stable_artifact or None if keep else None
+        s.previous_kept_until = self.now + timedelta(seconds=keep) if keep else None
         s.stable_revision = s.canary_revision
         s.current_weight, s.shadow_percent = 100, 0
         s.message = f"promoted {s.canary_artifact} ({short_revision(s.canary_revision or '')})"
@@ -643,13 +677,21 @@ def decide(view: View, window: Window | None, results: list[MetricEvaluation] | 
     """The next status and actions. `results`: the metrics of `window` (from `due_window`)."""
     run = _Run(view, now)
     s = run.status
-    nothing_to_do = view.target is None or view.stable is None or view.target == view.stable
-    held = not nothing_to_do and view.held is not None and (
+    if view.request is not None and view.request.action == RequestAction.UNDO:
+        run.handle(view.request)  # (the promoted revision serves: no rollout runs to ask)
+    # An undo the pool has not taken yet: it still serves the revision rolled back.
+    undoing = s.phase in (Phase.ROLLING_BACK, Phase.ROLLED_BACK) and \
+        view.stable is not None and view.stable == s.canary_revision != s.stable_revision
+    nothing_to_do = not undoing and (
+        view.target is None or view.stable is None or view.target == view.stable)
+    held = not nothing_to_do and not undoing and view.held is not None and (
         s.canary_revision != view.target or s.phase not in ACTIVE)
     if nothing_to_do:
         _settle(run)
     elif held:
         _hold(run)
+    elif undoing:
+        pass  # the drain below; the pool moves its servingRevision back first
     else:
         assert view.target is not None
         if s.canary_revision != view.target or s.phase == Phase.IDLE:
@@ -667,12 +709,35 @@ def decide(view: View, window: Window | None, results: list[MetricEvaluation] | 
                         promote=run.promote,
                         retried=request is not None and request.action == RequestAction.RETRY
                         and s.last_request_id == request.id)
+    if undoing and s.stable_revision is not None:
+        decision.demote = (s.stable_revision, s.previous_artifact or "")
     if not nothing_to_do and not held:
         _actions(run, decision)
+    _keep_previous(run, decision)
     s.observed_generation = view.generation
     s.message = _clip(s.message, MESSAGE_MAX)
     s.conditions = [Condition.model_validate(c) for c in _conditions(run, view)]
     return decision
+
+
+def _keep_previous(run: _Run, decision: Decision) -> None:
+    """After a promotion the revision that served before it stays, scaled down and without
+    traffic, for spec.keepPreviousSeconds: an undo is then a scale-up, not a cold start."""
+    s = run.status
+    if s.previous_revision is None:
+        return
+    left = ((s.previous_kept_until or run.now) - run.now).total_seconds()
+    if left > 0 and s.phase == Phase.PROMOTED:
+        decision.keep = (s.previous_revision, run.spec.keep_previous_replicas)
+        run.wake_in(left)
+        decision.requeue_seconds = run.requeue
+        return
+    run.event("Normal", "PreviousReleased",
+              f"revision {short_revision(s.previous_revision)} ({s.previous_artifact}), kept "
+              f"since the promotion for an undo, is released (spec.keepPreviousSeconds "
+              f"{run.spec.keep_previous_seconds})")
+    s.previous_revision = s.previous_artifact = s.previous_kept_until = None
+    decision.events = run.events
 
 
 def _settle(run: _Run) -> None:

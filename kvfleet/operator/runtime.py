@@ -278,7 +278,10 @@ class Runtime:
             canary_problem=diagnosis.message if diagnosis is not None else None,
             surge_limit=None if (scaling := pool.spec.autoscaling) is None else
             scaling.max_replicas + scaling.rollout_surge,
-            canary_restarts=restart_count, canary_restarted=restarted)
+            canary_restarts=restart_count, canary_restarted=restarted,
+            stable_artifact=pool.status.serving_artifact or "" if pool.status else "",
+            previous_ready=ready_replicas(revision_deployment(
+                observed, (rollout.status or RolloutStatus()).previous_revision)))
         now = _now()
         window = due_window(view, now)
         results = None

@@ -200,7 +200,8 @@ REPLACING = "ReplacingReplicas"
 
 
 def _rollover(pool: ServingPool, observed: Observed, revision: str, serving: str | None,
-              new_ready: int, unschedulable: bool, previous: dict[str, Any]) -> _Rollover | None:
+              kept: tuple[str, int] | None, new_ready: int, unschedulable: bool,
+              previous: dict[str, Any]) -> _Rollover | None:
     """Sizes of the new and old revisions for this reconcile, or None (no old revision).
 
     With `reserves.deployment` (S) replicas to spare, the new revision grows S at a time
@@ -208,7 +209,8 @@ def _rollover(pool: ServingPool, observed: Observed, revision: str, serving: str
     if that pod finds no GPU, the old revision gives up `max(1, reserves.failover)` replicas
     (the PodDisruptionBudget's allowance) before each new one comes, so a change never waits
     for a GPU that does not exist. Old replicas only ever go down during a change."""
-    old = [d for d in observed.deployments if _revision_of(d) != revision]
+    old = [d for d in observed.deployments
+           if _revision_of(d) not in (revision, kept[0] if kept else None)]
     if not old:
         return None
     want, spare = pool.spec.replicas, pool.spec.reserves.deployment
@@ -268,6 +270,9 @@ class _Facts:
     rollover: _Rollover | None
     memory: refusals.Memory
     autoscaling: AutoscaleReport | None = None
+    # The revision that served before a promotion, kept without traffic for an undo, and the
+    # replicas it keeps (kvfleet.operator.rollout: keepPreviousSeconds).
+    kept: tuple[str, int] | None = None
 
 
 @dataclass
@@ -313,6 +318,10 @@ def reconcile(
         serving = rollout.status.stable_revision
     if rollout is not None and rollout.promote and rollout.status.canary_revision == revision:
         serving = revision  # promoted: from now on the canary is the revision that serves
+    if rollout is not None and rollout.demote is not None and \
+            revision_deployment(observed, rollout.demote[0]) is not None:
+        serving = rollout.demote[0]  # undone after promotion: the kept revision serves again
+    kept = rollout.keep if rollout is not None else None
     governed = rollout is not None and serving is not None and revision != serving
     memory = refusals.remember(pool, revision=revision, serving=serving, rollout=rollout,
                                rollout_name=rollout_name, now=now)
@@ -326,11 +335,11 @@ def reconcile(
     rollover = None
     if not governed and revision is not None and blocker is None:
         rollover = _rollover(
-            pool, observed, revision, serving,
+            pool, observed, revision, serving, kept,
             ready_replicas(revision_deployment(observed, revision)),
             diagnosis is not None and diagnosis.reason == "Unschedulable", previous)
     facts = _Facts(pool, previous, revision, serving, governed, rollout, blocker, diagnosis,
-                   rollover, memory, autoscaling)
+                   rollover, memory, autoscaling, kept)
     # (artifact is None implies a blocker; the explicit checks narrow the types.)
     children = _Children()
     if blocker is None and artifact is not None and revision is not None and plan is not None:
@@ -420,8 +429,8 @@ def _retire(facts: _Facts, observed: Observed, children: _Children
     refused revision keeps nothing, whoever made its Deployment (a Rollout deleted mid-way)."""
     delete: list[dict[str, Any]] = []
     events: list[Event] = []
-    target, revision = children.target, facts.revision
-    keep = {facts.serving}
+    target, revision, kept = children.target, facts.revision, facts.kept
+    keep = {facts.serving, kept[0] if kept else None}
     if facts.governed:
         assert facts.rollout is not None
         keep.add(revision if facts.rollout.canary_replicas is not None else None)
@@ -442,7 +451,8 @@ def _retire(facts: _Facts, observed: Observed, children: _Children
             not children.apply and \
             int(target.get("spec", {}).get("replicas", 0)) == facts.pool.spec.replicas:
         for old in observed.deployments:
-            if _revision_of(old) != revision and old not in delete:
+            if _revision_of(old) not in (revision, kept[0] if kept else None) and \
+                    old not in delete:
                 delete.append(old)
                 events.append(Event(
                     "Normal", "RevisionRetired",
@@ -462,6 +472,14 @@ def _retire(facts: _Facts, observed: Observed, children: _Children
             events.append(Event("Normal", "ScaledStable", f"Deployment "
                                 f"{stable['metadata']['name']} (stable) to {size} of the pool's "
                                 f"{facts.pool.spec.replicas} replicas during the rollout"))
+    previous = revision_deployment(observed, kept[0]) if kept else None
+    if kept and previous is not None and int(previous.get("spec", {}).get("replicas", 0)) \
+            != kept[1]:
+        scale.append((previous, kept[1]))
+        events.append(Event("Normal", "KeptPrevious", f"Deployment "
+                            f"{previous['metadata']['name']} (the revision that served before "
+                            f"the promotion) to {kept[1]}, without traffic: `kvfleet rollout "
+                            "undo` goes back to it"))
     if facts.rollover is not None and not delete:
         for old, size in facts.rollover.old_replicas:
             if int(old.get("spec", {}).get("replicas", 0)) != size:
@@ -497,10 +515,12 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     elif serving is not None and not facts.governed and \
             not any(_revision_of(d) == serving for d in observed.deployments):
         serving = None  # (governed, a missing stable is recreated: it stays the one serving)
-    num_replicas = sum(int((d.get("status") or {}).get("replicas", 0))
-                       for d in observed.deployments)
-    num_ready = sum(int((d.get("status") or {}).get("readyReplicas", 0))
-                    for d in observed.deployments)
+    # (The kept previous revision serves nothing: an autoscaler reading /scale must not
+    # count it.)
+    counted = [d for d in observed.deployments
+               if facts.kept is None or _revision_of(d) != facts.kept[0]]
+    num_replicas = sum(int((d.get("status") or {}).get("replicas", 0)) for d in counted)
+    num_ready = sum(int((d.get("status") or {}).get("readyReplicas", 0)) for d in counted)
     want = pool.spec.replicas
     # Available: serving at least the minimum the disruption budget allows (whichever
     # revisions serve it); `ready` (the new revision serves the whole pool) moves
@@ -542,7 +562,8 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     if serving is not None:
         status["servingRevision"] = serving
         serving_artifact = pool.spec.artifact_ref.name if serving == revision else \
-            facts.previous.get("servingArtifact")
+            facts.rollout.demote[1] if facts.rollout is not None and facts.rollout.demote \
+            and facts.rollout.demote[0] == serving else facts.previous.get("servingArtifact")
         if serving_artifact:
             status["servingArtifact"] = serving_artifact
     if facts.governed and facts.rollout is not None and facts.rollout.traffic:

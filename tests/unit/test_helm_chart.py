@@ -139,7 +139,7 @@ def test_optional_parts_render_only_when_asked(tmp_path: Path) -> None:
         + ["resource.customizations.actions.kvfleet.io_Rollout"])
     actions = yaml.safe_load(cm["data"]["resource.customizations.actions.kvfleet.io_Rollout"])
     assert sorted(a["name"] for a in actions["definitions"]) == [
-        "abort", "pause", "promote", "promote-full", "resume", "retry"]
+        "abort", "pause", "promote", "promote-full", "resume", "retry", "undo"]
     [board] = [d for d in docs if d["metadata"]["name"] == "kv-grafana-dashboard"]
     assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(board["data"]["kvfleet.json"]) == json.loads(

@@ -90,13 +90,15 @@ class _Sim:
     slos: SLOs | None = field(default_factory=lambda: SLO)
     metrics: Callable[[Window], list[MetricEvaluation]] | None = None  # overrides outcomes
     surge_limit: int | None = None  # autoscaled: maxReplicas + rolloutSurge
+    previous_ready: int = 1  # ready replicas of the revision kept since a promotion
 
     def view(self) -> View:
         return View(spec=self.spec, status=self.status, generation=1, request=self.request,
                     pool_replicas=self.replicas, slos=self.slos, stable=self.stable,
                     target=self.target, target_artifact="qwen3-8b-v2", target_change=self.change,
                     canary_ready=self.ready if self.ready_revision == self.target else 0,
-                    canary_problem=self.no_gpu, surge_limit=self.surge_limit)
+                    canary_problem=self.no_gpu, surge_limit=self.surge_limit,
+                    stable_artifact="qwen3-8b-v1", previous_ready=self.previous_ready)
 
     def tick(self, seconds: float = 0.0) -> Decision:
         self.now += timedelta(seconds=seconds)
@@ -116,6 +118,8 @@ class _Sim:
         self.ready_revision = self.target
         if decision.promote:
             self.stable = self.status.canary_revision or self.stable
+        if decision.demote is not None:
+            self.stable = decision.demote[0]
         self.decisions.append(decision)
         return decision
 
@@ -989,6 +993,57 @@ def test_killed_between_promotion_and_the_pools_update_promotes_once() -> None:
     again = sim.tick(1)
     assert again.promote and again.traffic == [] and sim.stable == CANARY
     assert _events(sim).count("Promoted") == 1
+
+
+def test_a_promotion_keeps_the_previous_revision_and_an_undo_goes_back_to_it() -> None:
+    """Promoted: the revision that served before stays (1 replica, no traffic) for
+    keepPreviousSeconds. An undo then sends all traffic back to it at once, the pool serves it
+    again, and the promoted revision drains and is rolled back as any other."""
+    sim = _Sim(_spec(steps=[{"weight": 100}], keepPreviousSeconds=600, drainSeconds=30),
+               replicas=2)
+    promoted = sim.run(40)
+    assert sim.status.phase == Phase.PROMOTED and sim.stable == CANARY
+    assert promoted.keep == (STABLE, 1) and sim.status.previous_revision == STABLE
+    assert sim.status.previous_artifact == "qwen3-8b-v1"
+    assert promoted.requeue_seconds is not None and promoted.requeue_seconds <= 600
+    # Its pods are gone (evicted): an undo would leave nothing to serve, and is refused.
+    sim.previous_ready = 0
+    ignored = sim.ask(RequestAction.UNDO, "u0")
+    assert ignored.status.phase == Phase.PROMOTED and ignored.demote is None
+    assert "undo ignored: the previous revision" in ignored.events[0].message
+    sim.previous_ready = 1
+    undone = sim.ask(RequestAction.UNDO, "u1")
+    assert undone.demote == (STABLE, "qwen3-8b-v1") and sim.stable == STABLE
+    assert undone.status.phase == Phase.ROLLING_BACK and undone.keep is None
+    assert undone.status.stable_revision == STABLE and undone.status.canary_revision == CANARY
+    assert _table(undone) == {"stable": 100} and undone.traffic[0].revision == STABLE
+    assert undone.canary_replicas is not None  # (its in-flight streams finish)
+    assert "undone on request after promotion" in undone.status.message
+    sim.request = None
+    done = sim.run(40)
+    assert done.status.phase == Phase.ROLLED_BACK and done.canary_replicas is None
+    assert not any(d.promote for d in sim.decisions[-8:]) and sim.stable == STABLE
+    # A repeated undo (or one on a rolled-back rollout) changes nothing.
+    assert sim.ask(RequestAction.UNDO, "u2").status.phase == Phase.ROLLED_BACK
+
+
+def test_the_kept_revision_is_released_after_its_time_or_a_new_rollout() -> None:
+    sim = _Sim(_spec(steps=[{"weight": 100}], keepPreviousSeconds=120), replicas=1)
+    sim.run(40)
+    assert sim.decisions[-1].keep == (STABLE, 1)
+    released = sim.run(120)
+    assert released.keep is None and sim.status.previous_revision is None
+    assert _events(sim).count("PreviousReleased") == 1
+    assert sim.ask(RequestAction.UNDO, "late").events[0].reason == "RequestIgnored"
+    # Not kept at all with keepPreviousSeconds 0; and a new target ends the keep at once.
+    none = _Sim(_spec(steps=[{"weight": 100}], keepPreviousSeconds=0), replicas=1)
+    assert none.run(40).keep is None and none.status.previous_revision is None
+    again = _Sim(_spec(steps=[{"weight": 100}]), replicas=1)
+    again.run(40)
+    assert again.decisions[-1].keep == (STABLE, 1)
+    again.target = OTHER
+    restarted = again.tick(1)
+    assert restarted.keep is None and restarted.status.canary_revision == OTHER
 
 
 def test_answers_are_judged_per_probe_as_well_as_per_token() -> None:

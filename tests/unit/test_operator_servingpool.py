@@ -272,6 +272,46 @@ def test_a_rollout_runs_the_canary_beside_an_untouched_stable() -> None:
     assert done.apply == ()
 
 
+def test_a_promotion_keeps_the_previous_revision_and_an_undo_scales_it_back_up() -> None:
+    """Promoted with a kept previous revision: its Deployment stays at 1 replica, without
+    traffic and outside the pool's counts (an HPA reads them), until the Rollout releases it.
+    An undo moves servingRevision back to it and gives it the pool's count; the promoted
+    revision drains, then goes."""
+    p, old, new = pool(spec__replicas=3), artifact(), _new_artifact()
+    converged = _converged(p, old)
+    p = _with_status(p, _run(p, old, converged))
+    old_name = converged.deployments[0]["metadata"]["name"]
+    canary = next(o for o in _run(p, new, converged, rollout=_decision(
+        old, new, phase=Phase.PROGRESSING, weight=100, canary=3)).apply
+        if o["kind"] == "Deployment")
+    both = replace(converged, deployments=(converged.deployments[0], as_observed(canary)))
+    promoted = _decision(old, new, phase=Phase.PROMOTED, weight=100, canary=None, promote=True)
+    promoted.keep = (revision(old), 1)
+    done = _run(p, new, both, rollout=promoted)
+    assert done.status["servingRevision"] == revision(new) and done.delete == ()
+    assert [(d["metadata"]["name"], size) for d, size in done.scale] == [(old_name, 1)]
+    assert "KeptPrevious" in [e.reason for e in done.events]
+    assert (done.status["replicas"], done.status["readyReplicas"]) == (3, 3)  # not the kept
+    p = _with_status(p, done)
+    # Released (its time is up): deleted as any retired revision.
+    released = _run(p, new, both, rollout=_decision(old, new, phase=Phase.PROMOTED, weight=100,
+                                                     canary=None, promote=True))
+    assert [d["metadata"]["name"] for d in released.delete] == [old_name]
+    # Undone instead: the kept revision serves again, scaled back to the pool's count.
+    undo = _decision(old, new, phase=Phase.ROLLING_BACK, weight=0, canary=3)
+    undo.demote = (revision(old), "qwen3-8b-v1")
+    old_kept = json.loads(json.dumps(converged.deployments[0]))
+    old_kept["spec"]["replicas"] = 1
+    kept = replace(both, deployments=(as_observed(old_kept), both.deployments[1]))
+    back = _run(p, new, kept, rollout=undo)
+    assert back.status["servingRevision"] == revision(old)
+    assert back.status["servingArtifact"] == "qwen3-8b-v1"
+    assert back.status["traffic"] == [t.to_wire() for t in undo.traffic]
+    assert [(d["metadata"]["name"], size) for d, size in back.scale] == [(old_name, 3)]
+    assert back.delete == ()
+    assert [r["revision"] for r in back.status["refusedRevisions"]] == [revision(new)]
+
+
 def test_stable_follows_the_pools_count_mid_rollout_or_its_share_of_an_autoscaled_one(
         ) -> None:
     """A load ramp mid-rollout raised spec.replicas and only the canary followed: stable kept

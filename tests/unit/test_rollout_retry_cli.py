@@ -52,3 +52,25 @@ def test_retry_of_a_pool_that_refuses_nothing_says_so(capsys: Any) -> None:
     assert f"does not refuse revision {REVISION[:12]}" in capsys.readouterr().err
     assert _retry(api, "missing") == 1
     assert "no ServingPool 'missing'" in capsys.readouterr().err
+
+
+class RolloutApi(FakeApi):
+    def __init__(self, status: dict[str, Any]) -> None:
+        super().__init__([])
+        self.rollout = {"metadata": {"name": "chat"}, "spec": {"poolRef": {"name": "chat"}},
+                        "status": status}
+
+    async def list(self, kind: str, namespace: str) -> list[dict[str, Any]]:
+        return [self.rollout]
+
+
+def test_undo_needs_a_kept_previous_revision(capsys: Any) -> None:
+    args = argparse.Namespace(action="undo", pool="chat", full=False, output="text")
+    idle = RolloutApi({"phase": "Promoted"})
+    assert asyncio.run(_act(idle, args, "ns")) == 1 and not idle.patches
+    assert "keeps no previous revision to undo to" in capsys.readouterr().err
+    kept = RolloutApi({"phase": "Promoted", "previousRevision": REVISION})
+    assert asyncio.run(_act(kept, args, "ns")) == 0
+    [(kind, _, body)] = kept.patches
+    assert kind == "Rollout" and '"action": "undo"' in body["metadata"]["annotations"][
+        "kvfleet.io/rollout-request"]

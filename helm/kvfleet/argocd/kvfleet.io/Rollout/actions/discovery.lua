@@ -3,11 +3,13 @@
 local actions = {}
 local phase = "Idle"
 local step = nil
+local kept = false
 if obj.status ~= nil then
   if obj.status.phase ~= nil then
     phase = obj.status.phase
   end
   step = obj.status.currentStep
+  kept = obj.status.previousRevision ~= nil
 end
 local running = phase == "Shadow" or phase == "Progressing"
 local paused = phase == "Paused"
@@ -20,4 +22,7 @@ actions["retry"] = {["disabled"] = not (paused or phase == "Aborted" or phase ==
                                         or phase == "RollingBack")}
 actions["pause"] = {["disabled"] = not running}
 actions["resume"] = {["disabled"] = not paused}
+-- After a promotion, while the revision that served before it is kept (keepPreviousSeconds).
+actions["undo"] = {["disabled"] = not (phase == "Promoted" and kept),
+                   ["displayName"] = "Undo the promotion (back to the kept revision)"}
 return actions
