@@ -89,6 +89,11 @@ class View:
     canary_restarted: str = ""
     stable_artifact: str = ""  # the pool's servingArtifact
     previous_ready: int = 0  # ready replicas of status.previousRevision's Deployment
+    # The revisions that have a Deployment; None: not known (every one is taken to).
+    deployed: frozenset[str] | None = None
+
+    def has_deployment(self, revision: str | None) -> bool:
+        return revision is not None and (self.deployed is None or revision in self.deployed)
 
 
 @dataclass
@@ -300,6 +305,10 @@ class _Run:
         s.current_weight, s.shadow_percent = 0, 0
         s.step_started_at, s.pause_reason, s.promote_full = None, None, False
         s.canary_waiting_since = None
+        if s.previous_revision is not None:
+            self.event("Normal", "PreviousReleased", f"revision "
+                       f"{short_revision(s.previous_revision)}, kept since the last promotion "
+                       "for an undo, is released: a new rollout starts")
         s.previous_revision = s.previous_artifact = s.previous_kept_until = None
         s.counts = StepCounts()
         s.message = f"{self.where()}: starting the canary revision"
@@ -431,15 +440,22 @@ class _Run:
         """All traffic back to the revision kept since the promotion, at once (it has a Ready
         replica; the pool scales it back to its count), and the promoted revision rolled back
         as any other: drained, removed, refused until retried."""
-        s, previous = self.status, self.status.previous_revision
+        s, previous, view = self.status, self.status.previous_revision, self.view
         assert previous is not None and s.canary_revision is not None
-        if self.view.previous_ready < 1:
-            self.event("Normal", "RequestIgnored", f"undo ignored: the previous revision "
-                       f"{short_revision(previous)} has no Ready replica to take the traffic "
-                       "back (see its pods' events)")
+        why = None
+        if view.target != s.canary_revision:
+            # (A revert or a new artifact already moves the pool on; undoing under it would
+            # remove the promoted revision with no drain while it still serves.)
+            why = (f"the artifactRef no longer names the promoted revision (it asks for "
+                   f"{view.target_artifact}): set it back, or let that change roll out")
+        elif view.previous_ready < 1:
+            why = (f"the previous revision {short_revision(previous)} has no Ready replica "
+                   "to take the traffic back (see its pods' events)")
+        if why is not None:
+            self.event("Normal", "RequestIgnored", f"undo ignored: {why}")
             return
         promoted = f"{short_revision(s.canary_revision)} ({s.canary_artifact})"
-        s.stable_revision, s.canary_waiting_since = previous, None
+        s.stable_revision, s.canary_waiting_since, s.finished_at = previous, None, None
         s.previous_revision = s.previous_kept_until = None
         self.back_to_stable(Phase.ROLLING_BACK, f"undone on request after promotion: all "
                             f"traffic back on {short_revision(previous)} "
@@ -682,6 +698,16 @@ def decide(view: View, window: Window | None, results: list[MetricEvaluation] | 
     # An undo the pool has not taken yet: it still serves the revision rolled back.
     undoing = s.phase in (Phase.ROLLING_BACK, Phase.ROLLED_BACK) and \
         view.stable is not None and view.stable == s.canary_revision != s.stable_revision
+    if undoing and not view.has_deployment(s.stable_revision):
+        # The kept revision went (deleted by hand) before the pool moved back to it: the
+        # promoted revision serves on, and the Rollout says so rather than wait for ever.
+        undoing, kept = False, s.stable_revision or ""
+        s.phase, s.stable_revision = Phase.PROMOTED, s.canary_revision
+        s.message = (f"undo abandoned: the Deployment of the kept revision "
+                     f"{short_revision(kept)} ({s.previous_artifact}) is gone; "
+                     f"{short_revision(s.canary_revision or '')} ({s.canary_artifact}) "
+                     "serves on")
+        run.event("Warning", "UndoAbandoned", s.message)
     nothing_to_do = not undoing and (
         view.target is None or view.stable is None or view.target == view.stable)
     held = not nothing_to_do and not undoing and view.held is not None and (
@@ -727,15 +753,17 @@ def _keep_previous(run: _Run, decision: Decision) -> None:
     if s.previous_revision is None:
         return
     left = ((s.previous_kept_until or run.now) - run.now).total_seconds()
-    if left > 0 and s.phase == Phase.PROMOTED:
+    gone = not run.view.has_deployment(s.previous_revision)
+    if left > 0 and s.phase == Phase.PROMOTED and not gone:
         decision.keep = (s.previous_revision, run.spec.keep_previous_replicas)
         run.wake_in(left)
         decision.requeue_seconds = run.requeue
         return
+    why = "its Deployment is gone" if gone else \
+        f"spec.keepPreviousSeconds {run.spec.keep_previous_seconds}"
     run.event("Normal", "PreviousReleased",
               f"revision {short_revision(s.previous_revision)} ({s.previous_artifact}), kept "
-              f"since the promotion for an undo, is released (spec.keepPreviousSeconds "
-              f"{run.spec.keep_previous_seconds})")
+              f"since the promotion for an undo, is released ({why})")
     s.previous_revision = s.previous_artifact = s.previous_kept_until = None
     decision.events = run.events
 

@@ -61,6 +61,7 @@ from kvfleet.operator.servingpool import (
     ready_replicas,
     reconcile,
     revision_deployment,
+    revision_of,
     revision_pods,
     target_problem,
     with_apply_failure,
@@ -281,7 +282,9 @@ class Runtime:
             canary_restarts=restart_count, canary_restarted=restarted,
             stable_artifact=pool.status.serving_artifact or "" if pool.status else "",
             previous_ready=ready_replicas(revision_deployment(
-                observed, (rollout.status or RolloutStatus()).previous_revision)))
+                observed, (rollout.status or RolloutStatus()).previous_revision)),
+            deployed=frozenset(r for d in observed.deployments
+                               if (r := revision_of(d)) is not None))
         now = _now()
         window = due_window(view, now)
         results = None

@@ -71,7 +71,7 @@ class _Blocker:
     message: str
 
 
-def _revision_of(deployment: dict[str, Any]) -> str | None:
+def revision_of(deployment: dict[str, Any]) -> str | None:
     annotations = deployment.get("metadata", {}).get("annotations") or {}
     value = annotations.get(naming.REVISION_ANNOTATION,
                             annotations.get(naming.MANIFEST_HASH_ANNOTATION))
@@ -80,7 +80,7 @@ def _revision_of(deployment: dict[str, Any]) -> str | None:
 
 def revision_deployment(observed: Observed, revision: str | None) -> dict[str, Any] | None:
     return next((d for d in observed.deployments
-                 if revision is not None and _revision_of(d) == revision), None)
+                 if revision is not None and revision_of(d) == revision), None)
 
 
 def revision_pods(observed: Observed, revision: str | None) -> list[dict[str, Any]]:
@@ -210,12 +210,12 @@ def _rollover(pool: ServingPool, observed: Observed, revision: str, serving: str
     (the PodDisruptionBudget's allowance) before each new one comes, so a change never waits
     for a GPU that does not exist. Old replicas only ever go down during a change."""
     old = [d for d in observed.deployments
-           if _revision_of(d) not in (revision, kept[0] if kept else None)]
+           if revision_of(d) not in (revision, kept[0] if kept else None)]
     if not old:
         return None
     want, spare = pool.spec.replicas, pool.spec.reserves.deployment
     budget = max(1, pool.spec.reserves.failover)
-    old.sort(key=lambda d: (_revision_of(d) != serving, str(d["metadata"]["name"])))
+    old.sort(key=lambda d: (revision_of(d) != serving, str(d["metadata"]["name"])))
     old_spec = sum(int(d.get("spec", {}).get("replicas", 0)) for d in old)
     was_replacing = any(c.get("type") == "Progressing" and c.get("reason") == REPLACING
                         for c in previous.get("conditions", []))
@@ -435,7 +435,7 @@ def _retire(facts: _Facts, observed: Observed, children: _Children
         assert facts.rollout is not None
         keep.add(revision if facts.rollout.canary_replicas is not None else None)
     for old in observed.deployments:
-        old_revision = _revision_of(old)
+        old_revision = revision_of(old)
         if old_revision in keep:
             continue
         if facts.memory.of(old_revision) is not None:
@@ -451,13 +451,13 @@ def _retire(facts: _Facts, observed: Observed, children: _Children
             not children.apply and \
             int(target.get("spec", {}).get("replicas", 0)) == facts.pool.spec.replicas:
         for old in observed.deployments:
-            if _revision_of(old) not in (revision, kept[0] if kept else None) and \
+            if revision_of(old) not in (revision, kept[0] if kept else None) and \
                     old not in delete:
                 delete.append(old)
                 events.append(Event(
                     "Normal", "RevisionRetired",
                     f"Deployment {old['metadata']['name']} (revision "
-                    f"{naming.short_revision(_revision_of(old) or '?')}) deleted: "
+                    f"{naming.short_revision(revision_of(old) or '?')}) deleted: "
                     f"revision {naming.short_revision(revision or '')} is ready"))
     scale: list[tuple[dict[str, Any], int]] = []
     stable = revision_deployment(observed, facts.serving) if facts.governed else None
@@ -473,8 +473,9 @@ def _retire(facts: _Facts, observed: Observed, children: _Children
                                 f"{stable['metadata']['name']} (stable) to {size} of the pool's "
                                 f"{facts.pool.spec.replicas} replicas during the rollout"))
     previous = revision_deployment(observed, kept[0]) if kept else None
-    if kept and previous is not None and int(previous.get("spec", {}).get("replicas", 0)) \
-            != kept[1]:
+    current = int(previous.get("spec", {}).get("replicas", 0)) if previous is not None else 0
+    if kept and previous is not None and current > kept[1]:
+        # (Down only: an autoscaled pool's stable may have had fewer at the last step.)
         scale.append((previous, kept[1]))
         events.append(Event("Normal", "KeptPrevious", f"Deployment "
                             f"{previous['metadata']['name']} (the revision that served before "
@@ -501,7 +502,7 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     target_drifted = not facts.governed and any(a["kind"] == "Deployment"
                                                 for a in children.apply)
     serving_deployment = target if target is not None else next(
-        (d for d in observed.deployments if serving is not None and _revision_of(d) == serving),
+        (d for d in observed.deployments if serving is not None and revision_of(d) == serving),
         None)
     ready = (
         serving_deployment is not None
@@ -513,12 +514,12 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
     if ready and target is not None:
         serving = revision
     elif serving is not None and not facts.governed and \
-            not any(_revision_of(d) == serving for d in observed.deployments):
+            not any(revision_of(d) == serving for d in observed.deployments):
         serving = None  # (governed, a missing stable is recreated: it stays the one serving)
     # (The kept previous revision serves nothing: an autoscaler reading /scale must not
     # count it.)
     counted = [d for d in observed.deployments
-               if facts.kept is None or _revision_of(d) != facts.kept[0]]
+               if facts.kept is None or revision_of(d) != facts.kept[0]]
     num_replicas = sum(int((d.get("status") or {}).get("replicas", 0)) for d in counted)
     num_ready = sum(int((d.get("status") or {}).get("readyReplicas", 0)) for d in counted)
     want = pool.spec.replicas

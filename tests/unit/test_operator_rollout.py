@@ -1027,6 +1027,35 @@ def test_a_promotion_keeps_the_previous_revision_and_an_undo_goes_back_to_it() -
     assert sim.ask(RequestAction.UNDO, "u2").status.phase == Phase.ROLLED_BACK
 
 
+def test_an_undo_that_cannot_finish_says_so_and_leaves_the_promoted_revision_serving(
+        ) -> None:
+    """Undo is refused while the artifactRef already asks for another revision (a revert on
+    its way: undoing under it would remove the promoted revision with no drain); and an undo
+    whose kept Deployment is deleted before the pool moved back is abandoned, not stuck."""
+    sim = _Sim(_spec(steps=[{"weight": 100}], keepPreviousSeconds=600), replicas=2)
+    sim.run(40)
+    sim.target = OTHER
+    moved_on = sim.decide_with(request=RolloutRequest(action=RequestAction.UNDO, id="u1"))
+    assert moved_on.demote is None and moved_on.status.phase != Phase.ROLLING_BACK
+    assert "artifactRef no longer names the promoted revision" in " ".join(
+        e.message for e in moved_on.events)
+    stuck = _Sim(_spec(steps=[{"weight": 100}], keepPreviousSeconds=600), replicas=2)
+    stuck.run(40)
+    undo = stuck.decide_with(request=RolloutRequest(action=RequestAction.UNDO, id="u1"))
+    assert undo.status.phase == Phase.ROLLING_BACK and undo.status.finished_at is None
+    # (the pool's write did not land; then the kept Deployment was deleted)
+    gone = stuck.decide_with(request=None, deployed=frozenset({CANARY}))
+    assert gone.status.phase == Phase.PROMOTED and gone.demote is None
+    assert gone.status.stable_revision == CANARY and "undo abandoned" in gone.status.message
+    assert "UndoAbandoned" in [e.reason for e in gone.events]
+    # A kept Deployment deleted by hand is released: nothing offers an undo to nowhere.
+    kept = _Sim(_spec(steps=[{"weight": 100}], keepPreviousSeconds=600), replicas=2)
+    kept.run(40)
+    released = kept.decide_with(deployed=frozenset({CANARY}))
+    assert released.keep is None and released.status.previous_revision is None
+    assert "its Deployment is gone" in released.events[-1].message
+
+
 def test_the_kept_revision_is_released_after_its_time_or_a_new_rollout() -> None:
     sim = _Sim(_spec(steps=[{"weight": 100}], keepPreviousSeconds=120), replicas=1)
     sim.run(40)
