@@ -22,6 +22,8 @@ from datetime import datetime, timedelta
 
 from kvfleet.api.labels import short_revision
 from kvfleet.api.rollout import (
+    ANSWER_FLAGS,
+    AnswerChecks,
     Comparison,
     Metric,
     MetricEvaluation,
@@ -209,12 +211,36 @@ def _class_plans(split: PromptLengthSplit | None, *, shadow: bool) -> list[Metri
     return out
 
 
+# Live answers checked for the signs users would call broken (kvfleet.router.answers).
+_CHECKED = ("sum(increase(kvfleet_router_answers_checked_total" + _SELECTOR + "}" + _RANGE
+            + "))")
+
+
+def _flagged(flag: str) -> str:
+    return ("(sum(increase(kvfleet_router_answer_flags_total" + _SELECTOR + ',flag="' + flag
+            + '"}' + _RANGE + ")) or vector(0))")
+
+
+def _answer_plans(checks: AnswerChecks | None, *, shadow: bool) -> list[MetricPlan]:
+    """Per sign, the share of the canary's checked answers against stable's, by their
+    difference. Live canary steps only: shadow copies are capped by the router, not the
+    client, so their `unfinished` share says nothing about the revision."""
+    if checks is None or not checks.enabled or shadow:
+        return []
+    return [MetricPlan(f"answers-{flag}", f"{_flagged(flag)} / {_CHECKED}", _CHECKED,
+                       checks.min_difference, Comparison.AT_MOST, True, checks.min_samples,
+                       MissingData.INCONCLUSIVE, required=False, difference=True)
+            for flag in ANSWER_FLAGS]
+
+
 def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool,
           agreement: OutputAgreement | None = None,
-          split: PromptLengthSplit | None = None) -> list[MetricPlan]:
+          split: PromptLengthSplit | None = None,
+          checks: AnswerChecks | None = None) -> list[MetricPlan]:
     """The metrics that judge a step (shadow: the shadow phase). Empty `metrics`: the built-in
-    ones for the SLOs the pool declares; `agreement` adds answer agreement with stable and
-    `split` latency per prompt-length class against stable (both on by default). Raises
+    ones for the SLOs the pool declares; `agreement` adds answer agreement with stable,
+    `split` latency per prompt-length class against stable and `checks` the live answers'
+    signs against stable's (all on by default). Raises
     AnalysisConfigError when nothing can judge."""
     metrics = list(metrics)
     if not metrics:
@@ -261,7 +287,7 @@ def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool,
     # Alone, the classes could only ever be NotJudged or judged: they never make a step
     # judgeable by themselves.
     if out:
-        out += _class_plans(split, shadow=shadow)
+        out += _class_plans(split, shadow=shadow) + _answer_plans(checks, shadow=shadow)
     if not out:
         raise AnalysisConfigError(
             "nothing judges this step: the Rollout's spec.analysis.metrics is empty and the "

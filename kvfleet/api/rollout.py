@@ -172,9 +172,11 @@ PROMPT_CLASS_EDGES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 PROMPT_CLASS_OVER = "inf"
 
 
-# An evaluation's metrics: the declared ones, answer agreement (tokens and probes), and three
-# per prompt class.
-MAX_EVALUATED = MAX_METRICS + 2 + 3 * (len(PROMPT_CLASS_EDGES) + 1)
+# The signs the router checks each live answer for (kvfleet.router.answers).
+ANSWER_FLAGS = ("empty", "unfinished", "looping", "garbled")
+# An evaluation's metrics: the declared ones, answer agreement (tokens and probes), three per
+# prompt class, and one per answer sign.
+MAX_EVALUATED = MAX_METRICS + 2 + 3 * (len(PROMPT_CLASS_EDGES) + 1) + len(ANSWER_FLAGS)
 
 
 def prompt_class(prompt_tokens: int) -> str:
@@ -237,6 +239,26 @@ class PromptLengthSplit(KubeModel):
         return out
 
 
+class AnswerChecks(KubeModel):
+    """What clients received, judged canary against stable by its shape, not its words
+    (kvfleet.router.answers): the share of completed live answers that are empty, cut by
+    max_tokens instead of ended by the model, looping, or garbled. A legitimate model upgrade
+    words its answers differently and passes; a revision that cannot stop, loops or garbles
+    bytes fails, with OutputAgreement off. Fluent answers that are wrong pass: that is
+    OutputAgreement's (same weights) or a person's to see."""
+
+    enabled: bool = Field(default=True, description="Judge the live answers' signs.")
+    min_difference: float = Field(
+        default=0.05, gt=0, le=1,
+        description="A sign fails the canary when its share of the canary's answers is over "
+        "stable's by more than this and the samples show it (Wilson bounds, one-sided 95 % "
+        "each).")
+    min_samples: int = Field(
+        default=50, ge=1, le=1_000_000,
+        description="Checked answers each revision needs in the window; with fewer the signs "
+        "are not judged (they never hold a step back).")
+
+
 class Analysis(KubeModel):
     """How steps are judged."""
 
@@ -271,6 +293,11 @@ class Analysis(KubeModel):
         default_factory=PromptLengthSplit,
         description="Latency and errors per prompt-length class, canary against stable, "
         "judged beside the metrics.",
+        json_schema_extra={"default": {}})
+    answer_checks: AnswerChecks = Field(
+        default_factory=AnswerChecks,
+        description="The live answers' signs (empty, unfinished, looping, garbled), canary "
+        "against stable, judged beside the metrics in canary steps.",
         json_schema_extra={"default": {}})
     max_canary_restarts: int = Field(
         default=0, ge=0, le=1000,

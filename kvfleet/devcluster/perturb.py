@@ -1,6 +1,9 @@
-"""A wrong artifact that no latency or error gate can tell apart: the embedded SmolLM2 GGUF
-with one float32 norm tensor scaled. Same shapes, same size, same speed, a different manifest
-hash, and different greedy answers: what answer agreement (`OutputAgreement`) must stop."""
+"""Wrong artifacts that no latency or error gate can tell apart, made from the embedded
+SmolLM2 GGUF. `scale_norm`: one float32 norm tensor scaled; same shapes, same size, same speed,
+a different manifest hash, and different greedy answers: what answer agreement
+(`OutputAgreement`) must stop (scaled a little, it stands for a legitimate new checkpoint
+instead). `set_eos`: the wrong end-of-sequence id; answers that never end: what the live
+answers' signs must stop when OutputAgreement is off for a model upgrade."""
 
 from __future__ import annotations
 
@@ -33,4 +36,27 @@ def scale_norm(source: Path, target: Path, tensor: str = DEFAULT_TENSOR,
     values *= np.float32(scale)
     values.flush()
     del values
+    return target
+
+
+EOS_KEY = b"tokenizer.ggml.eos_token_id"
+_GGUF_UINT32, _GGUF_INT32 = 4, 5
+
+
+def set_eos(source: Path, target: Path, token_id: int) -> Path:
+    """Copy `source` to `target` with another end-of-sequence token id in its metadata: a
+    conversion that names the wrong end token. Its model never stops on its own (every
+    answer runs to max_tokens), at the same speed and with the same first tokens: what the
+    live answers' `unfinished` sign must catch (kvfleet.router.answers)."""
+    data = bytearray(source.read_bytes())
+    at = data.find(len(EOS_KEY).to_bytes(8, "little") + EOS_KEY)
+    if at < 0:
+        raise ValueError(f"{source}: no {EOS_KEY.decode()} in its metadata")
+    at += 8 + len(EOS_KEY)
+    kind = int.from_bytes(data[at:at + 4], "little")
+    if kind not in (_GGUF_UINT32, _GGUF_INT32):
+        raise ValueError(f"{source}: {EOS_KEY.decode()} has GGUF type {kind}, not a 32-bit int")
+    data[at + 4:at + 8] = token_id.to_bytes(4, "little")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(bytes(data))
     return target

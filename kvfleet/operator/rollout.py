@@ -141,7 +141,8 @@ def _analysed(spec: RolloutSpec, step: int) -> bool:
 
 def metric_plans(spec: RolloutSpec, slos: SLOs | None, step: int) -> list[MetricPlan]:
     return plans(spec.analysis.metrics, slos, shadow=step == SHADOW_STEP,
-                 agreement=spec.analysis.output_agreement, split=spec.analysis.by_prompt_length)
+                 agreement=spec.analysis.output_agreement, split=spec.analysis.by_prompt_length,
+                 checks=spec.analysis.answer_checks)
 
 
 def _plannable(view: View, step: int) -> bool:

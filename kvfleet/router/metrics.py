@@ -31,6 +31,11 @@ These are the series the Rollout analysis reads (canary vs stable); every name i
     kvfleet_router_probe_first_divergence{namespace,pool,revision,probe}           gauge
         (the first probe whose answers differed on this router: its tenant-salted prompt id,
         and the token where they part)
+    kvfleet_router_answers_checked_total{namespace,pool,revision,traffic}         counter
+        (completed live answers of a pool in a canary step, both revisions, checked for the
+        signs of kvfleet.router.answers; created at 0 with the request counters)
+    kvfleet_router_answer_flags_total{namespace,pool,revision,traffic,flag}       counter
+        (the checked answers with a sign: empty, unfinished, looping, garbled)
     kvfleet_router_held_requests{namespace,pool}                                   gauge
         (requests waiting for a pool at zero to wake: the autoscaler's demand signal)
     kvfleet_router_last_request_timestamp_seconds{namespace,pool}                  gauge
@@ -62,7 +67,13 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
-from kvfleet.api.rollout import PROMPT_CLASS_EDGES, PROMPT_CLASS_OVER, prompt_class
+from kvfleet.api.rollout import (
+    ANSWER_FLAGS,
+    PROMPT_CLASS_EDGES,
+    PROMPT_CLASS_OVER,
+    prompt_class,
+)
+from kvfleet.router import answers
 from kvfleet.router.outcome import Outcome
 
 PREFIX = "kvfleet_router_"
@@ -181,6 +192,12 @@ class RouterMetrics:
         self.first_divergence = Gauge(PREFIX + "probe_first_divergence",
                                       "Token where the first diverging probe's answers part",
                                       (*probe, "probe"), registry=r)
+        self.answers_checked = Counter(PREFIX + "answers_checked_total",
+                                       "Completed live answers checked for broken signs",
+                                       LABELS, registry=r)
+        self.answer_flags = Counter(PREFIX + "answer_flags_total",
+                                    "Checked answers by sign (kvfleet.router.answers)",
+                                    (*LABELS, "flag"), registry=r)
         self._known_pools: set[tuple[str, str]] = set()
         self.held = Gauge(PREFIX + "held_requests", "Requests held while their pool wakes "
                           "from zero replicas", ("namespace", "pool"), registry=r)
@@ -208,6 +225,12 @@ class RouterMetrics:
         # No SLO of its own: judged against stable, or by a custom threshold on the ladder.
         self.e2e.observe((*labels, prompt_class(prompt_tokens)), seconds, None)
 
+    def check_answer(self, labels: tuple[str, str, str, str], text: str,
+                     finish_reasons: list[str] | tuple[str, ...]) -> None:
+        self.answers_checked.labels(*labels).inc()
+        for flag in answers.flags(text, finish_reasons):
+            self.answer_flags.labels(*labels, flag).inc()
+
     def declare(self, series: Iterable[tuple[str, str, str, str]]) -> None:
         """Create every outcome's request counter at 0 for these (namespace, pool, revision,
         traffic): a counter that first appears at 1 has no earlier sample, so increase() over
@@ -216,6 +239,9 @@ class RouterMetrics:
             for outcome in Outcome:
                 for prompt in PROMPT_CLASSES:
                     self.requests.labels(*labels, prompt, outcome.value)
+            self.answers_checked.labels(*labels)
+            for flag in ANSWER_FLAGS:
+                self.answer_flags.labels(*labels, flag)
             if labels[:2] not in self._known_pools:  # idle from now on, not since 1970
                 self._known_pools.add(labels[:2])
                 self.last_request.labels(*labels[:2]).set_to_current_time()

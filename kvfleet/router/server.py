@@ -147,13 +147,14 @@ def compare(live: str, shadow: str, shadow_capped: bool) -> tuple[str, int | Non
 class _Relay:
     """One live stream: the engine's SSE frames passed on as they arrive, each complete frame
     read for the first text (TTFT), an error, the finish reasons and the usage (and the text
-    collected when a shadow answer will be compared with it). `close` releases what the request
+    collected when a shadow answer will be compared with it, or the answer is `checked` for
+    broken signs: kvfleet.router.answers). `close` releases what the request
     holds (the upstream connection, the replica's in-flight count, the quota reservation) and
     counts its outcome exactly once, whether the stream ended, failed, or never started."""
 
     def __init__(self, router: Router, resp: aiohttp.ClientResponse, endpoint: EndpointLoad,
                  labels: Labels, reservation: Reservation, started: float,
-                 live_text: asyncio.Future[str | None] | None) -> None:
+                 live_text: asyncio.Future[str | None] | None, checked: bool = False) -> None:
         self.router, self.resp, self.endpoint, self.labels = router, resp, endpoint, labels
         self.reservation, self.started, self.live_text = reservation, started, live_text
         self.first_byte = False
@@ -163,7 +164,8 @@ class _Relay:
         self.finish_reasons: list[str] = []
         self.lost = False  # the replica was lost mid-stream
         self.ended = False  # the engine's stream ended (else the client left first)
-        self.pieces: list[str] | None = [] if live_text is not None else None
+        self.pieces: list[str] | None = [] if live_text is not None or checked else None
+        self.checked = checked
         self.closed = False
 
     async def frames(self) -> AsyncIterator[bytes]:
@@ -210,7 +212,10 @@ class _Relay:
                                  ended=self.ended, lost=self.lost, error_code=self.error_code,
                                  finish_reasons=self.finish_reasons)
         completed = outcome is Outcome.COMPLETED and self.pieces is not None
-        _resolve(self.live_text, "".join(self.pieces or []) if completed else None)
+        text = "".join(self.pieces or []) if completed else None
+        _resolve(self.live_text, text)
+        if text is not None and self.checked:
+            self.router.metrics.check_answer(self.labels, text, self.finish_reasons)
         self.resp.release()
         self.endpoint.in_flight -= 1
         now = time.monotonic()
@@ -541,6 +546,9 @@ class Router:
                 sample_key = uuid.uuid4().hex
                 session = session_key(body, request.headers.get(SESSION_HEADER), sample_key)
                 plan = pool.table.route(pool.name, tenant, session, sample_key)
+                # Both revisions' answers are checked while a canary has live traffic: the
+                # AnswerChecks gate compares their shares of broken signs.
+                checked = pool.table.canary is not None
                 stable = pool.table.stable
                 prompt = texts_of(body)
                 text = prompt.text
@@ -582,7 +590,7 @@ class Router:
         try:
             return await self._live(pool, plan.live, path, payload, headers, text, tenant,
                                     reservation, bool(body.get("stream")), live_text,
-                                    fallback=stable, client=request)
+                                    fallback=stable, client=request, checked=checked)
         except BaseException:
             _resolve(live_text, None)  # the shadow task must not wait for a live answer
             raise
@@ -696,14 +704,16 @@ class Router:
     async def _live(self, pool: PoolRoute, revision: str, path: str, payload: bytes,
                     headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
                     stream: bool, live_text: asyncio.Future[str | None] | None = None,
-                    fallback: str | None = None, client: Request | None = None) -> Response:
+                    fallback: str | None = None, client: Request | None = None,
+                    checked: bool = False) -> Response:
         """The client's answer from `revision`. If none of its replicas answers before the
         first byte (a canary's pods going away as a rollback drains them, while this router
         still routes to it), `fallback` (stable) answers instead: the failure is the
         revision's, counted against it, and not the client's. A `client` that hangs up
         while waiting for a whole answer cancels it upstream (the engine stops generating)
         and is charged its whole output reservation: the engine worked, and how far it got
-        is not known (a streamed answer is billed by what was relayed)."""
+        is not known (a streamed answer is billed by what was relayed). A `checked` answer
+        (the pool is in a canary step) is checked for broken signs once complete."""
         labels = (pool.namespace, pool.name, short_revision(revision), "live")
         started = time.monotonic()
         try:
@@ -733,27 +743,31 @@ class Router:
             if isinstance(exc, NoEndpoint) and fallback not in (None, revision):
                 assert fallback is not None
                 return await self._live(pool, fallback, path, payload, headers, text, tenant,
-                                        reservation, stream, live_text, client=client)
+                                        reservation, stream, live_text, client=client,
+                                        checked=checked)
             self.settle(reservation, 0, now, 0)  # never answered
             _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
         out_headers = {REVISION_HEADER: short_revision(revision)}
         if not stream or status != 200:
             self._settle_whole(labels, read_answer(status, data), reservation, started,
-                               live_text)
+                               live_text, checked)
             return Response(data, status, headers=out_headers,
                             media_type=content_type or "application/json")
-        relay = _Relay(self, resp, endpoint, labels, reservation, started, live_text)
+        relay = _Relay(self, resp, endpoint, labels, reservation, started, live_text, checked)
         return _RelayResponse(relay.frames(), relay.close,
                               {**out_headers, "cache-control": "no-cache"},
                               self.options.send_timeout)
 
     def _settle_whole(self, labels: Labels, answer: Answer, reservation: Reservation,
-                      started: float, live_text: asyncio.Future[str | None] | None) -> None:
-        """A whole answer (or refusal) relayed: its text to the shadow comparison, its tokens
-        to the quota and the metrics, its outcome counted."""
+                      started: float, live_text: asyncio.Future[str | None] | None,
+                      checked: bool = False) -> None:
+        """A whole answer (or refusal) relayed: its text to the shadow comparison (and the
+        answer checks), its tokens to the quota and the metrics, its outcome counted."""
         now = time.monotonic()
         _resolve(live_text, answer.text)  # None unless completed: nothing to compare
+        if checked and answer.text is not None:
+            self.metrics.check_answer(labels, answer.text, answer.finish_reasons)
         prompt, generated = answer.usage or (None, 0)
         if answer.usage is not None:
             self._count_tokens(labels, *answer.usage)

@@ -1105,6 +1105,39 @@ def test_answers_are_judged_per_probe_as_well_as_per_token() -> None:
                 p.name]
 
 
+def test_live_answers_are_judged_by_their_signs_against_stable() -> None:
+    """A canary that cannot stop (every answer cut by max_tokens where stable's mostly end)
+    fails `answers-unfinished`; a new model whose answers are worded otherwise but shaped
+    alike passes; too few answers are not judged, and shadow copies (capped by the router)
+    never are."""
+    from kvfleet.api.rollout import AnswerChecks
+
+    live = {p.name: p for p in plans([], SLO, shadow=False, checks=AnswerChecks())}
+    gates = {n: p for n, p in live.items() if n.startswith("answers-")}
+    assert set(gates) == {"answers-empty", "answers-unfinished", "answers-looping",
+                          "answers-garbled"}
+    unfinished = gates["answers-unfinished"]
+    assert unfinished.difference and unfinished.versus_stable and not unfinished.required
+    text = render(unfinished.query, pool="chat", namespace="llm", revision=CANARY,
+                  traffic="live", window=Window(0, 1, T0, T0 + timedelta(seconds=30)))
+    assert 'kvfleet_router_answer_flags_total{namespace="llm",pool="chat"' in text
+    assert 'flag="unfinished"' in text and "kvfleet_router_answers_checked_total" in text
+    broken = judge(unfinished, QueryResult(1.0, 120), QueryResult(0.2, 140))
+    upgrade = judge(unfinished, QueryResult(0.23, 120), QueryResult(0.2, 140))
+    thin = judge(unfinished, QueryResult(1.0, 10), QueryResult(0.2, 140))
+    assert (broken.outcome, upgrade.outcome, thin.outcome) == (
+        Outcome.FAIL, Outcome.PASS, Outcome.NOT_JUDGED)
+    assert "canary 1 (120 requests) vs stable 0.2 (140)" in broken.message
+    assert not [p for p in plans([], SLO, shadow=True, checks=AnswerChecks())
+                if p.name.startswith("answers-")]
+    assert not [p for p in plans([], SLO, shadow=False, checks=AnswerChecks(enabled=False))
+                if p.name.startswith("answers-")]
+    # Every metric an evaluation can hold fits its status list.
+    assert len(plans([Metric(name=f"m{i}", slo=SLOMetric.TTFT_P95) for i in range(16)], SLO,
+                     shadow=False, agreement=OutputAgreement(), split=PromptLengthSplit(),
+                     checks=AnswerChecks())) <= MAX_EVALUATED
+
+
 def test_a_canary_refusing_only_long_prompts_fails_their_class_not_the_overall_error_slo(
 ) -> None:
     """A smaller maxModelLength refuses the long prompts, 3 % of the traffic: under a 5 %

@@ -54,6 +54,8 @@ STREAMS = {
                                      "code": "internal_error"}})],
     "finish-error": [chunk("Hel"), chunk("", finish="error", usage=1)],
     "fine": [chunk("Hel"), chunk("lo"), chunk("", finish="stop", usage=2)],
+    # A revision that cannot stop: the same phrase until max_tokens cuts it.
+    "loop": [*(chunk("I am here. ") for _ in range(40)), chunk("", finish="length", usage=40)],
 }
 # Refusals as the engine writes them (kvfleet.engine.server.error_response).
 REFUSALS = {"too-long": (400, "context_length_exceeded"),
@@ -498,6 +500,48 @@ async def test_a_canary_whose_replicas_are_gone_leaves_its_clients_to_stable(
         assert router.ledger.usage("team-a")[0] == 1  # one request, charged once
     finally:
         await router.close()
+
+
+@pytest.mark.asyncio
+async def test_answers_are_checked_for_broken_signs_only_while_a_canary_has_traffic(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """Both revisions' completed answers, streamed or whole, are checked while the pool is in
+    a canary step (kvfleet.router.answers); outside one nothing is parsed for it."""
+    address, _ = upstream
+    canary = "b" * 64
+
+    def router_with(traffic: list[dict[str, Any]]) -> Router:
+        return Router(parse_config({
+            "namespace": NAMESPACE,
+            "pools": [{"name": "smol", "status": {"servingRevision": REVISION,
+                                                  "traffic": traffic},
+                       "endpoints": {REVISION: [address], canary: [address]}}],
+            "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {
+                "limits": {"maxConcurrentRequests": 4}}}]}))
+
+    router = router_with([{"revision": REVISION, "role": "stable", "weight": 0},
+                          {"revision": canary, "role": "canary", "weight": 100}])
+    checked, flags = "kvfleet_router_answers_checked_total", "kvfleet_router_answer_flags_total"
+    try:
+        for content, streamed in (("loop", True), ("fine", True), ("hi", False),
+                                  ("error-frame", True)):
+            resp = await post(router, content, stream=streamed)
+            assert resp.status_code == 200, resp.text
+        on = {"revision": canary[:12]}
+        assert sample(router, checked, **on) == 3  # (the stream that failed is no answer)
+        assert sample(router, flags, **on, flag="looping") == 1
+        assert sample(router, flags, **on, flag="unfinished") == 1
+        assert sample(router, flags, **on, flag="empty") == 0
+        assert sample(router, checked) == 0  # stable: declared at 0, no answer of its own
+    finally:
+        await router.close()
+    quiet = router_with([])
+    try:
+        assert (await post(quiet, "loop", stream=True)).status_code == 200
+        assert not sample(quiet, checked)
+    finally:
+        await quiet.close()
 
 
 @pytest_asyncio.fixture
