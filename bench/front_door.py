@@ -93,7 +93,8 @@ def main() -> int:
                 port = ro.free_port()
                 router = subprocess.Popen(
                     [sys.executable, "-m", "kvfleet", "router", "--config", str(config),
-                     "--port", str(port), "--log-level", "error"], cwd=ROOT)
+                     "--port", str(port), "--metrics-port", str(ro.free_port()),
+                     "--log-level", "error"], cwd=ROOT)
                 try:
                     ro.wait_http(f"http://127.0.0.1:{port}/health")
                     url = f"http://127.0.0.1:{port}{path}"

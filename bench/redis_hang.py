@@ -78,7 +78,7 @@ def main() -> int:
                                           "--upstream", str(up_port)])]
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "kvfleet", "router", "--config", str(config), "--port",
-             str(port), "--log-level", "error", "--redis",
+             str(port), "--metrics-port", str(ro.free_port()), "--log-level", "error", "--redis",
              f"redis://127.0.0.1:{redis_port}/0"], cwd=ROOT))
         try:
             ro.wait_http(f"http://127.0.0.1:{up_port}/metrics")

@@ -276,7 +276,8 @@ def main() -> int:
             extra = ["--redis", redis_url] if name == "router+redis" else []
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "kvfleet", "router", "--config", str(config), "--port",
-                 str(port), "--log-level", "warning", *extra],
+                 str(port), "--metrics-port", str(free_port()), "--log-level", "warning",
+                 *extra],
                 cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                 preexec_fn=None if router_cpus is None else (
                     lambda: os.sched_setaffinity(0, router_cpus)))

@@ -101,8 +101,9 @@ def one_policy(policy: str, order: list[tuple[str, str]], tenants: int, kv_mib: 
             "tenants": [{"tenant": f"t{i}", "keys": [f"{KEY}-t{i}"], "quota": {}}
                         for i in range(tenants)]}))
         port = free_port()
-        with running_kvfleet("router", "--config", str(config), "--port", str(port), "--pick",
-                             policy, "--log-level", "warning", port=port, ready_timeout=60):
+        with running_kvfleet("router", "--config", str(config), "--port", str(port),
+                             "--metrics-port", str(free_port()), "--pick", policy,
+                             "--log-level", "warning", port=port, ready_timeout=60):
             time.sleep(0.5)
             before = counters([a.base_url, b.base_url])
             ttfts = asyncio.run(run(f"http://127.0.0.1:{port}/v1/chat/completions", order))

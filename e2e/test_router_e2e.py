@@ -44,14 +44,15 @@ KEY = "sk-e2e-team-a-0123456789abcdef"
 
 class RouterProcess:
     def __init__(self, kubeconfig: str, namespace: str | None, log: Path) -> None:
-        self.port = _free_port()
+        self.port, metrics_port = _free_port(), _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         self.log = log
         command = [str(KVFLEET)] if KVFLEET.exists() else [sys.executable, "-m", "kvfleet"]
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [*command, "router", *(["-n", namespace] if namespace else ["-A"]),
-                 "--port", str(self.port)],
+                 "--port", str(self.port), "--metrics-port", str(metrics_port)],
                 env={**os.environ, "KUBECONFIG": kubeconfig, "PYTHONPATH": str(ROOT)},
                 stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -160,7 +161,7 @@ def test_the_router_serves_tenants_by_key_and_quota_from_the_cluster(
             return time.monotonic()
 
         def canary_failed() -> float:
-            text = httpx.get(router.url + "/metrics", timeout=10).text
+            text = httpx.get(router.metrics_url, timeout=10).text
             return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith("kvfleet_router_requests_total{") and
                        'revision="cccccccccccc"' in line and 'outcome="upstream_error"' in line)
@@ -292,7 +293,7 @@ def test_a_key_minted_in_another_namespace_cannot_spend_a_tenants_budget(
         assert chat(router.url, key, pool).status_code == 200
         log = router.log.read_text()
         assert f"Secret {other}/key-{tenant}: ignored" in log and forged not in log
-        served = httpx.get(router.url + "/metrics", timeout=10).text
+        served = httpx.get(router.metrics_url, timeout=10).text
         admitted = sum(float(line.rsplit(" ", 1)[1]) for line in served.splitlines()
                        if line.startswith("kvfleet_router_requests_total{")
                        and 'outcome="completed"' in line)

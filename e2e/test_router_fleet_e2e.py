@@ -54,7 +54,7 @@ from kvfleet.devcluster.demo import (
 from kvfleet.devcluster.kube import JsonObj, KubeClient
 from kvfleet.operator import naming
 from kvfleet.operator.revisions import revision_for
-from kvfleet.router.manifests import PORT
+from kvfleet.router.manifests import METRICS_PORT, PORT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -168,7 +168,9 @@ def _router_metric(urls: list[str], name: str, **labels: str) -> float:
     """The sum over the routers of one series' samples matching `labels`."""
     total = 0.0
     for url in urls:
-        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        # (a router pod's clients' URL; /metrics is on its port of its own)
+        metrics = f"{url.rsplit(':', 1)[0]}:{METRICS_PORT}/metrics"
+        for line in httpx.get(metrics, timeout=10).text.splitlines():
             if line.startswith(name + "{") and all(f'{k}="{v}"' in line
                                                   for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])

@@ -1,6 +1,6 @@
 """`kvfleet router`: the fleet's front door (see `kvfleet.router.server`).
 
-    kvfleet router -n NAMESPACE [--host 0.0.0.0] [--port 8080]   # the pools of one namespace
+    kvfleet router -n NAMESPACE [--host 0.0.0.0] [--port 8080] [--metrics-port 9091]
     kvfleet router -A                                            # every namespace
     kvfleet router --config router.yaml                          # no cluster: a file
 
@@ -10,6 +10,7 @@ the answer through. In a cluster it watches ServingPools, engine pods, key Secre
 TenantQuotas (in a pod: its service account; else $KUBECONFIG; see `kvfleet.router.cluster`).
 `--config` names the pools, their endpoints and the tenants instead (format in
 `kvfleet.router.state`); the file is re-read when it changes (checked every second).
+`/metrics` is served on `--metrics-port` only, never on the clients' port.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def register(subparsers: Any) -> None:
                        help="pools, endpoints and tenants from a file (YAML), no cluster")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--metrics-port", type=int, default=9091,
+                   help="where /metrics is served (on --host): a port of its own, for "
+                        "Prometheus, which the clients' port does not answer")
     p.add_argument("--replicas", type=int, default=1,
                    help="with --config: router replicas sharing the limits without a shared "
                         "ledger (each enforces its share); in a cluster the router counts its "
@@ -146,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
         state = RouterState() if args.config is None else load_config(args.config)
         if args.redis:
             _check_redis_url(args.redis)
+        if args.metrics_port == args.port:
+            raise ConfigError(f"--metrics-port {args.metrics_port}: it must differ from --port "
+                              "(clients must not read the router's metrics)")
         if args.replica_index is not None and not 0 <= args.replica_index < args.replicas:
             raise ConfigError(f"--replica-index {args.replica_index}: it must be from 0 to "
                               f"{args.replicas - 1} (--replicas {args.replicas})")
@@ -219,7 +226,7 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
     import uvicorn
 
     from kvfleet.router.connections import bounded
-    from kvfleet.router.server import Router, RouterOptions, build_app
+    from kvfleet.router.server import Router, RouterOptions, build_app, build_metrics_app
 
     router = Router(state, RouterOptions(
         pick_policy=args.pick, default_quota=default_quota,
@@ -230,7 +237,7 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
         redis_url=args.redis, redis_prefix=args.redis_prefix, redis_timeout=args.redis_timeout,
         hold_seconds=args.hold_seconds,
         hold_per_pool=args.hold_per_pool, hold_per_tenant=args.hold_per_tenant))
-    from kvfleet.kube.tasks import fatal_if_it_ends
+    from kvfleet.kube.tasks import exit_process, fatal_if_it_ends
 
     # A loop that dies is a fatal error, as an informer's is: routing without the replicas'
     # load, or on a config that no longer reloads, must not go on silently.
@@ -274,9 +281,24 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
     # the start-up goes first (frozen, a cycle would be kept for ever).
     gc.collect()
     gc.freeze()
+    metrics = uvicorn.Server(uvicorn.Config(build_metrics_app(router), host=args.host,
+                                            port=args.metrics_port, log_config=None,
+                                            access_log=False))
+    # (Started first: the clients' server, started second, takes the signals; when it ends
+    # it hands them back, and the metrics server ends too.)
+    metrics_task = asyncio.create_task(metrics.serve(), name="metrics server")
+
+    def metrics_ended(task: asyncio.Task[Any]) -> None:
+        if not server.should_exit and not task.cancelled():
+            # (Serving clients unseen by Prometheus would blind every Rollout's analysis.)
+            exit_process("the metrics server ended while the router serves")
+
+    metrics_task.add_done_callback(metrics_ended)
     try:
         await server.serve()
     finally:
+        metrics.should_exit = True
+        await asyncio.gather(metrics_task, return_exceptions=True)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

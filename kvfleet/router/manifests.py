@@ -17,6 +17,9 @@ from kvfleet.api.labels import ROUTER_APP
 
 NAME = ROUTER_APP
 PORT = 8080
+# /metrics, on a port of its own: clients reach PORT only (the NetworkPolicy admits Prometheus
+# here), and the series (per pool and revision) are no client's to read.
+METRICS_PORT = 9091
 WATCH = ["get", "list", "watch"]
 LABELS = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/component": "router"}
 
@@ -48,7 +51,8 @@ def build_manifests(namespace: str, image: str = "kvfleet:0.1.0",
         # Bound to the pod IP, as the engines are; `command` is the image's entrypoint, spelled
         # out so a runner without images (the dev cluster's local nodes) runs it too.
         "command": ["kvfleet"],
-        "args": ["router", "-n", namespace, "--host", "$(POD_IP)", "--port", str(PORT)],
+        "args": ["router", "-n", namespace, "--host", "$(POD_IP)", "--port", str(PORT),
+                 "--metrics-port", str(METRICS_PORT)],
         # POD_NAME: the replica's name in the TenantQuotas' router reports.
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -58,7 +62,8 @@ def build_manifests(namespace: str, image: str = "kvfleet:0.1.0",
                 # From the Secret, not an argument: the URL may hold a password (not in ps).
                 *([{"name": "KVFLEET_REDIS_URL", "valueFrom": {"secretKeyRef": {
                     "name": redis_secret, "key": "url"}}}] if redis_secret else [])],
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
         "resources": {"requests": {"cpu": "500m", "memory": "256Mi"},
@@ -78,7 +83,7 @@ def build_manifests(namespace: str, image: str = "kvfleet:0.1.0",
             "selector": {"matchLabels": dict(LABELS)},
             "template": {
                 "metadata": {"labels": dict(LABELS), "annotations": {
-                    "prometheus.io/scrape": "true", "prometheus.io/port": str(PORT),
+                    "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
                     "prometheus.io/path": "/metrics"}},
                 "spec": {"serviceAccountName": NAME, "containers": [container],
                          "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}}},

@@ -902,10 +902,6 @@ def build_app(router: Router, ready: Callable[[], bool] = lambda: True) -> Calla
         except RouterError as exc:
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())
 
-    async def metrics(_: Request) -> Response:
-        return Response(router.metrics.exposition(),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
-
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -921,7 +917,6 @@ def build_app(router: Router, ready: Callable[[], bool] = lambda: True) -> Calla
         # (the front takes their POSTs; here the other methods get Starlette's 405)
         *(Route(path, completions, methods=["POST"]) for path in sorted(COMPLETION_PATHS)),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", readiness, methods=["GET"]),
     ])
@@ -935,3 +930,15 @@ def build_app(router: Router, ready: Callable[[], bool] = lambda: True) -> Calla
             await rest(scope, receive, send)
 
     return app
+
+
+def build_metrics_app(router: Router) -> Callable[..., Any]:
+    """`/metrics`, served on a port of its own (`kvfleet router --metrics-port`): the series
+    name pools, revisions and a salted prompt id, which are Prometheus's to read, not a
+    client's; the clients' port does not answer it."""
+
+    async def metrics(_: Request) -> Response:
+        return Response(router.metrics.exposition(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])

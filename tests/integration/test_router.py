@@ -75,9 +75,11 @@ def engines(token_file: Path) -> Iterator[dict[str, EngineServer]]:
 
 
 class RouterProcess:
-    def __init__(self, config_path: Path, port: int, process: subprocess.Popen[bytes]) -> None:
+    def __init__(self, config_path: Path, port: int, process: subprocess.Popen[bytes],
+                 metrics_port: int) -> None:
         self.config_path, self.process = config_path, process
         self.url = f"http://127.0.0.1:{port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
 
     def reconfigure(self, data: dict[str, Any]) -> None:
         tmp = self.config_path.with_suffix(".tmp")
@@ -87,7 +89,7 @@ class RouterProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         total = 0.0
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
+        for line in httpx.get(self.metrics_url).text.splitlines():
             if line.startswith(name + "{") and all(f'{k}="{v}"' in line
                                                    for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
@@ -96,14 +98,15 @@ class RouterProcess:
 
 @pytest.fixture(scope="module")
 def router(engines: dict[str, EngineServer], token_file: Path) -> Iterator[RouterProcess]:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     with tempfile.TemporaryDirectory(prefix="kvfleet-router-") as tmp:
         path = Path(tmp) / "router.yaml"
         path.write_text(yaml.safe_dump(config(engines, 50, 0, token_file)))
-        with running_kvfleet("router", "--config", str(path), "--port", str(port), port=port,
+        with running_kvfleet("router", "--config", str(path), "--port", str(port),
+                             "--metrics-port", str(metrics_port), port=port,
                              ready_timeout=60) as (process, _):
             time.sleep(0.5)  # a first scrape of the engines' load
-            yield RouterProcess(path, port, process)
+            yield RouterProcess(path, port, process, metrics_port)
 
 
 def chat(router: RouterProcess, key: str | None, **extra: Any) -> httpx.Response:
@@ -326,13 +329,15 @@ def test_two_router_replicas_hold_the_fleet_wide_limit(
     with tempfile.TemporaryDirectory(prefix="kvfleet-router-") as tmp:
         path = Path(tmp) / "router.yaml"
         path.write_text(yaml.safe_dump(data))
-        ports = [free_port(), free_port()]
+        ports, metrics = [free_port(), free_port()], [free_port(), free_port()]
         with running_kvfleet("router", "--config", str(path), "--port", str(ports[0]),
-                             "--replicas", "2", port=ports[0], ready_timeout=60) as (p0, _), \
+                             "--metrics-port", str(metrics[0]), "--replicas", "2",
+                             port=ports[0], ready_timeout=60) as (p0, _), \
                 running_kvfleet("router", "--config", str(path), "--port", str(ports[1]),
-                                "--replicas", "2", port=ports[1], ready_timeout=60) as (p1, _):
-            routers = [RouterProcess(path, port, proc)
-                       for port, proc in zip(ports, (p0, p1), strict=True)]
+                                "--metrics-port", str(metrics[1]), "--replicas", "2",
+                                port=ports[1], ready_timeout=60) as (p1, _):
+            routers = [RouterProcess(path, port, proc, metrics_port) for port, proc, metrics_port
+                       in zip(ports, (p0, p1), metrics, strict=True)]
             codes = [chat(routers[i % 2], KEY_C, max_tokens=1).status_code for i in range(6)]
             assert sorted(codes) == [200, 200, 200, 200, 429, 429], codes
             assert chat(routers[0], KEY_C, max_tokens=1).status_code == 429

@@ -65,7 +65,8 @@ def _router(engine: EngineServer, certs: Path, tls: dict[str, str] | None,
         {"tenant": "team-tls", "keys": [KEY], "quota": {}}]}))
     port = free_port()
     return port, running_kvfleet("router", "--config", str(config), "--port", str(port),
-                                 port=port, ready_timeout=60)
+                                 "--metrics-port", str(free_port()), port=port,
+                                 ready_timeout=60)
 
 
 def _chat(port: int) -> httpx.Response:

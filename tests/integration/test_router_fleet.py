@@ -88,15 +88,17 @@ class Routers:
         self.args = ["--config", str(self.config), "--replicas", "2", "--redis", redis.url,
                      "--redis-prefix", uuid.uuid4().hex, "--redis-timeout", "1"]
         self.urls: list[str] = []
+        self.metrics_urls: list[str] = []
         self.processes: list[Any] = []
 
     def start(self, stack: Any) -> None:
         for index in range(2):
-            port = free_port()
+            port, metrics_port = free_port(), free_port()
             process, _ = stack.enter_context(running_kvfleet(
                 "router", *self.args, "--replica-index", str(index), "--port", str(port),
-                port=port, ready_timeout=60))
+                "--metrics-port", str(metrics_port), port=port, ready_timeout=60))
             self.urls.append(f"http://127.0.0.1:{port}")
+            self.metrics_urls.append(f"http://127.0.0.1:{metrics_port}")
             self.processes.append(process)
         time.sleep(0.5)  # a first scrape of the engine's load
 
@@ -180,7 +182,8 @@ def test_max_concurrent_one_is_never_two_across_two_routers_nor_after_one_dies(
     # token (a fixed sleep let a fast host finish the whole answer first, freeing the slot).
     # (Both on the shared ledger: a request admitted on a router's share holds no Redis slot.)
     deadline = time.monotonic() + 10
-    while not all(metric(url, "kvfleet_router_shared_ledger_up") == 1 for url in routers.urls):
+    while not all(metric(url, "kvfleet_router_shared_ledger_up") == 1
+                  for url in routers.metrics_urls):
         assert time.monotonic() < deadline, "a router stayed off the shared ledger"
         time.sleep(0.2)
     body = {"model": "smol", "messages": [{"role": "user", "content": "Count to fifty."}],
@@ -240,15 +243,17 @@ def test_a_token_rate_holds_across_two_routers_within_one_request(
 def test_with_redis_stopped_each_router_enforces_its_share_and_says_so(
     routers: Routers, redis_server: RedisServer, engine: EngineServer,
 ) -> None:
-    assert all(metric(url, "kvfleet_router_shared_ledger_up") == 1 for url in routers.urls)
+    assert all(metric(url, "kvfleet_router_shared_ledger_up") == 1
+                  for url in routers.metrics_urls)
     redis_server.stop()
     try:
-        answers = [chat(url, TPM_KEY, max_tokens=TPM) for url in routers.urls]
+        answers = [chat(url, TPM_KEY, max_tokens=TPM) for url in routers.metrics_urls]
         # Each router's 1/2 share of 600 (300) cannot hold a 600-token reservation.
         for answer in answers:
             assert answer.status_code == 429, answer.text
             assert "1/2 share" in answer.json()["error"]["message"]
-        assert all(metric(url, "kvfleet_router_shared_ledger_up") == 0 for url in routers.urls)
+        assert all(metric(url, "kvfleet_router_shared_ledger_up") == 0
+                   for url in routers.metrics_urls)
         # The shares sum to the limit: maxConcurrentRequests 1 is 1 on one router and 0 on
         # the other (rounded up, it was 1 on each: 2 at the engine at once).
         since = time.time()

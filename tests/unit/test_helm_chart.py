@@ -157,11 +157,22 @@ def test_each_network_policy_admits_only_its_pods_named_ports(tmp_path: Path) ->
         selector = policy["spec"]["podSelector"]["matchLabels"]
         assert selector.items() <= pod["metadata"]["labels"].items()
         named = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
-        [rule] = policy["spec"]["ingress"]
-        assert {p["port"] for p in rule["ports"]} <= named
-    # Only Prometheus may scrape the operator; the router and webhook take any client.
-    assert policies["kvfleet-operator"]["spec"]["ingress"][0]["from"][0]["podSelector"] == {
-        "matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+        for rule in policy["spec"]["ingress"]:
+            assert {p["port"] for p in rule["ports"]} <= named
+    # Only Prometheus, in its named namespace, may scrape the operator and the routers'
+    # metrics port; the router's clients' port and the webhook take any client.
+    prometheus = {"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    assert policies["kvfleet-operator"]["spec"]["ingress"][0]["from"] == [prometheus]
+    clients, scrapes = policies["kvfleet-router"]["spec"]["ingress"]
+    assert "from" not in clients and clients["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert scrapes == {"from": [prometheus], "ports": [{"port": "metrics", "protocol": "TCP"}]}
+    # The engines' policy (the operator's) names the same namespace, and engines serve TLS.
+    [operator] = [d for d in docs if d["kind"] == "Deployment"
+                  and d["metadata"]["name"] == "kvfleet-operator"]
+    args = operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--prometheus-namespace=monitoring" in args and "--engine-tls" in args
     assert not any(d["kind"] == "NetworkPolicy"
                    for d in _render(tmp_path, "networkPolicies.enabled=false"))
 
