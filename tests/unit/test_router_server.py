@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvfleet.router.outcome import Outcome
 from kvfleet.router.picker import EndpointLoad
-from kvfleet.router.server import Router, RouterOptions, build_app
+from kvfleet.router.server import Router, RouterOptions, build_app, build_metrics_app
 from kvfleet.router.state import parse_config
 from kvfleet.router.tokens import Prompt, texts_of
 
@@ -498,6 +498,30 @@ async def test_a_canary_whose_replicas_are_gone_leaves_its_clients_to_stable(
         assert sample(router, REQUESTS, revision=canary[:12], outcome="upstream_error") == 1
         assert sample(router, REQUESTS, outcome="completed") == 1
         assert router.ledger.usage("team-a")[0] == 1  # one request, charged once
+    finally:
+        await router.close()
+
+
+@pytest.mark.asyncio
+async def test_metrics_are_served_on_their_own_port_never_to_clients(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The series name pools, revisions and a salted prompt id: Prometheus's, on the metrics
+    port (`--metrics-port`); the clients' app answers 404."""
+    address, _ = upstream
+    router = Router(parse_config({
+        "namespace": NAMESPACE,
+        "pools": [{"name": "smol", "status": {"servingRevision": REVISION},
+                   "endpoints": {REVISION: [address]}}],
+        "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}))
+    try:
+        assert (await post(router, "hi")).status_code == 200
+        for app, expected in ((build_app(router), 404), (build_metrics_app(router), 200)):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://r") as client:
+                resp = await client.get("/metrics")
+            assert resp.status_code == expected
+        assert "kvfleet_router_requests_total{" in resp.text
     finally:
         await router.close()
 
