@@ -38,8 +38,10 @@ from kvfleet.api.servingpool import SLOs
 # The router's series (kvfleet.router.metrics), selected by the pool's namespace and name (a
 # cluster-wide router serves pools of one name in several namespaces). (Templates are joined,
 # not f-strings: their placeholders are written with double braces.)
+# `{{traffics}}`: a canary step's live and synthetic requests (a quiet pool's own, sent by the
+# routers: Rollout analysis.probePrompts), or the shadow phase's copies.
 _SELECTOR = ('{namespace="{{namespace}}",pool="{{pool}}",revision="{{revision}}",'
-             'traffic="{{traffic}}"')
+             'traffic=~"{{traffics}}"')
 _RANGE = "[{{window}}]"
 
 
@@ -298,7 +300,8 @@ def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool,
 def render(template: str, *, pool: str, namespace: str, revision: str, traffic: str,
            window: Window) -> str:
     values = {"pool": pool, "namespace": namespace, "revision": short_revision(revision),
-              "traffic": traffic, "window": window.range}
+              "traffic": traffic, "window": window.range,
+              "traffics": "live|synthetic" if traffic == "live" else traffic}
     for key, value in values.items():
         template = template.replace("{{" + key + "}}", value)
     return template

@@ -20,7 +20,7 @@ import itertools
 import json
 from datetime import datetime
 from enum import StrEnum
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -36,6 +36,7 @@ from kvfleet.api.meta import (
     cel,
     conditions_field,
 )
+from kvfleet.api.servingpool import MAX_PROBE_PROMPTS, PROBE_PROMPT_CHARS
 
 MAX_STEPS = 20
 MAX_METRICS = 16
@@ -83,7 +84,9 @@ class Metric(KubeModel):
     """One analysis metric: a built-in SLO metric or a PromQL query, judged against a threshold.
 
     Queries are templates: `{{pool}}`, `{{namespace}}`, `{{revision}}` (12-digit short
-    revision), `{{traffic}}` (live, or shadow in the shadow phase) and `{{window}}` (the
+    revision), `{{traffic}}` (live, or shadow in the shadow phase), `{{traffics}}` (a regex:
+    live|synthetic, the routers' own requests of analysis.probePrompts included; or shadow)
+    and `{{window}}` (the
     step's window so far, e.g. `95s`) are filled in, and the query is evaluated at the window's
     end, an absolute time recorded in status."""
 
@@ -294,6 +297,19 @@ class Analysis(KubeModel):
         description="Latency and errors per prompt-length class, canary against stable, "
         "judged beside the metrics.",
         json_schema_extra={"default": {}})
+    probe_prompts: list[Annotated[str, Field(min_length=1, max_length=PROBE_PROMPT_CHARS)]] = \
+        Field(default_factory=list, max_length=MAX_PROBE_PROMPTS,
+              description="For a quiet pool: user messages the routers send themselves, "
+              "routed as live requests are (canary by weight, shadow copies, probes), while a "
+              "step is judged and live requests arrive slower than probeRatePerSecond; so the "
+              "rollout finishes on evidence instead of waiting out maxWaitSeconds. Counted as "
+              "traffic \"synthetic\", which the built-in metrics judge with the live.")
+    probe_rate_per_second: float = Field(
+        default=1.0, gt=0, le=20,
+        description="The request rate each router keeps a judged pool at with probePrompts "
+        "(live requests count first; the rest are synthetic).")
+    probe_max_tokens: int = Field(default=64, ge=1, le=1024,
+                                  description="max_tokens of each synthetic request.")
     answer_checks: AnswerChecks = Field(
         default_factory=AnswerChecks,
         description="The live answers' signs (empty, unfinished, looping, garbled), canary "

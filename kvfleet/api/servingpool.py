@@ -368,6 +368,22 @@ class TrafficTarget(KubeModel):
         "greedy probes to it and to stable, whose answers are compared token by token.")
 
 
+MAX_PROBE_PROMPTS = 16
+PROBE_PROMPT_CHARS = 2048
+
+
+class SyntheticTraffic(KubeModel):
+    """Requests the routers send themselves while a rollout is judged and live traffic is
+    thinner than `ratePerSecond` (the Rollout's analysis.probePrompts): the quiet pool's
+    evidence. Written by the Rollout controller."""
+
+    prompts: list[str] = Field(min_length=1, max_length=MAX_PROBE_PROMPTS,
+                               description="User messages, taken in turn.")
+    rate_per_second: float = Field(gt=0, le=20, description="Requests a second each router "
+                                   "keeps up (live ones count first).")
+    max_tokens: int = Field(ge=1, le=1024, description="max_tokens of each.")
+
+
 MAX_REFUSED = 10
 RETRY_ANNOTATION = "kvfleet.io/retry-revision"
 # "true": another autoscaler (KEDA, an HPA) may take the pool to 0 replicas and back, so the
@@ -427,6 +443,9 @@ class ServingPoolStatus(KubeModel):
         default_factory=list, max_length=4,
         description="The router's traffic table, written by the Rollout controller; empty: "
         "every request goes to servingRevision.")
+    synthetic_traffic: SyntheticTraffic | None = Field(
+        default=None, description="While a rollout is judged: what the routers send "
+        "themselves when live traffic is thin (the Rollout's analysis.probePrompts).")
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="The autoscaler's last decision (with spec.autoscaling).")
     refused_revisions: list[RefusedRevision] = Field(

@@ -242,7 +242,9 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
     # A loop that dies is a fatal error, as an informer's is: routing without the replicas'
     # load, or on a config that no longer reloads, must not go on silently.
     tasks = [fatal_if_it_ends(asyncio.create_task(router.scrape_forever(),
-                                                  name="replica load scrape"))]
+                                                  name="replica load scrape")),
+             fatal_if_it_ends(asyncio.create_task(router.synthesize_forever(),
+                                                  name="synthetic requests"))]
     if router.shared is not None:
         tasks.append(fatal_if_it_ends(asyncio.create_task(router.shared.keep_leases(),
                                                           name="quota slot leases")))

@@ -48,7 +48,7 @@ from kvfleet.api.rollout import (
     StepCounts,
     TimeoutAction,
 )
-from kvfleet.api.servingpool import SLOs, TrafficRole, TrafficTarget
+from kvfleet.api.servingpool import SLOs, SyntheticTraffic, TrafficRole, TrafficTarget
 from kvfleet.operator.conditions import Cond, merge_conditions
 from kvfleet.operator.events import Event
 
@@ -110,6 +110,8 @@ class Decision:
     demote: tuple[str, str] | None = None
     # The revision that served before the promotion, kept (no traffic) at this many replicas.
     keep: tuple[str, int] | None = None
+    # What the routers send themselves while a quiet pool's step is judged (probePrompts).
+    synthetic: SyntheticTraffic | None = None
     events: list[Event] = field(default_factory=list)
     requeue_seconds: float | None = None
     # The request in the annotation is a retry that this status shows handled (the pool's
@@ -245,6 +247,20 @@ def _no_room(view: View, step: int, live_weight: int) -> str | None:
             f"{total} replicas and a rollout may run {limit} (maxReplicas + rolloutSurge); "
             f"it goes on once the load lets the pool shrink, or raise spec.autoscaling."
             f"rolloutSurge by {needed - canary}")
+
+
+def _synthetic(spec: RolloutSpec, status: RolloutStatus) -> SyntheticTraffic | None:
+    """The requests the routers send themselves while a step with traffic is judged: a quiet
+    pool's evidence (analysis.probePrompts)."""
+    analysis, step = spec.analysis, status.current_step
+    judged = status.phase in RUNNING and step is not None and _analysed(spec, step) and \
+        status.step_started_at is not None and not status.promote_full and \
+        (status.current_weight > 0 or status.shadow_percent > 0)
+    if not analysis.probe_prompts or not judged:
+        return None
+    return SyntheticTraffic(prompts=analysis.probe_prompts,
+                            rate_per_second=analysis.probe_rate_per_second,
+                            max_tokens=analysis.probe_max_tokens)
 
 
 def _traffic(spec: RolloutSpec, status: RolloutStatus) -> list[TrafficTarget]:
@@ -876,6 +892,7 @@ def _actions(run: _Run, decision: Decision) -> None:
             decision.stable_replicas = stable
         decision.canary_replicas = canary
         decision.traffic = _traffic(view.spec, s)
+        decision.synthetic = _synthetic(view.spec, s)
     elif s.phase in (Phase.ROLLING_BACK, Phase.ABORTED) and s.drain_started_at is not None:
         left = view.spec.drain_seconds - (run.now - s.drain_started_at).total_seconds()
         if left > 0 and s.canary_revision == view.target:

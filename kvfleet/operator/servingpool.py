@@ -569,6 +569,8 @@ def _status(facts: _Facts, observed: Observed, children: _Children, plan: Memory
             status["servingArtifact"] = serving_artifact
     if facts.governed and facts.rollout is not None and facts.rollout.traffic:
         status["traffic"] = [t.to_wire() for t in facts.rollout.traffic]
+        if facts.rollout.synthetic is not None:
+            status["syntheticTraffic"] = facts.rollout.synthetic.to_wire()
     status.update(facts.memory.to_wire())
     if generation is not None:
         status["observedGeneration"] = generation

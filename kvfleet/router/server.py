@@ -16,6 +16,7 @@ Rollout analysis judges a revision by.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -94,6 +95,16 @@ LOAD_GAUGES = ("kvfleet_engine_requests_waiting", "kvfleet_engine_requests_runni
                "kvfleet_engine_kv_cache_usage_ratio")
 # (namespace, pool, short revision, traffic): the labels of a revision's request series.
 Labels = tuple[str, str, str, str]
+# A quiet pool's synthetic requests (Router.synthesize): the tenant they run as (a reserved
+# name: its own prefix-cache scope, no TenantQuota), how often the rate is topped up, and how
+# many one pool may have in flight on one router (a slow canary must not gather a pile).
+SYNTHETIC_TENANT = "kvfleet-synthetic"
+SYNTHETIC_TICK = 0.5
+SYNTHETIC_MAX_IN_FLIGHT = 8
+
+
+async def _discard(message: dict[str, Any]) -> None:
+    """The ASGI send of a synthetic request's answer: nobody reads it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +420,12 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._shadow_in_flight = 0
         self._probes_in_flight = 0
+        # Quiet pools' synthetic requests (kvfleet.router.traffic.Synthetic): live arrivals
+        # since the last tick, the credit towards the next request, those in flight.
+        self._arrivals: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._credit: dict[tuple[str, str], float] = {}
+        self._synthetic_in_flight: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._synthetic_turn = 0
         self._diverged: set[tuple[str, str, str]] = set()  # first divergence already shown
         self._turn = 0
         self.tokens = TokenCounter(lambda: self.session)
@@ -466,6 +483,72 @@ class Router:
     def settle(self, reservation: Reservation, generated: int, now: float,
                prompt: int | None) -> None:
         (self.shared or self.ledger).settle(reservation, generated, now, prompt)
+
+    # ---- a quiet pool's synthetic requests
+
+    async def synthesize_forever(self, tick: float = SYNTHETIC_TICK) -> None:
+        """While a pool's step is judged and it has probe prompts, keep its request rate at
+        least at their rate: live requests count first, synthetic ones make up the rest (no
+        credit saved up beyond one second's worth, so a busy spell or a pause buys no burst)."""
+        while True:
+            await asyncio.sleep(tick)
+            self.synthesize(tick)
+
+    def synthesize(self, seconds: float) -> None:
+        arrivals, self._arrivals = self._arrivals, collections.Counter()
+        for pool in list(self.state.pools.values()):
+            key = (pool.namespace, pool.name)
+            synthetic = pool.table.synthetic if pool.table is not None else None
+            if synthetic is None:
+                self._credit.pop(key, None)
+                continue
+            credit = self._credit.get(key, 0.0) + synthetic.rate * seconds - arrivals[key]
+            credit = max(0.0, min(credit, max(1.0, synthetic.rate)))
+            while credit >= 1 and self._synthetic_in_flight[key] < SYNTHETIC_MAX_IN_FLIGHT:
+                credit -= 1
+                prompt = synthetic.prompts[self._synthetic_turn % len(synthetic.prompts)]
+                self._synthetic_turn += 1
+                self._synthetic_in_flight[key] += 1
+                self._spawn(self._synthetic(pool, prompt, synthetic.max_tokens))
+            self._credit[key] = credit
+
+    async def _synthetic(self, pool: PoolRoute, prompt: str, max_tokens: int) -> None:
+        """One request of the router's own, routed as a live one is (canary by weight, shadow
+        copy, probe) and counted as traffic "synthetic"; billed to no tenant."""
+        key = (pool.namespace, pool.name)
+        try:
+            table = pool.table
+            if table is None:
+                return
+            sample_key = uuid.uuid4().hex
+            plan = table.route(pool.name, SYNTHETIC_TENANT, sample_key, sample_key)
+            body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}],
+                                    "max_tokens": max_tokens, "stream": True,
+                                    "priority": PRIORITY[PriorityClass.STANDARD]}
+            headers = {TENANT_HEADER: SYNTHETIC_TENANT, "content-type": "application/json",
+                       "x-request-id": f"syn-{sample_key[:16]}"}
+            if pool.router_token is not None:
+                headers[ROUTER_TOKEN_HEADER] = pool.router_token
+            path = "/v1/chat/completions"
+            prompt_tokens = await self.tokens.count(plan.live, texts_of(body),
+                                                    pool.ready(plan.live))
+            # (Admitted by no ledger: settled from the start, so settling changes nothing.)
+            reservation = Reservation(SYNTHETIC_TENANT, prompt_tokens, max_tokens, settled=True)
+            if plan.shadow is not None:
+                self._spawn(self._shadow(pool, plan.shadow, path, body, headers, prompt,
+                                         SYNTHETIC_TENANT, prompt_tokens, None))
+            if plan.probe is not None:
+                self._spawn(self._probe(pool, plan.probe, path, body, prompt, SYNTHETIC_TENANT))
+            response = await self._live(
+                pool, plan.live, path, json.dumps(_billed_stream(body)).encode(), headers,
+                prompt, SYNTHETIC_TENANT, reservation, True, fallback=table.stable,
+                checked=table.canary is not None, traffic="synthetic")
+            if isinstance(response, _RelayResponse):
+                await response({"type": "http"}, None, _discard)
+        except Exception as exc:  # (one failed synthetic request must not end the loop)
+            log.debug("pool %s/%s: a synthetic request failed: %r", *key, exc)
+        finally:
+            self._synthetic_in_flight[key] -= 1
 
     # ---- endpoint load
 
@@ -549,6 +632,7 @@ class Router:
                 # Both revisions' answers are checked while a canary has live traffic: the
                 # AnswerChecks gate compares their shares of broken signs.
                 checked = pool.table.canary is not None
+                self._arrivals[(pool.namespace, pool.name)] += 1
                 stable = pool.table.stable
                 prompt = texts_of(body)
                 text = prompt.text
@@ -705,7 +789,7 @@ class Router:
                     headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
                     stream: bool, live_text: asyncio.Future[str | None] | None = None,
                     fallback: str | None = None, client: Request | None = None,
-                    checked: bool = False) -> Response:
+                    checked: bool = False, traffic: str = "live") -> Response:
         """The client's answer from `revision`. If none of its replicas answers before the
         first byte (a canary's pods going away as a rollback drains them, while this router
         still routes to it), `fallback` (stable) answers instead: the failure is the
@@ -714,7 +798,7 @@ class Router:
         and is charged its whole output reservation: the engine worked, and how far it got
         is not known (a streamed answer is billed by what was relayed). A `checked` answer
         (the pool is in a canary step) is checked for broken signs once complete."""
-        labels = (pool.namespace, pool.name, short_revision(revision), "live")
+        labels = (pool.namespace, pool.name, short_revision(revision), traffic)
         started = time.monotonic()
         try:
             if not stream:
@@ -744,7 +828,7 @@ class Router:
                 assert fallback is not None
                 return await self._live(pool, fallback, path, payload, headers, text, tenant,
                                         reservation, stream, live_text, client=client,
-                                        checked=checked)
+                                        checked=checked, traffic=traffic)
             self.settle(reservation, 0, now, 0)  # never answered
             _resolve(live_text, None)
             return JSONResponse(exc.body(), exc.status, headers=exc.headers())

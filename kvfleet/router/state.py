@@ -124,6 +124,9 @@ class RouterState:
             for revision in (table.stable, table.canary):
                 if revision is not None:
                     series.add((pool.namespace, pool.name, short_revision(revision), "live"))
+                    if table.synthetic is not None:
+                        series.add((pool.namespace, pool.name, short_revision(revision),
+                                    "synthetic"))
             if table.shadow is not None:
                 series.add((pool.namespace, pool.name, short_revision(table.shadow), "shadow"))
         return series

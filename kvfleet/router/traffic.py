@@ -74,6 +74,16 @@ class RoutePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class Synthetic:
+    """What the routers send themselves while a quiet pool's step is judged (the pool's
+    status.syntheticTraffic): `rate` requests a second, live ones counted first."""
+
+    prompts: tuple[str, ...]
+    rate: float
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class TrafficTable:
     stable: str
     canary: str | None = None
@@ -82,6 +92,7 @@ class TrafficTable:
     shadow_percent: int = 0
     probe: str | None = None  # the revision probed against stable (canary or shadow)
     probe_percent: int = 0
+    synthetic: Synthetic | None = None
 
     @classmethod
     def from_status(cls, status: ServingPoolStatus | None) -> TrafficTable | None:
@@ -106,6 +117,9 @@ class TrafficTable:
             shadow_percent=shadow.shadow_percent if shadow is not None else 0,
             probe=probed.revision if probed is not None else None,
             probe_percent=probed.probe_percent if probed is not None else 0,
+            synthetic=None if (s := status.synthetic_traffic) is None or (
+                canary is None and shadow is None) else Synthetic(
+                    tuple(s.prompts), s.rate_per_second, s.max_tokens),
         )
 
     @property

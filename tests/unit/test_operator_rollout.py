@@ -866,7 +866,10 @@ def test_queries_select_the_routers_series_for_the_revision_and_window() -> None
     assert text == ("histogram_quantile(0.95, sum by (le) (increase("
                     "kvfleet_router_time_to_first_token_seconds_bucket{namespace=\"llm\","
                     "pool=\"chat\","
-                    f"revision=\"{CANARY[:12]}\",traffic=\"live\"}}[95s])))")
+                    f"revision=\"{CANARY[:12]}\",traffic=~\"live|synthetic\"}}[95s])))")
+    # (A quiet pool's synthetic requests count with the live; the shadow phase's copies alone.)
+    assert 'traffic=~"shadow"' in render(ttft.query, pool="chat", namespace="llm",
+                                         revision=CANARY, traffic="shadow", window=window)
 
 
 def test_answer_agreement_judges_every_analysed_step_by_default() -> None:
@@ -1054,6 +1057,25 @@ def test_an_undo_that_cannot_finish_says_so_and_leaves_the_promoted_revision_ser
     released = kept.decide_with(deployed=frozenset({CANARY}))
     assert released.keep is None and released.status.previous_revision is None
     assert "its Deployment is gone" in released.events[-1].message
+
+
+def test_a_quiet_pools_probe_prompts_are_sent_only_while_a_step_with_traffic_is_judged(
+        ) -> None:
+    spec = _spec(steps=[{"weight": 50, "analysis": False}, {"weight": 100}],
+                 analysis={"intervalSeconds": 10, "scrapeDelaySeconds": 0,
+                           "probePrompts": ["Say hello.", "Name a colour."],
+                           "probeRatePerSecond": 2})
+    sim = _Sim(spec)
+    done = sim.run(60)
+    assert done.status.phase == Phase.PROMOTED and done.synthetic is None
+    sent = {(d.status.current_step, d.status.step_started_at is not None): d.synthetic
+            for d in sim.decisions if d.status.phase == Phase.PROGRESSING}
+    # Step 1 is not judged, step 2 only once its traffic took effect.
+    assert sent[(1, False)] is None and all(v is None for k, v in sent.items() if k[0] == 0)
+    synthetic = sent[(1, True)]
+    assert synthetic is not None and synthetic.prompts == ["Say hello.", "Name a colour."]
+    assert (synthetic.rate_per_second, synthetic.max_tokens) == (2.0, 64)
+    assert _Sim(_spec()).run(10).synthetic is None  # none asked for
 
 
 def test_the_kept_revision_is_released_after_its_time_or_a_new_rollout() -> None:

@@ -312,6 +312,23 @@ def test_a_promotion_keeps_the_previous_revision_and_an_undo_scales_it_back_up()
     assert [r["revision"] for r in back.status["refusedRevisions"]] == [revision(new)]
 
 
+def test_a_judged_step_tells_the_routers_a_quiet_pools_probe_prompts() -> None:
+    from kvfleet.api.servingpool import SyntheticTraffic
+
+    p, old, new = pool(), artifact(), _new_artifact()
+    converged = _converged(p, old)
+    p = _with_status(p, _run(p, old, converged))
+    decision = _decision(old, new, phase=Phase.PROGRESSING, weight=10, canary=1)
+    decision.synthetic = SyntheticTraffic(prompts=["Say hello."], rate_per_second=1.0,
+                                          max_tokens=32)
+    plan = _run(p, new, converged, rollout=decision)
+    assert plan.status["syntheticTraffic"] == {"prompts": ["Say hello."], "ratePerSecond": 1.0,
+                                               "maxTokens": 32}
+    ServingPool.model_validate({**p.to_wire(), "status": plan.status})
+    decision.synthetic = None
+    assert "syntheticTraffic" not in _run(p, new, converged, rollout=decision).status
+
+
 def test_stable_follows_the_pools_count_mid_rollout_or_its_share_of_an_autoscaled_one(
         ) -> None:
     """A load ramp mid-rollout raised spec.replicas and only the canary followed: stable kept

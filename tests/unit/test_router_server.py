@@ -503,6 +503,56 @@ async def test_a_canary_whose_replicas_are_gone_leaves_its_clients_to_stable(
 
 
 @pytest.mark.asyncio
+async def test_a_quiet_pool_in_a_judged_step_gets_the_routers_own_requests(
+    upstream: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """With probe prompts in its status (a Rollout's analysis.probePrompts), a pool whose live
+    requests arrive slower than the rate gets synthetic ones, routed by the table and counted
+    as traffic "synthetic"; live requests count first, and a pool out of its step gets none."""
+    address, seen = upstream
+    canary = "b" * 64
+    status: dict[str, Any] = {
+        "servingRevision": REVISION,
+        "traffic": [{"revision": REVISION, "role": "stable", "weight": 50},
+                    {"revision": canary, "role": "canary", "weight": 50}],
+        "syntheticTraffic": {"prompts": ["fine"], "ratePerSecond": 4, "maxTokens": 8}}
+    config = {"namespace": NAMESPACE,
+              "pools": [{"name": "smol", "status": status,
+                         "endpoints": {REVISION: [address], canary: [address]}}],
+              "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}
+    router = Router(parse_config(config))
+    try:
+        for _ in range(6):  # three seconds at 4 a second, nothing live: 12 of its own
+            router.synthesize(0.5)
+            await asyncio.sleep(ROLE_GAP + 0.2)  # (each answered before the next tick)
+        mine = [r for r in seen if r["headers"].get("x-kvfleet-tenant") == "kvfleet-synthetic"]
+        assert len(mine) == 12 and all(r["body"]["stream"] and r["body"]["max_tokens"] == 8
+                                       for r in mine)
+        counted = {rev: sample(router, REQUESTS, revision=rev[:12], traffic="synthetic",
+                               outcome="completed") for rev in (REVISION, canary)}
+        assert sum(counted.values()) == 12 and all(counted.values()), counted  # both got some
+        assert sample(router, REQUESTS, traffic="live") == 0
+        # Live requests at the rate or over it leave nothing to make up.
+        for _ in range(4):
+            assert (await post(router, "hi")).status_code == 200
+        router.synthesize(0.5)
+        await asyncio.sleep(0.1)
+        assert len([r for r in seen if r["headers"].get("x-kvfleet-tenant") ==
+                    "kvfleet-synthetic"]) == 12
+    finally:
+        await router.close()
+    del status["syntheticTraffic"]
+    idle = Router(parse_config(config))
+    try:
+        idle.synthesize(5.0)
+        await asyncio.sleep(0.1)
+        assert len([r for r in seen if r["headers"].get("x-kvfleet-tenant") ==
+                    "kvfleet-synthetic"]) == 12
+    finally:
+        await idle.close()
+
+
+@pytest.mark.asyncio
 async def test_metrics_are_served_on_their_own_port_never_to_clients(
     upstream: tuple[str, list[dict[str, Any]]],
 ) -> None:
