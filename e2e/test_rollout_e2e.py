@@ -460,7 +460,8 @@ def test_silence_pauses_a_new_artifact_restarts_from_stable_and_a_crash_rolls_ba
     local_node: str, fake_nodes: list[str], argo_health: ArgoHealth, faults: dict[str, str],
 ) -> None:
     """No traffic at all: the step waits for samples, then puts its live traffic back on
-    stable and pauses saying so, never passes.
+    stable and pauses saying so, never passes (and with probe prompts, at the end, the
+    routers' own requests judge and promote a revision with no client at all).
     The artifactRef changed again meanwhile: the rollout restarts from stable with the new
     canary (the previous canary removed, stable untouched). That canary's engine crashes
     some seconds after it is ready (its container restarts): the restart watch rolls it
@@ -508,6 +509,23 @@ def test_silence_pauses_a_new_artifact_restarts_from_stable_and_a_crash_rolls_ba
         pool = _get(kube, "ServingPool", namespace, POOL)
         assert pool["status"]["servingRevision"] == hashes["smol-v1"]
         assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
+
+        # Still no client at all, but the policy now lists probe prompts and a router runs:
+        # the routers' own requests are the evidence, and smol-v2 is judged and promoted.
+        kube.merge_patch("Rollout", POOL, {"spec": {"analysis": {
+            "probePrompts": ["Say hello.", "Name a colour.", "What is 2 + 2?"],
+            "probeRatePerSecond": 6, "probeMaxTokens": 8}}}, namespace)
+        router_on_node(kube, namespace, local_node)
+        started = time.monotonic()
+        set_artifact(kube, namespace, POOL, "smol-v2")
+        quiet = _wait_rollout(kube, operator, namespace, lambda r: _phase(
+            "Promoted", "RolledBack", "Paused")(r) and r["status"].get("canaryRevision") ==
+            hashes["smol-v2"], "promoted on the routers' own requests", 240)
+        _decided_in(started, "a quiet pool with probe prompts")
+        assert quiet["status"]["phase"] == "Promoted", yaml.safe_dump(quiet["status"])
+        judged = [m for e in quiet["status"]["evaluations"] if e["revision"] == hashes["smol-v2"]
+                  and e["outcome"] == "Pass" for m in e["metrics"] if m["name"] == "ttft"]
+        assert judged and all(m["samples"] >= 12 for m in judged), judged
 
 
 
