@@ -51,6 +51,11 @@ the threshold is within 10 % (a ladder alone, e.g. 10/20/40 s, can put a true p9
 under a 15 s SLO).
 A series keeps the buckets it was created with (an SLO edit applies to new revisions).
 
+A revision's series (every metric above that has a `revision` label) go RETAIN_SECONDS after
+no traffic table of this router sends to it any more: Prometheus keeps what it scraped, and
+dashboards and after-the-fact queries see the current series for an hour after a promotion or
+rollback; kept for ever, they grew with every rollout the router saw (about 60 a revision).
+
 `namespace` is the ServingPool's (pools of one name in two namespaces are two series under a
 cluster-wide router); scrape the router with honor_labels so a scraper's own `namespace`
 target label (the router pod's) does not replace it. `traffic` is "live" or "shadow";
@@ -61,6 +66,7 @@ labels (unbounded); per-tenant usage goes to each TenantQuota's status instead.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -86,6 +92,8 @@ PROMPT_CLASSES = (*map(str, PROMPT_CLASS_EDGES), PROMPT_CLASS_OVER)
 PROBE_OUTCOMES = ("compared", "error", "shed", "misrouted")
 # Around an SLO threshold t: buckets at t and t * (1 -+ this).
 SLO_MARGIN = 0.1
+# How long a revision no traffic table sends to keeps its series.
+RETAIN_SECONDS = 3600.0
 
 
 def slo_edges(base: Iterable[float], threshold: float | None) -> tuple[float, ...]:
@@ -131,6 +139,11 @@ class SLOHistogram:
     def edges(self, labels: tuple[str, ...]) -> tuple[float, ...] | None:
         series = self._series.get(labels)
         return series.edges if series is not None else None
+
+    def forget(self, revision: tuple[str, str, str]) -> None:
+        """Drop every series of (namespace, pool, revision)."""
+        for labels in [k for k in self._series if k[:3] == revision]:
+            del self._series[labels]
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -199,6 +212,8 @@ class RouterMetrics:
                                     "Checked answers by sign (kvfleet.router.answers)",
                                     (*LABELS, "flag"), registry=r)
         self._known_pools: set[tuple[str, str]] = set()
+        # (namespace, pool, revision) -> when a traffic table last sent to it (None: now).
+        self._routed: dict[tuple[str, str, str], float | None] = {}
         self.held = Gauge(PREFIX + "held_requests", "Requests held while their pool wakes "
                           "from zero replicas", ("namespace", "pool"), registry=r)
         self.last_request = Gauge(
@@ -235,6 +250,13 @@ class RouterMetrics:
         """Create every outcome's request counter at 0 for these (namespace, pool, revision,
         traffic): a counter that first appears at 1 has no earlier sample, so increase() over
         a window would miss a revision's first error of a kind."""
+        series = set(series)
+        now = time.monotonic()
+        current = {labels[:3] for labels in series}
+        for revision, since in list(self._routed.items()):
+            if revision not in current and since is None:
+                self._routed[revision] = now  # it left the tables: its retention starts
+        self._routed.update(dict.fromkeys(current))
         for labels in series:
             for outcome in Outcome:
                 for prompt in PROMPT_CLASSES:
@@ -255,5 +277,25 @@ class RouterMetrics:
             for kind in ("agreed", "compared"):
                 self.probe_tokens.labels(*labels, kind)
 
+    def sweep(self, now: float, retain: float = RETAIN_SECONDS) -> None:
+        """Forget the revisions that left every traffic table `retain` seconds ago."""
+        for revision, since in list(self._routed.items()):
+            if since is not None and now - since >= retain:
+                del self._routed[revision]
+                self.forget(revision)
+
+    def forget(self, revision: tuple[str, str, str]) -> None:
+        """Remove every series of (namespace, pool, revision), from every metric."""
+        for histogram in (self.ttft, self.tpot, self.e2e):
+            histogram.forget(revision)
+        for metric in (self.requests, self.tokens, self.answers_checked, self.answer_flags,
+                       self.shadow, self.divergence, self.probes, self.probes_agreed,
+                       self.probe_tokens, self.first_divergence):
+            # (prometheus_client keeps a labelled metric's children by their label values;
+            # every one of these starts with namespace, pool, revision.)
+            for labels in [k for k in list(metric._metrics) if k[:3] == revision]:
+                metric.remove(*labels)
+
     def exposition(self) -> bytes:
+        self.sweep(time.monotonic())
         return generate_latest(self.registry)

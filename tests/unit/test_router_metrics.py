@@ -86,3 +86,35 @@ def test_series_are_split_by_prompt_class_and_keep_their_buckets() -> None:
     metrics.slos = {LIVE[:2]: (8.0, None)}
     metrics.observe_ttft(LIVE, 10, 1.0)
     assert metrics.ttft.edges((*LIVE, "256")) == slo_edges(LATENCY_BUCKETS, 4.0)
+
+
+def test_a_revision_no_table_sends_to_loses_its_series_an_hour_later() -> None:
+    """About 60 series a revision (outcomes by prompt class, tokens, answer signs, latency):
+    kept for ever, they grew with every rollout; dropped at once, Prometheus had no current
+    series for the revision a rollout had just promoted away from."""
+    import time
+
+    from kvfleet.router.metrics import RETAIN_SECONDS
+    from kvfleet.router.outcome import Outcome
+
+    metrics = RouterMetrics()
+    old, new = ("llm", "smol", "aaaaaaaaaaaa", "live"), ("llm", "smol", "bbbbbbbbbbbb", "live")
+
+    def series(revision: str) -> int:
+        return sum(1 for f in metrics.registry.collect() for s in f.samples
+                   if s.labels.get("revision") == revision)
+
+    metrics.declare([old, new])
+    metrics.observe_ttft(old, 10, 0.2)
+    metrics.count(old, 10, Outcome.COMPLETED)
+    metrics.check_answer(old, "Paris.", ["stop"])
+    before = series(old[2])
+    assert before > series(new[2]) > 50  # (the old one has a latency histogram too)
+    left = time.monotonic()
+    metrics.declare([new])  # promoted: the old revision left the table
+    metrics.sweep(left + RETAIN_SECONDS - 60)
+    assert series(old[2]) == before  # still there for dashboards and late queries
+    metrics.sweep(left + RETAIN_SECONDS + 1)
+    assert series(old[2]) == 0 and series(new[2]) > 50
+    metrics.declare([old, new])  # routed again (a retry): declared anew
+    assert series(old[2]) > 50
