@@ -158,42 +158,53 @@ def main() -> int:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with tempfile.TemporaryDirectory(prefix="kvfleet-peers-") as folder:
         tmp = Path(folder)
-        procs["redis"] = ro.start_redis(redis_port, folder)
-        procs["upstream"] = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench/router_overhead.py"), "--upstream", str(up),
-             "--chunks", str(args.chunks)])
-        procs["nginx"] = start_nginx(ports["nginx"], up, tmp)
-        procs["litellm"] = start_litellm(ports["litellm"], up, tmp)
-        procs["kvfleet"] = start_kvfleet(ports["kvfleet"], up, f"redis://127.0.0.1:{redis_port}/0",
-                                         tmp)
         try:
-            print("starting the proxies (LiteLLM takes a while) ...", flush=True)
-            ro.wait_http(f"http://127.0.0.1:{up}/metrics")
-            ro.wait_http(f"http://127.0.0.1:{ports['kvfleet']}/health")
-            ro.wait_http(f"http://127.0.0.1:{ports['litellm']}/health/liveliness", timeout=180)
-            time.sleep(1.0)
-            urls = {"direct": up, **ports}
-            auth = {"direct": {}, "nginx": {},
-                    "litellm": {"authorization": f"Bearer {MASTER_KEY}"},
-                    "kvfleet": {"authorization": f"Bearer {ro.KEY}"}}
-            for name in ports:  # warm up (and fail here if a proxy does not answer)
-                warm = asyncio.run(ro.load(_url(urls[name]), auth[name], 20, 1.0))
-                if not warm or not any(first for first, _ in warm):
-                    raise SystemExit(f"{name} gave no streamed answer")
-            results = {}
-            for rate in [float(r) for r in args.rates.split(",")]:
-                results[rate] = measure(urls, auth, rate, args.seconds, procs)
-            plot(results)
+            _start(procs, args, tmp, up, redis_port, ports)
+            _run(procs, args, up, ports)
         finally:
-            for name in ("upstream", "nginx", "litellm", "kvfleet", "redis"):
-                signal_all(tree(procs[name].pid), signal.SIGCONT)
-                procs[name].terminate()
+            for proc in procs.values():
+                signal_all(tree(proc.pid), signal.SIGCONT)
+                proc.terminate()
             for proc in procs.values():
                 try:
                     proc.wait(15)
                 except subprocess.TimeoutExpired:
                     proc.kill()
     return 0
+
+
+def _start(procs: dict[str, subprocess.Popen[bytes]], args: argparse.Namespace, tmp: Path,
+           up: int, redis_port: int, ports: dict[str, int]) -> None:
+    """Each process into `procs` as it starts (the caller stops those that did)."""
+    procs["redis"] = ro.start_redis(redis_port, str(tmp))
+    procs["upstream"] = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench/router_overhead.py"), "--upstream", str(up),
+         "--chunks", str(args.chunks)])
+    procs["nginx"] = start_nginx(ports["nginx"], up, tmp)
+    procs["litellm"] = start_litellm(ports["litellm"], up, tmp)
+    procs["kvfleet"] = start_kvfleet(ports["kvfleet"], up, f"redis://127.0.0.1:{redis_port}/0",
+                                     tmp)
+
+
+def _run(procs: dict[str, subprocess.Popen[bytes]], args: argparse.Namespace, up: int,
+         ports: dict[str, int]) -> None:
+    print("starting the proxies (LiteLLM takes a while) ...", flush=True)
+    ro.wait_http(f"http://127.0.0.1:{up}/metrics")
+    ro.wait_http(f"http://127.0.0.1:{ports['kvfleet']}/health")
+    ro.wait_http(f"http://127.0.0.1:{ports['litellm']}/health/liveliness", timeout=180)
+    time.sleep(1.0)
+    urls = {"direct": up, **ports}
+    auth = {"direct": {}, "nginx": {},
+            "litellm": {"authorization": f"Bearer {MASTER_KEY}"},
+            "kvfleet": {"authorization": f"Bearer {ro.KEY}"}}
+    for name in ports:  # warm up (and fail here if a proxy does not answer)
+        warm = asyncio.run(ro.load(_url(urls[name]), auth[name], 20, 1.0))
+        if not warm or not any(first for first, _ in warm):
+            raise SystemExit(f"{name} gave no streamed answer")
+    results = {}
+    for rate in [float(r) for r in args.rates.split(",")]:
+        results[rate] = measure(urls, auth, rate, args.seconds, procs)
+    plot(results)
 
 
 def _url(port: int) -> str:

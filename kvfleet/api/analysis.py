@@ -58,8 +58,8 @@ def _count(histogram: str, matchers: str = "") -> str:
 # are all but the client's own errors and departures: those say nothing about the revision,
 # their share depends on the clients, and counting them would dilute the error rate (a client
 # sending bad JSON to the canary would make it look healthier).
-def _requests(matchers: str = "") -> str:
-    return ("sum(increase(kvfleet_router_requests_total" + _SELECTOR
+def _requests(matchers: str = "", selector: str = _SELECTOR) -> str:
+    return ("sum(increase(kvfleet_router_requests_total" + selector
             + ',outcome!~"client_error|client_gone"' + matchers + "}" + _RANGE + "))")
 
 
@@ -72,6 +72,10 @@ def _errors(matchers: str = "") -> str:
 
 
 _REQUESTS, _ERRORS = _requests(), _errors()
+# A query of the policy's own counts the requests its `{{traffic}}` selects (live only, unless
+# it names the synthetic too: then it sets its samplesQuery).
+_REQUESTS_OF_TRAFFIC = _requests(selector=_SELECTOR.replace('traffic=~"{{traffics}}"',
+                                                            'traffic="{{traffic}}"'))
 
 
 # Greedy probes (kvfleet.router.probes): mirrored whatever the traffic kind, so no traffic label.
@@ -275,7 +279,7 @@ def plans(metrics: list[Metric], slos: SLOs | None, *, shadow: bool,
             if metric.query is None or metric.threshold is None:
                 raise AnalysisConfigError(f"{where}: a query needs a threshold")
             query, threshold = metric.query, metric.threshold
-            samples = metric.samples_query or _REQUESTS
+            samples = metric.samples_query or _REQUESTS_OF_TRAFFIC
         agreement_gate = metric.slo in _AGREEMENT_GATES
         # Agreement is already canary against stable, and more of it is better.
         proportion = metric.slo is not None and BUILTINS[metric.slo].proportion and \

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -377,8 +377,8 @@ class SyntheticTraffic(KubeModel):
     thinner than `ratePerSecond` (the Rollout's analysis.probePrompts): the quiet pool's
     evidence. Written by the Rollout controller."""
 
-    prompts: list[str] = Field(min_length=1, max_length=MAX_PROBE_PROMPTS,
-                               description="User messages, taken in turn.")
+    prompts: list[Annotated[str, Field(max_length=PROBE_PROMPT_CHARS)]] = Field(
+        min_length=1, max_length=MAX_PROBE_PROMPTS, description="User messages, in turn.")
     rate_per_second: float = Field(gt=0, le=20, description="Requests a second each router "
                                    "keeps up (live ones count first).")
     max_tokens: int = Field(ge=1, le=1024, description="max_tokens of each.")

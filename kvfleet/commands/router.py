@@ -286,8 +286,8 @@ async def _serve(args: argparse.Namespace, state: Any, default_quota: Any = None
     metrics = uvicorn.Server(uvicorn.Config(build_metrics_app(router), host=args.host,
                                             port=args.metrics_port, log_config=None,
                                             access_log=False))
-    # (Started first: the clients' server, started second, takes the signals; when it ends
-    # it hands them back, and the metrics server ends too.)
+    # (Whichever server installed its signal handlers last takes a SIGTERM first and, ending,
+    # raises it again for the other: both end. The metrics server ending alone is fatal.)
     metrics_task = asyncio.create_task(metrics.serve(), name="metrics server")
 
     def metrics_ended(task: asyncio.Task[Any]) -> None:

@@ -253,7 +253,10 @@ def _synthetic(spec: RolloutSpec, status: RolloutStatus) -> SyntheticTraffic | N
     """The requests the routers send themselves while a step with traffic is judged: a quiet
     pool's evidence (analysis.probePrompts)."""
     analysis, step = spec.analysis, status.current_step
-    judged = status.phase in RUNNING and step is not None and _analysed(spec, step) and \
+    # (A pause on a query error still evaluates: its windows still need their samples.)
+    evaluating = status.phase in RUNNING or (status.phase == Phase.PAUSED and
+                                             status.pause_reason == ANALYSIS_ERROR)
+    judged = evaluating and step is not None and _analysed(spec, step) and \
         status.step_started_at is not None and not status.promote_full and \
         (status.current_weight > 0 or status.shadow_percent > 0)
     if not analysis.probe_prompts or not judged:

@@ -20,10 +20,19 @@ loops, garbles bytes or says nothing does not.
 - `garbled`: over GARBLED_SHARE of its characters are U+FFFD or control characters: bytes
   split or decoded wrongly by a broken tokenizer or detokenizer.
 
+What is checked, and how much: answers to requests that shape their own answer are left out
+(`stop` sequences, tools, `response_format`, `n`: a client could make them empty or cut at
+will), `unfinished` counts only where the client allowed MIN_TOKENS_FOR_UNFINISHED or more, an
+answer's first MAX_CHARS characters are read (frames after that are relayed unparsed), and a
+router checks at most CHECKS_PER_SECOND answers a second per pool. An answer the client left
+mid-way (a user stopping a loop) is checked for `looping` and `garbled` on what it had.
+
 What it cannot see: fluent answers that are wrong (another fact, another language asked
 for by no one, a refusal worded well), and any change on a pool too quiet for the gate's
 samples. OutputAgreement covers the first where the weights should not change; a person
-and the bake cover the rest.
+and the bake cover the rest. A tenant that steers its own requests to one revision (which
+`x-kvfleet-revision` tells it) and asks for looping answers can still move that revision's
+shares: the same hole as the error gates', open in issue 47.
 """
 
 from __future__ import annotations
@@ -38,14 +47,29 @@ LOOP_MIN_CHARS = 200
 # to well under a quarter (measured on SmolLM2's answers: tests/integration/test_answers.py).
 LOOP_RATIO = 0.25
 GARBLED_SHARE = 0.02
+MIN_TOKENS_FOR_UNFINISHED = 64
+MAX_CHARS = 16384
+CHECKS_PER_SECOND = 20.0
+# Request fields with which a client shapes its own answer: not checked.
+SHAPING_FIELDS = frozenset({"stop", "tools", "tool_choice", "functions", "response_format",
+                            "n", "logit_bias"})
 
 
-def flags(text: str, finish_reasons: list[str] | tuple[str, ...]) -> list[str]:
-    """The signs of a completed answer (its whole text and its choices' finish reasons)."""
+def checkable(body: dict[str, object]) -> bool:
+    """Whether a request's answer says something about the revision (not the client)."""
+    return not SHAPING_FIELDS & body.keys()
+
+
+def flags(text: str, finish_reasons: list[str] | tuple[str, ...],
+          max_tokens: int | None = None, partial: bool = False) -> list[str]:
+    """The signs of an answer: its text (the first MAX_CHARS) and its choices' finish reasons;
+    `max_tokens` the client's cap (None: the engine's default); `partial`: the client left
+    before the end (only `looping` and `garbled` can show then)."""
     out = []
-    if not text.strip():
+    if not text.strip() and not partial:
         out.append("empty")
-    if "length" in finish_reasons:
+    if "length" in finish_reasons and not partial and (
+            max_tokens is None or max_tokens >= MIN_TOKENS_FOR_UNFINISHED):
         out.append("unfinished")
     if len(text) >= LOOP_MIN_CHARS:
         raw = text.encode("utf-8", "surrogatepass")

@@ -17,8 +17,8 @@ from kvfleet.api.labels import ROUTER_APP
 
 NAME = ROUTER_APP
 PORT = 8080
-# /metrics, on a port of its own: clients reach PORT only (the NetworkPolicy admits Prometheus
-# here), and the series (per pool and revision) are no client's to read.
+# /metrics, on a port of its own: the Service exposes PORT only, and the series (per pool and
+# revision) are no client's to read (the chart's NetworkPolicy admits only Prometheus here).
 METRICS_PORT = 9091
 WATCH = ["get", "list", "watch"]
 LABELS = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/component": "router"}

@@ -241,9 +241,12 @@ class RouterMetrics:
         self.e2e.observe((*labels, prompt_class(prompt_tokens)), seconds, None)
 
     def check_answer(self, labels: tuple[str, str, str, str], text: str,
-                     finish_reasons: list[str] | tuple[str, ...]) -> None:
+                     finish_reasons: list[str] | tuple[str, ...], max_tokens: int | None = None,
+                     partial: bool = False) -> None:
+        if partial and not text.strip():
+            return  # (a client gone before any text: nothing to judge)
         self.answers_checked.labels(*labels).inc()
-        for flag in answers.flags(text, finish_reasons):
+        for flag in answers.flags(text, finish_reasons, max_tokens, partial):
             self.answer_flags.labels(*labels, flag).inc()
 
     def declare(self, series: Iterable[tuple[str, str, str, str]]) -> None:

@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from kvfleet.api.labels import short_revision
 from kvfleet.api.tenantquota import PriorityClass, TenantQuotaSpec
-from kvfleet.router import access
+from kvfleet.router import access, answers
 from kvfleet.router.errors import (
     BadRequest,
     BodyTimeout,
@@ -108,6 +108,13 @@ async def _discard(message: dict[str, Any]) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class _Check:
+    """An answer to check for broken signs (kvfleet.router.answers): the client's cap."""
+
+    max_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class RouterOptions:
     max_attempts: int = 3  # replicas tried before the first byte
     shadow_max_in_flight: int = 8
@@ -165,7 +172,8 @@ class _Relay:
 
     def __init__(self, router: Router, resp: aiohttp.ClientResponse, endpoint: EndpointLoad,
                  labels: Labels, reservation: Reservation, started: float,
-                 live_text: asyncio.Future[str | None] | None, checked: bool = False) -> None:
+                 live_text: asyncio.Future[str | None] | None,
+                 checked: _Check | None = None) -> None:
         self.router, self.resp, self.endpoint, self.labels = router, resp, endpoint, labels
         self.reservation, self.started, self.live_text = reservation, started, live_text
         self.first_byte = False
@@ -176,6 +184,7 @@ class _Relay:
         self.lost = False  # the replica was lost mid-stream
         self.ended = False  # the engine's stream ended (else the client left first)
         self.pieces: list[str] | None = [] if live_text is not None or checked else None
+        self.chars = 0  # collected; past answers.MAX_CHARS the frames go unparsed
         self.checked = checked
         self.closed = False
 
@@ -203,14 +212,16 @@ class _Relay:
     def _read(self, frames: bytes) -> None:
         """TTFT is the time to the first frame with text: a role-only delta, an empty frame or
         an error frame is no token the client can show."""
-        want_text = self.first_text is None or self.pieces is not None
+        collecting = self.pieces is not None and self.chars < answers.MAX_CHARS
+        want_text = self.first_text is None or collecting
         reading = read_frames(frames, want_text=want_text)
         if reading.texts and self.first_text is None:
             self.first_text = time.monotonic()
             self.router.metrics.observe_ttft(self.labels, self.reservation.input_tokens,
                                              self.first_text - self.started)
-        if self.pieces is not None:
+        if collecting and self.pieces is not None:
             self.pieces += reading.texts
+            self.chars += sum(map(len, reading.texts))
         self.error_code = self.error_code or reading.error_code
         self.finish_reasons += reading.finish_reasons
         self.usage = reading.usage or self.usage
@@ -223,10 +234,13 @@ class _Relay:
                                  ended=self.ended, lost=self.lost, error_code=self.error_code,
                                  finish_reasons=self.finish_reasons)
         completed = outcome is Outcome.COMPLETED and self.pieces is not None
-        text = "".join(self.pieces or []) if completed else None
+        text = "".join(self.pieces or [])[:answers.MAX_CHARS] if completed else None
         _resolve(self.live_text, text)
-        if text is not None and self.checked:
-            self.router.metrics.check_answer(self.labels, text, self.finish_reasons)
+        if self.checked is not None and (completed or outcome is Outcome.CLIENT_GONE):
+            # (A client that left mid-way, a user stopping a loop, leaves what it had.)
+            self.router.metrics.check_answer(
+                self.labels, "".join(self.pieces or [])[:answers.MAX_CHARS],
+                self.finish_reasons, self.checked.max_tokens, partial=not completed)
         self.resp.release()
         self.endpoint.in_flight -= 1
         now = time.monotonic()
@@ -426,6 +440,8 @@ class Router:
         self._credit: dict[tuple[str, str], float] = {}
         self._synthetic_in_flight: collections.Counter[tuple[str, str]] = collections.Counter()
         self._synthetic_turn = 0
+        # Answers each pool may still have checked this second (answers.CHECKS_PER_SECOND).
+        self._check_budget: dict[tuple[str, str], tuple[float, float]] = {}
         self._diverged: set[tuple[str, str, str]] = set()  # first divergence already shown
         self._turn = 0
         self.tokens = TokenCounter(lambda: self.session)
@@ -484,6 +500,16 @@ class Router:
                prompt: int | None) -> None:
         (self.shared or self.ledger).settle(reservation, generated, now, prompt)
 
+    def _may_check(self, pool: tuple[str, str]) -> bool:
+        """Whether this answer of `pool` is checked: at most answers.CHECKS_PER_SECOND a second
+        (reading every frame of every answer would cost a busy pool's router its CPU)."""
+        now = time.monotonic()
+        level, at = self._check_budget.get(pool, (answers.CHECKS_PER_SECOND, now))
+        level = min(answers.CHECKS_PER_SECOND, level + (now - at) * answers.CHECKS_PER_SECOND)
+        allowed = level >= 1
+        self._check_budget[pool] = (level - 1 if allowed else level, now)
+        return allowed
+
     # ---- a quiet pool's synthetic requests
 
     async def synthesize_forever(self, tick: float = SYNTHETIC_TICK) -> None:
@@ -495,15 +521,20 @@ class Router:
             self.synthesize(tick)
 
     def synthesize(self, seconds: float) -> None:
+        """One tick: each router keeps its share of the rate (the rate over the Ready
+        routers, as quota shares are), so the pool gets the policy's rate in all."""
         arrivals, self._arrivals = self._arrivals, collections.Counter()
-        for pool in list(self.state.pools.values()):
+        # (A cluster-wide router knows a pool under two names: `name` and `ns/name`.)
+        pools = {id(pool): pool for pool in self.state.pools.values()}
+        for pool in pools.values():
             key = (pool.namespace, pool.name)
             synthetic = pool.table.synthetic if pool.table is not None else None
             if synthetic is None:
                 self._credit.pop(key, None)
                 continue
-            credit = self._credit.get(key, 0.0) + synthetic.rate * seconds - arrivals[key]
-            credit = max(0.0, min(credit, max(1.0, synthetic.rate)))
+            rate = synthetic.rate / self.ledger.replicas
+            credit = self._credit.get(key, 0.0) + rate * seconds - arrivals[key]
+            credit = max(0.0, min(credit, max(1.0, rate)))
             while credit >= 1 and self._synthetic_in_flight[key] < SYNTHETIC_MAX_IN_FLIGHT:
                 credit -= 1
                 prompt = synthetic.prompts[self._synthetic_turn % len(synthetic.prompts)]
@@ -522,6 +553,8 @@ class Router:
                 return
             sample_key = uuid.uuid4().hex
             plan = table.route(pool.name, SYNTHETIC_TENANT, sample_key, sample_key)
+            if not pool.ready(plan.live):
+                return  # (no Ready replica: nothing to measure, and no failure of its own)
             body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}],
                                     "max_tokens": max_tokens, "stream": True,
                                     "priority": PRIORITY[PriorityClass.STANDARD]}
@@ -542,7 +575,7 @@ class Router:
             response = await self._live(
                 pool, plan.live, path, json.dumps(_billed_stream(body)).encode(), headers,
                 prompt, SYNTHETIC_TENANT, reservation, True, fallback=table.stable,
-                checked=table.canary is not None, traffic="synthetic")
+                traffic="synthetic")  # (not checked: its cap is the policy's, not a client's)
             if isinstance(response, _RelayResponse):
                 await response({"type": "http"}, None, _discard)
         except Exception as exc:  # (one failed synthetic request must not end the loop)
@@ -631,13 +664,16 @@ class Router:
                 plan = pool.table.route(pool.name, tenant, session, sample_key)
                 # Both revisions' answers are checked while a canary has live traffic: the
                 # AnswerChecks gate compares their shares of broken signs.
-                checked = pool.table.canary is not None
-                self._arrivals[(pool.namespace, pool.name)] += 1
+                capped = "max_tokens" in body or "max_completion_tokens" in body
+                checked = _Check(max_tokens if capped else None) if (
+                    pool.table.canary is not None and answers.checkable(body)
+                    and self._may_check((pool.namespace, pool.name))) else None
                 stable = pool.table.stable
                 prompt = texts_of(body)
                 text = prompt.text
                 prompt_tokens = await self.tokens.count(plan.live, prompt, pool.ready(plan.live))
                 reservation = await self.admit(tenant, prompt_tokens, max_tokens)
+                self._arrivals[(pool.namespace, pool.name)] += 1
             self.metrics.last_request.labels(namespace, pool_name).set_to_current_time()
             if pool.wakes and not pool.ready(plan.live):
                 pool, plan = await self._woken(request, pool, plan, tenant, reservation)
@@ -789,7 +825,7 @@ class Router:
                     headers: dict[str, str], text: str, tenant: str, reservation: Reservation,
                     stream: bool, live_text: asyncio.Future[str | None] | None = None,
                     fallback: str | None = None, client: Request | None = None,
-                    checked: bool = False, traffic: str = "live") -> Response:
+                    checked: _Check | None = None, traffic: str = "live") -> Response:
         """The client's answer from `revision`. If none of its replicas answers before the
         first byte (a canary's pods going away as a rollback drains them, while this router
         still routes to it), `fallback` (stable) answers instead: the failure is the
@@ -845,13 +881,14 @@ class Router:
 
     def _settle_whole(self, labels: Labels, answer: Answer, reservation: Reservation,
                       started: float, live_text: asyncio.Future[str | None] | None,
-                      checked: bool = False) -> None:
+                      checked: _Check | None = None) -> None:
         """A whole answer (or refusal) relayed: its text to the shadow comparison (and the
         answer checks), its tokens to the quota and the metrics, its outcome counted."""
         now = time.monotonic()
         _resolve(live_text, answer.text)  # None unless completed: nothing to compare
-        if checked and answer.text is not None:
-            self.metrics.check_answer(labels, answer.text, answer.finish_reasons)
+        if checked is not None and answer.text is not None:
+            self.metrics.check_answer(labels, answer.text[:answers.MAX_CHARS],
+                                      answer.finish_reasons, checked.max_tokens)
         prompt, generated = answer.usage or (None, 0)
         if answer.usage is not None:
             self._count_tokens(labels, *answer.usage)

@@ -30,3 +30,18 @@ def test_each_sign() -> None:
     assert flags(garbled, ["stop"]) == ["garbled"]
     assert "garbled" not in flags(PROSE + "\ufffd", ["stop"])  # one stray byte in 300
     assert set(FLAGS) == {"empty", "unfinished", "looping", "garbled"}
+
+
+def test_what_a_client_shapes_itself_says_nothing_of_the_revision() -> None:
+    """`stop`, tools, `n`, a response format: the client can make the answer empty or cut at
+    will, so it is not checked; a small max_tokens makes `unfinished` the client's choice; an
+    answer the client left mid-way shows only `looping` or `garbled`."""
+    from kvfleet.router.answers import MIN_TOKENS_FOR_UNFINISHED, checkable
+
+    assert checkable({"messages": [], "max_tokens": 10, "temperature": 0.7})
+    for field in ("stop", "tools", "n", "response_format", "logit_bias"):
+        assert not checkable({"messages": [], field: None})
+    assert flags(PROSE, ["length"], max_tokens=1) == []
+    assert flags(PROSE, ["length"], max_tokens=MIN_TOKENS_FOR_UNFINISHED) == ["unfinished"]
+    assert flags("", [], partial=True) == []
+    assert flags("I am here. " * 40, [], partial=True) == ["looping"]

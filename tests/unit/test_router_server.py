@@ -520,6 +520,8 @@ async def test_a_quiet_pool_in_a_judged_step_gets_the_routers_own_requests(
               "pools": [{"name": "smol", "status": status,
                          "endpoints": {REVISION: [address], canary: [address]}}],
               "tenants": [{"tenant": "team-a", "keys": [KEY], "quota": {}}]}
+    config["pools"].append({"name": "other", "status": {"servingRevision": REVISION},
+                            "endpoints": {REVISION: [address]}})  # (no rollout: none)
     router = Router(parse_config(config))
     try:
         for _ in range(6):  # three seconds at 4 a second, nothing live: 12 of its own
@@ -602,6 +604,8 @@ async def test_answers_are_checked_for_broken_signs_only_while_a_canary_has_traf
                                   ("error-frame", True)):
             resp = await post(router, content, stream=streamed)
             assert resp.status_code == 200, resp.text
+        # The client's own shaping (a stop sequence) says nothing of the revision: unchecked.
+        assert (await post(router, "loop", stream=True, stop=["x"])).status_code == 200
         on = {"revision": canary[:12]}
         assert sample(router, checked, **on) == 3  # (the stream that failed is no answer)
         assert sample(router, flags, **on, flag="looping") == 1
