@@ -414,45 +414,52 @@ def test_capacity_outage_and_requests_each_say_what_they_do(
             started = _posted(kube, namespace, "RolloutStarted", 2)
             assert len(started) == 2, started
             plugin("promote", "--full")
-            promoted = _wait_rollout(kube, operator, namespace, _phase("Promoted"), "promoted",
-                                     180)
-            assert "Phase:     Promoted" in plugin("status")
-            # The old revision is kept (its one replica, no traffic): an undo is a scale-up of
-            # pods that never stopped, not a cold start.
-            assert promoted["status"]["previousRevision"] == hashes["smol-v1"]
-            _wait_pool(kube, operator, namespace, POOL,
-                       lambda p: p["status"].get("servingRevision") == hashes["smol-v2"]
-                       and not _traffic(p), "the promoted revision serving", 60)
-            assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
-            assert argo_health.settings.actions(promoted)["undo"] is False  # offered
-            with traffic.lock:
-                before = traffic.revisions[hashes["smol-v1"][:12]]
-            undone_at = time.monotonic()
-            plugin("undo")
-            _wait_pool(kube, operator, namespace, POOL,
-                       lambda p: p["status"].get("servingRevision") == hashes["smol-v1"],
-                       "servingRevision back on the kept revision", 30)
-            while True:  # its answers come back at once: the router follows the pool
-                with traffic.lock:
-                    if traffic.revisions[hashes["smol-v1"][:12]] > before:
-                        break
-                assert time.monotonic() - undone_at < 30, "no answer from the kept revision"
-                time.sleep(0.2)
-            print(f"undo: first answer from the kept revision "
-                  f"{time.monotonic() - undone_at:.1f}s after the request")
-            assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods  # the same pods
-            back = _wait_rollout(kube, operator, namespace, _phase("RolledBack"),
-                                 "the promoted revision rolled back", 60)
-            assert "undone on request after promotion" in back["status"]["message"]
-            assert len(_posted(kube, namespace, "RollingBack", 1)) == 1
-            pool = _wait_pool(kube, operator, namespace, POOL,
-                              lambda p: not _pods(kube, namespace, hashes["smol-v2"]),
-                              "the promoted revision removed", 60)
-            assert hashes["smol-v2"] in [r["revision"] for r in
-                                         pool["status"].get("refusedRevisions", [])]
+            _undo_after_promotion(kube, operator, namespace, hashes, stable_pods, traffic,
+                                  argo_health, plugin)
         finally:
             traffic.close()
     assert traffic.failures == [], traffic.failures[:5]
+
+
+def _undo_after_promotion(kube: KubeClient, op: OperatorProcess, namespace: str,
+                          hashes: dict[str, str], stable_pods: dict[str, str], traffic: Traffic,
+                          argo_health: ArgoHealth, plugin: Callable[..., str]) -> None:
+    """Promoted with the old revision kept (its one replica, no traffic): an undo is a
+    scale-up of pods that never stopped, not a cold start, and the promoted revision is
+    rolled back, removed and refused."""
+    promoted = _wait_rollout(kube, op, namespace, _phase("Promoted"), "promoted", 180)
+    assert "Phase:     Promoted" in plugin("status")
+    assert promoted["status"]["previousRevision"] == hashes["smol-v1"]
+    _wait_pool(kube, op, namespace, POOL,
+               lambda p: p["status"].get("servingRevision") == hashes["smol-v2"]
+               and not _traffic(p), "the promoted revision serving", 60)
+    assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods
+    assert argo_health.settings.actions(promoted)["undo"] is False  # offered
+    with traffic.lock:
+        before = traffic.revisions[hashes["smol-v1"][:12]]
+    undone_at = time.monotonic()
+    plugin("undo")
+    _wait_pool(kube, op, namespace, POOL,
+               lambda p: p["status"].get("servingRevision") == hashes["smol-v1"],
+               "servingRevision back on the kept revision", 30)
+    while True:  # its answers come back at once: the router follows the pool
+        with traffic.lock:
+            if traffic.revisions[hashes["smol-v1"][:12]] > before:
+                break
+        assert time.monotonic() - undone_at < 30, "no answer from the kept revision"
+        time.sleep(0.2)
+    print(f"undo: first answer from the kept revision "
+          f"{time.monotonic() - undone_at:.1f}s after the request")
+    assert _pods(kube, namespace, hashes["smol-v1"]) == stable_pods  # the same pods
+    back = _wait_rollout(kube, op, namespace, _phase("RolledBack"),
+                         "the promoted revision rolled back", 60)
+    assert "undone on request after promotion" in back["status"]["message"]
+    assert len(_posted(kube, namespace, "RollingBack", 1)) == 1
+    pool = _wait_pool(kube, op, namespace, POOL,
+                      lambda p: not _pods(kube, namespace, hashes["smol-v2"]),
+                      "the promoted revision removed", 60)
+    assert hashes["smol-v2"] in [r["revision"] for r in
+                                 pool["status"].get("refusedRevisions", [])]
 
 
 def test_silence_pauses_a_new_artifact_restarts_from_stable_and_a_crash_rolls_back(
