@@ -93,16 +93,18 @@ class Routers:
         self.urls: list[str] = []
         self.metrics_urls: list[str] = []
         self.processes: list[Any] = []
+        self.logs: list[Path] = []
 
     def start(self, stack: Any) -> None:
         for index in range(2):
             port, metrics_port = free_port(), free_port()
-            process, _ = stack.enter_context(running_kvfleet(
+            process, log = stack.enter_context(running_kvfleet(
                 "router", *self.args, "--replica-index", str(index), "--port", str(port),
                 "--metrics-port", str(metrics_port), port=port, ready_timeout=60))
             self.urls.append(f"http://127.0.0.1:{port}")
             self.metrics_urls.append(f"http://127.0.0.1:{metrics_port}")
             self.processes.append(process)
+            self.logs.append(log)
         time.sleep(0.5)  # a first scrape of the engine's load
 
 
@@ -220,7 +222,12 @@ def test_max_concurrent_one_is_never_two_across_two_routers_nor_after_one_dies(
             with contextlib.suppress(httpx.HTTPError):  # (its router died under it)
                 stream.close()
     killed = time.monotonic()
-    assert chat(routers.urls[1], ONE_KEY).status_code == 429
+    first = chat(routers.urls[1], ONE_KEY)
+    assert first.status_code == 429, (
+        f"router 1 served while the dead router's slot was held (slots in Redis now: "
+        f"{redis_slots(routers, 'team-one')}, router 1 on the shared ledger: "
+        f"{metric(routers.metrics_urls[1], 'kvfleet_router_shared_ledger_up')}); its log:\n"
+        + routers.logs[1].read_text(errors="replace")[-3000:])
     while (answer := chat(routers.urls[1], ONE_KEY)).status_code == 429:
         assert time.monotonic() - killed < LEASE_SECONDS + 10, "the dead router's slot stays"
         time.sleep(1)
@@ -259,7 +266,7 @@ def test_with_redis_stopped_each_router_enforces_its_share_and_says_so(
                   for url in routers.metrics_urls)
     redis_server.stop()
     try:
-        answers = [chat(url, TPM_KEY, max_tokens=TPM) for url in routers.metrics_urls]
+        answers = [chat(url, TPM_KEY, max_tokens=TPM) for url in routers.urls]
         # Each router's 1/2 share of 600 (300) cannot hold a 600-token reservation.
         for answer in answers:
             assert answer.status_code == 429, answer.text
