@@ -500,8 +500,9 @@ def test_silence_pauses_a_new_artifact_restarts_from_stable_and_a_crash_rolls_ba
             "restarted on the new artifact", 60)
         assert restarted["status"]["phase"] == "Progressing"
         assert restarted["status"]["stableRevision"] == hashes["smol-v1"]
+        # (Events are posted after the status that records them: waited for.)
         assert any("the revision changed during a rollout" in e.get("message", "")
-                   for e in _events(kube, namespace, "RolloutStarted"))
+                   for e in _posted(kube, namespace, "RolloutStarted", 2))
         _wait_pool(kube, operator, namespace, POOL,
                    lambda p: not _pods(kube, namespace, hashes["smol-v2"]),
                    "the first canary removed", 60)
@@ -519,9 +520,11 @@ def test_silence_pauses_a_new_artifact_restarts_from_stable_and_a_crash_rolls_ba
 
         # Still no client at all, but the policy now lists probe prompts and a router runs:
         # the routers' own requests are the evidence, and smol-v2 is judged and promoted.
+        # (maxWaitSeconds back to the demo's: 12 s was for the silence above.)
         kube.merge_patch("Rollout", POOL, {"spec": {"analysis": {
             "probePrompts": ["Say hello.", "Name a colour.", "What is 2 + 2?"],
-            "probeRatePerSecond": 6, "probeMaxTokens": 8}}}, namespace)
+            "probeRatePerSecond": 6, "probeMaxTokens": 8, "maxWaitSeconds": 120}}},
+            namespace)
         router_on_node(kube, namespace, local_node)
         started = time.monotonic()
         set_artifact(kube, namespace, POOL, "smol-v2")
