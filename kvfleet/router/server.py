@@ -662,18 +662,20 @@ class Router:
                 sample_key = uuid.uuid4().hex
                 session = session_key(body, request.headers.get(SESSION_HEADER), sample_key)
                 plan = pool.table.route(pool.name, tenant, session, sample_key)
-                # Both revisions' answers are checked while a canary has live traffic: the
-                # AnswerChecks gate compares their shares of broken signs.
-                capped = "max_tokens" in body or "max_completion_tokens" in body
-                checked = _Check(max_tokens if capped else None) if (
-                    pool.table.canary is not None and answers.checkable(body)
-                    and self._may_check((pool.namespace, pool.name))) else None
                 stable = pool.table.stable
+                canary = pool.table.canary
                 prompt = texts_of(body)
                 text = prompt.text
                 prompt_tokens = await self.tokens.count(plan.live, prompt, pool.ready(plan.live))
                 reservation = await self.admit(tenant, prompt_tokens, max_tokens)
                 self._arrivals[(pool.namespace, pool.name)] += 1
+                # Both revisions' answers are checked while a canary has live traffic (the
+                # AnswerChecks gate compares their shares of broken signs); a refused request
+                # takes nothing of the check budget.
+                capped = "max_tokens" in body or "max_completion_tokens" in body
+                checked = _Check(max_tokens if capped else None) if (
+                    canary is not None and answers.checkable(body)
+                    and self._may_check((pool.namespace, pool.name))) else None
             self.metrics.last_request.labels(namespace, pool_name).set_to_current_time()
             if pool.wakes and not pool.ready(plan.live):
                 pool, plan = await self._woken(request, pool, plan, tenant, reservation)

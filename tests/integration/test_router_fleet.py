@@ -222,12 +222,13 @@ def test_max_concurrent_one_is_never_two_across_two_routers_nor_after_one_dies(
             with contextlib.suppress(httpx.HTTPError):  # (its router died under it)
                 stream.close()
     killed = time.monotonic()
+    held = redis_slots(routers, "team-one")  # (the dead router's stream's, until its lease ends)
     first = chat(routers.urls[1], ONE_KEY)
     assert first.status_code == 429, (
-        f"router 1 served while the dead router's slot was held (slots in Redis now: "
-        f"{redis_slots(routers, 'team-one')}, router 1 on the shared ledger: "
-        f"{metric(routers.metrics_urls[1], 'kvfleet_router_shared_ledger_up')}); its log:\n"
-        + routers.logs[1].read_text(errors="replace")[-3000:])
+        f"router 1 served while the dead router's slot was held (slots in Redis after the kill:"
+        f" {held}, now: {redis_slots(routers, 'team-one')}; router 1 on the shared ledger: "
+        f"{metric(routers.metrics_urls[1], 'kvfleet_router_shared_ledger_up')}); the logs:\n"
+        + "\n".join(log.read_text(errors="replace")[-2000:] for log in routers.logs))
     while (answer := chat(routers.urls[1], ONE_KEY)).status_code == 429:
         assert time.monotonic() - killed < LEASE_SECONDS + 10, "the dead router's slot stays"
         time.sleep(1)
