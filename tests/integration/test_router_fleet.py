@@ -203,8 +203,11 @@ def test_max_concurrent_one_is_never_two_across_two_routers_nor_after_one_dies(
             "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as client:
         # (Router 0 may still refuse for up to a second: it saw the slot taken last, and the
-        # hammer's last request ended on router 1. And the stream must hold its slot in Redis,
-        # not on router 0's share: an admission while its breaker was open holds none.)
+        # hammer's last request ended on router 1.) The kill comes as soon as the stream's
+        # slot is seen in Redis, at its headers: this host's engine streams 1,000 tokens in
+        # about a second, and a kill after the first token, from a test process slowed by the
+        # whole suite, came after the stream had ended and freed its slot (seen: Redis held
+        # none right after the kill).
         for _ in range(10):
             stream = client.send(client.build_request(
                 "POST", routers.urls[0] + "/v1/chat/completions", json=body,
@@ -213,9 +216,8 @@ def test_max_concurrent_one_is_never_two_across_two_routers_nor_after_one_dies(
                 break
             stream.close()
             time.sleep(1)
-        assert stream.status_code == 200 and redis_slots(routers, "team-one") == 1
+        assert stream.status_code == 200, "router 0 kept refusing"
         try:
-            next(line for line in stream.iter_lines() if '"content"' in line)
             routers.processes[0].send_signal(signal.SIGKILL)
             routers.processes[0].wait()
         finally:
