@@ -103,6 +103,15 @@ SYNTHETIC_TICK = 0.5
 SYNTHETIC_MAX_IN_FLIGHT = 8
 
 
+def _engine_headers(pool: PoolRoute, tenant: str, extra: dict[str, str]) -> dict[str, str]:
+    """What every request to an engine carries: the tenant (its cache scope), JSON, and the
+    pool's router token (engines refuse a request without it)."""
+    headers = {TENANT_HEADER: tenant, "content-type": "application/json", **extra}
+    if pool.router_token is not None:
+        headers[ROUTER_TOKEN_HEADER] = pool.router_token
+    return headers
+
+
 async def _discard(message: dict[str, Any]) -> None:
     """The ASGI send of a synthetic request's answer: nobody reads it."""
 
@@ -558,10 +567,8 @@ class Router:
             body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}],
                                     "max_tokens": max_tokens, "stream": True,
                                     "priority": PRIORITY[PriorityClass.STANDARD]}
-            headers = {TENANT_HEADER: SYNTHETIC_TENANT, "content-type": "application/json",
-                       "x-request-id": f"syn-{sample_key[:16]}"}
-            if pool.router_token is not None:
-                headers[ROUTER_TOKEN_HEADER] = pool.router_token
+            headers = _engine_headers(pool, SYNTHETIC_TENANT,
+                                      {"x-request-id": f"syn-{sample_key[:16]}"})
             path = "/v1/chat/completions"
             prompt_tokens = await self.tokens.count(plan.live, texts_of(body),
                                                     pool.ready(plan.live))
@@ -693,10 +700,7 @@ class Router:
         floor = PRIORITY[quota.priority_class if quota is not None else PriorityClass.STANDARD]
         asked = body.get("priority")
         body["priority"] = max(floor, asked) if isinstance(asked, int) else floor
-        headers = {TENANT_HEADER: tenant, "x-request-id": request_id,
-                   "content-type": "application/json"}
-        if pool.router_token is not None:
-            headers[ROUTER_TOKEN_HEADER] = pool.router_token
+        headers = _engine_headers(pool, tenant, {"x-request-id": request_id})
         if quota is not None and quota.shared_prefix_cache:
             headers[SHARED_PREFIX_HEADER] = "1"
         payload = json.dumps(_billed_stream(body)).encode()
@@ -972,10 +976,7 @@ class Router:
             return
         self._probes_in_flight += 1
         payload = json.dumps(probe_body(body, self.options.probe_max_tokens)).encode()
-        headers = {TENANT_HEADER: PROBE_TENANT, "content-type": "application/json",
-                   "x-kvfleet-traffic": "probe"}
-        if pool.router_token is not None:
-            headers[ROUTER_TOKEN_HEADER] = pool.router_token
+        headers = _engine_headers(pool, PROBE_TENANT, {"x-kvfleet-traffic": "probe"})
         try:
             answers: list[Any] = await asyncio.wait_for(asyncio.gather(
                 *(self._request(pool, r, path, payload, headers, text, PROBE_TENANT)
